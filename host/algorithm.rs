@@ -1,0 +1,153 @@
+//! The algorithms a communicator can run, and how their data travels.
+//! One term per concept: these names are used by the kernels (file and entry
+//! names), the selection, the cost model, the tuning table, the benchmark ids
+//! and the CLI flags.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use tp_allreduce_kernels::ids::AlgorithmId;
+
+use crate::error::Error;
+
+/// An allreduce algorithm: one of ours, or NCCL as the fallback.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Algorithm {
+    OneShotPull,
+    TwoShotPull,
+    OneShotPush,
+    TwoShotPush,
+    Ring,
+    Hierarchical,
+    /// NCCL's allreduce (fallback and baseline).
+    Nccl,
+}
+
+impl Algorithm {
+    /// Every algorithm with a kernel in this crate.
+    pub const OURS: [Algorithm; 6] = [
+        Algorithm::OneShotPull,
+        Algorithm::TwoShotPull,
+        Algorithm::OneShotPush,
+        Algorithm::TwoShotPush,
+        Algorithm::Ring,
+        Algorithm::Hierarchical,
+    ];
+
+    pub const ALL: [Algorithm; 7] = [
+        Algorithm::OneShotPull,
+        Algorithm::TwoShotPull,
+        Algorithm::OneShotPush,
+        Algorithm::TwoShotPush,
+        Algorithm::Ring,
+        Algorithm::Hierarchical,
+        Algorithm::Nccl,
+    ];
+
+    /// kebab-case name used by the CLI, env knobs, bench ids, tuning files.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::OneShotPull => "one-shot-pull",
+            Algorithm::TwoShotPull => "two-shot-pull",
+            Algorithm::OneShotPush => "one-shot-push",
+            Algorithm::TwoShotPush => "two-shot-push",
+            Algorithm::Ring => "ring",
+            Algorithm::Hierarchical => "hierarchical",
+            Algorithm::Nccl => "nccl",
+        }
+    }
+
+    /// The kernel family, `None` for NCCL.
+    pub const fn kernel(self) -> Option<AlgorithmId> {
+        match self {
+            Algorithm::OneShotPull => Some(AlgorithmId::OneShotPull),
+            Algorithm::TwoShotPull => Some(AlgorithmId::TwoShotPull),
+            Algorithm::OneShotPush => Some(AlgorithmId::OneShotPush),
+            Algorithm::TwoShotPush => Some(AlgorithmId::TwoShotPush),
+            Algorithm::Ring => Some(AlgorithmId::Ring),
+            Algorithm::Hierarchical => Some(AlgorithmId::Hierarchical),
+            Algorithm::Nccl => None,
+        }
+    }
+
+    /// Pull algorithms read peers' *input* buffers, which therefore must be
+    /// peer-visible (registered or staged). Push algorithms only write into
+    /// library-owned scratch and accept any input pointer.
+    pub const fn reads_peer_inputs(self) -> bool {
+        matches!(self, Algorithm::OneShotPull | Algorithm::TwoShotPull)
+    }
+
+    /// Whether the algorithm can run over the HostStaged transport (only the
+    /// push algorithms: pull would need peers' device buffers).
+    pub const fn supports_host_staged(self) -> bool {
+        matches!(
+            self,
+            Algorithm::OneShotPush | Algorithm::TwoShotPush | Algorithm::Ring | Algorithm::Hierarchical
+        )
+    }
+
+    /// Upper bound on roundings to the element type between the exact sum
+    /// and the result (f16/bf16): what tests use as tolerance.
+    pub const fn max_roundings(self, world: usize) -> usize {
+        match self {
+            Algorithm::Ring => world,
+            Algorithm::Hierarchical => 2,
+            _ => 1,
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let norm = s.trim().to_ascii_lowercase().replace('_', "-");
+        Algorithm::ALL.into_iter().find(|a| a.name() == norm).ok_or_else(|| {
+            let names: Vec<_> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+            Error::invalid(format!("unknown algorithm `{s}`; expected one of {}", names.join(", ")))
+        })
+    }
+}
+
+/// How peers' memory is reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Transport {
+    /// Peer device memory over NVLink/PCIe P2P (or the same device).
+    PeerToPeer,
+    /// Pinned host memory mapped into every GPU: for GPUs without usable P2P.
+    HostStaged,
+}
+
+impl Transport {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Transport::PeerToPeer => "p2p",
+            Transport::HostStaged => "host-staged",
+        }
+    }
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Transport {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "p2p" | "peer-to-peer" => Ok(Transport::PeerToPeer),
+            "host-staged" | "host" => Ok(Transport::HostStaged),
+            other => Err(Error::invalid(format!("unknown transport `{other}`; expected p2p or host-staged"))),
+        }
+    }
+}

@@ -1,0 +1,14 @@
+//! # tp-allreduce
+//!
+//! A fast, CUDA-graph-capturable allreduce for tensor-parallel inference on
+//! the GPUs of one host, designed first for PCIe-only machines, with kernels
+//! written in Rust (`kernels-rs`, compiled to PTX by `build.rs`).
+//!
+//! See README.md for the overview and ARCHITECTURE.md for the design.
+
+pub mod algorithm;
+pub mod error;
+
+pub use algorithm::{Algorithm, Transport};
+pub use error::{Error, Result};
+pub use tp_allreduce_kernels::ids::DType;

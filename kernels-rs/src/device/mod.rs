@@ -1,0 +1,53 @@
+//! Device code: compiled for `nvptx64-nvidia-cuda` only.
+//!
+//! * [`ptx`] — the support layer (ids, barriers, fences, flag loads/stores,
+//!   vector loads/stores, timer, conversions). All inline PTX lives there.
+//! * [`pack`] — element types, 16-byte packs, f32 accumulation.
+//! * [`sync`] — bounded waits, the cross-rank barrier, error recording.
+//! * one file per kernel family: [`elementwise`], [`one_shot_pull`],
+//!   [`two_shot_pull`], [`one_shot_push`], [`two_shot_push`], [`ring`],
+//!   [`hierarchical`], [`p2p_check`].
+//!
+//! Entry points are `#[no_mangle] extern "ptx-kernel"` functions named
+//! `<algorithm>_<dtype>` and take only scalars and raw pointers.
+
+pub mod pack;
+pub mod ptx;
+pub mod sync;
+
+pub mod elementwise;
+pub mod one_shot_pull;
+pub mod one_shot_push;
+pub mod p2p_check;
+pub mod two_shot_pull;
+pub mod two_shot_push;
+pub mod ring;
+pub mod hierarchical;
+
+/// Defines the three `extern "ptx-kernel"` entry points (f32, f16, bf16) of
+/// a kernel written once, generically over [`pack::Element`].
+#[macro_export]
+macro_rules! dtype_entry_points {
+    ($generic:ident, $f32:ident, $f16:ident, $bf16:ident, ($($arg:ident : $ty:ty),* $(,)?)) => {
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $f32($($arg: $ty),*) {
+            $generic::<$crate::device::pack::F32>($($arg),*)
+        }
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $f16($($arg: $ty),*) {
+            $generic::<$crate::device::pack::F16>($($arg),*)
+        }
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $bf16($($arg: $ty),*) {
+            $generic::<$crate::device::pack::Bf16>($($arg),*)
+        }
+    };
+}
+
+/// Global index of this thread and the grid's thread count.
+#[inline(always)]
+pub fn grid_stride() -> (u64, u64) {
+    let threads = ptx::block_dim_x() as u64;
+    let first = ptx::block_idx_x() as u64 * threads + ptx::thread_idx_x() as u64;
+    (first, ptx::grid_dim_x() as u64 * threads)
+}

@@ -1,0 +1,432 @@
+//! Memory layouts shared by the host and the kernels.
+//!
+//! Every struct here is `#[repr(C)]`, has its size pinned by a compile-time
+//! assert, and is documented with *who writes it* and *who reads it*: that is
+//! the part of the memory-ordering contract (ARCHITECTURE.md) a layout can
+//! express. Raising [`MAX_RANKS`] to 16 is a one-constant change: every array
+//! indexed by rank is sized by it and every unrolled rank loop is bounded by it.
+
+use crate::ids::FLAG_PHASES;
+
+/// Largest world size a communicator supports.
+pub const MAX_RANKS: usize = 8;
+/// Largest grid (blocks per launch) of any kernel; flag arrays are per block.
+pub const MAX_BLOCKS: usize = 128;
+/// Threads per block of every allreduce kernel.
+pub const THREADS_PER_BLOCK: u32 = 512;
+/// The unit of every vector access: one `ld/st .v4.b32`.
+pub const PACK_BYTES: usize = 16;
+/// Receive-buffer generations of the OneShotPush protocol (write one, read
+/// one, re-arm one; see `device/one_shot_push.rs`).
+pub const LAMPORT_SLOTS: usize = 3;
+/// Words of the init-time P2P transfer check, per direction and peer.
+pub const P2P_CHECK_WORDS: usize = 64;
+/// The bit pattern a OneShotPush receive word holds until its payload lands.
+/// Inputs whose elements equal the all-ones pattern are canonicalised to the
+/// type's quiet NaN first, so no real payload word is all ones.
+pub const LAMPORT_EMPTY_WORD: u32 = 0xFFFF_FFFF;
+
+/// One rank's peer-visible signal block.
+///
+/// Placement: device memory exported over CUDA IPC (or a plain pointer inside
+/// one process); host memory mapped into every rank for the HostStaged
+/// transport. Written only by *remote* ranks through `st.release.sys`, read by
+/// the owner through `ld.acquire.sys`; `abort` is the exception (owner writes,
+/// peers read). Never written with atomics: peer atomics are not guaranteed
+/// over PCIe nor to host memory.
+#[repr(C, align(128))]
+pub struct SignalBlock {
+    /// `flags[phase][block][src]`: the last epoch rank `src`'s block `block`
+    /// announced for `phase`. Monotonic (wrapping) per slot; compared with a
+    /// wrap-aware `>=`, so no slot is ever reset.
+    pub flags: [[[u32; MAX_RANKS]; MAX_BLOCKS]; FLAG_PHASES],
+    /// Nonzero once this rank recorded an error (the error code). Peers poll
+    /// it while they wait on this rank so that they fail fast, not by timeout.
+    pub abort: u32,
+    pub _pad0: [u32; 31],
+    /// Pattern the owner writes at init; peers read it in the P2P check.
+    pub p2p_outbox: [u32; P2P_CHECK_WORDS],
+    /// `p2p_inbox[src]`: pattern rank `src` wrote in the P2P check.
+    pub p2p_inbox: [[u32; P2P_CHECK_WORDS]; MAX_RANKS],
+}
+
+/// One rank's private kernel state (device memory, never seen by peers).
+/// Read and written only by this rank's kernels; kernel boundaries on the
+/// rank's stream order one call's update before the next call's read.
+#[repr(C, align(128))]
+pub struct LocalState {
+    /// Elects the one thread that fills the error record (`atom.cas`, gpu scope).
+    pub error_claim: u32,
+    pub _pad0: [u32; 31],
+    /// Per-block epoch of the barrier-based (pull) kernels.
+    pub barrier_epoch: [u32; MAX_BLOCKS],
+    /// Per-block epoch of OneShotPush.
+    pub lamport_epoch: [u32; MAX_BLOCKS],
+    /// `lamport_used[block][slot]`: packs per source this block wrote into
+    /// receive generation `slot`, i.e. what it must re-arm later.
+    pub lamport_used: [[u32; 4]; MAX_BLOCKS],
+    /// Per-block epoch of TwoShotPush.
+    pub push_epoch: [u32; MAX_BLOCKS],
+    /// Per-block epoch of Hierarchical.
+    pub hier_epoch: [u32; MAX_BLOCKS],
+    /// Per-block count of ring messages sent to the right neighbour.
+    pub ring_sent: [u32; MAX_BLOCKS],
+    /// Per-block count of ring messages received from the left neighbour.
+    pub ring_received: [u32; MAX_BLOCKS],
+    /// P2P check: what this rank read from each peer's `p2p_outbox`.
+    pub p2p_read_back: [[u32; P2P_CHECK_WORDS]; MAX_RANKS],
+}
+
+/// Where a kernel reports why it stopped. Pinned host memory mapped into the
+/// device, so the host reads it without synchronising any stream.
+///
+/// Written once per communicator by the thread that wins
+/// `LocalState::error_claim`: all fields with plain stores, then `published`
+/// with `st.release.sys`. The host reads `published` (volatile) first and the
+/// fields after an acquire fence.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ErrorRecord {
+    pub published: u32,
+    /// A [`DeviceErrorCode`](crate::ids::DeviceErrorCode).
+    pub code: u32,
+    /// An [`AlgorithmId`](crate::ids::AlgorithmId).
+    pub algorithm: u32,
+    /// A [`Phase`](crate::ids::Phase).
+    pub phase: u32,
+    pub rank: u32,
+    /// The rank waited on (or `u32::MAX`).
+    pub peer: u32,
+    pub block: u32,
+    pub epoch: u32,
+    /// The flag value waited for and the last value seen.
+    pub expected: u32,
+    pub observed: u32,
+    /// How long the wait lasted before it gave up.
+    pub waited_ns: u64,
+    pub _pad: [u32; 4],
+}
+
+/// Addresses of one logical buffer on every rank, as *this* rank maps them
+/// (the vLLM `RankData`). Pull kernels take a device pointer to one of these.
+/// A zero entry means "not registered"; kernels refuse it.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerPointers {
+    pub ptrs: [u64; MAX_RANKS],
+}
+
+/// How island members are arranged for the Hierarchical algorithm.
+/// `island_count <= 1` means "no hierarchy configured".
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IslandLayout {
+    pub island_count: u32,
+    pub island_size: u32,
+    /// Island of this rank and its index inside it.
+    pub my_island: u32,
+    pub my_index: u32,
+    /// `members[island][index]` = rank.
+    pub members: [[u8; MAX_RANKS]; MAX_RANKS],
+}
+
+/// Capacities that decide the scratch layout; chosen by the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchConfig {
+    pub world_size: u32,
+    /// Largest message (in packs) one launch of a two-shot/ring/hierarchical
+    /// kernel handles; the host splits longer messages.
+    pub max_packs: u64,
+    /// Largest message (in packs) of OneShotPush (0 disables it).
+    pub oneshot_max_packs: u64,
+    /// Largest grid of the push kernels (their scratch is striped per block).
+    pub push_blocks: u32,
+    pub ring_blocks: u32,
+    pub ring_slots: u32,
+    pub ring_chunk_packs: u64,
+    /// Island size for Hierarchical (0 disables it).
+    pub island_size: u32,
+    pub enable_two_shot_pull: bool,
+    pub enable_two_shot_push: bool,
+    pub enable_ring: bool,
+}
+
+/// Byte offsets of each algorithm's region inside a rank's scratch buffer.
+/// Regions never overlap, so calls of different algorithms may be in flight
+/// on different ranks at once without touching each other's data.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScratchLayout {
+    pub max_packs: u64,
+    /// TwoShotPull: this rank's reduced slice, `pull_tmp_packs` packs.
+    pub pull_tmp_offset: u64,
+    pub pull_tmp_packs: u64,
+    /// OneShotPush: `[LAMPORT_SLOTS][world][push_blocks][oneshot_stripe_packs]`.
+    pub oneshot_offset: u64,
+    pub oneshot_max_packs: u64,
+    pub oneshot_stripe_packs: u64,
+    /// TwoShotPush: scatter `[2][push_blocks][world][stripe]`, then gather with
+    /// the same shape.
+    pub push2_offset: u64,
+    pub push2_stripe_packs: u64,
+    /// Hierarchical: scatter `[2][B][island_size][s]`, cross
+    /// `[2][B][island_count][s]`, gather `[2][B][island_size][s]`.
+    pub hier_offset: u64,
+    pub hier_stripe_packs: u64,
+    /// Ring: `[ring_blocks][ring_slots][ring_chunk_packs]`.
+    pub ring_offset: u64,
+    pub ring_chunk_packs: u64,
+    pub push_blocks: u32,
+    pub ring_blocks: u32,
+    pub ring_slots: u32,
+    pub island_size: u32,
+    pub island_count: u32,
+    pub _pad: u32,
+    pub total_bytes: u64,
+}
+
+/// What a kernel needs to know about its communicator; one per rank, in
+/// device memory, written by the host at init and never changed afterwards
+/// (so graph replays can rely on it). Kernels take a pointer to it.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceHandle {
+    pub rank: u32,
+    pub world_size: u32,
+    /// Bound of every spin-wait, read against `%globaltimer`.
+    pub timeout_ns: u64,
+    /// Address (in this rank's address space) of each rank's [`SignalBlock`].
+    pub signals: [u64; MAX_RANKS],
+    /// Address of each rank's scratch buffer (layout: `scratch_layout`).
+    pub scratch: [u64; MAX_RANKS],
+    /// This rank's [`LocalState`].
+    pub local_state: u64,
+    /// This rank's [`ErrorRecord`] (device address of pinned host memory).
+    pub error_record: u64,
+    pub scratch_layout: ScratchLayout,
+    pub islands: IslandLayout,
+}
+
+const fn div_ceil(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        0
+    } else {
+        a.div_ceil(b)
+    }
+}
+
+const fn align_up(v: u64, a: u64) -> u64 {
+    v.div_ceil(a) * a
+}
+
+/// Alignment of every scratch region (a cache line).
+pub const SCRATCH_REGION_ALIGN: u64 = 128;
+
+impl ScratchLayout {
+    /// The layout for `config`. Pure: host code, tests and (through the
+    /// handle) kernels all see the same numbers.
+    pub const fn new(config: &ScratchConfig) -> ScratchLayout {
+        let world = config.world_size as u64;
+        let pack = PACK_BYTES as u64;
+        let push_blocks = if config.push_blocks == 0 {
+            1
+        } else {
+            config.push_blocks as u64
+        };
+        let mut offset = 0u64;
+
+        let pull_tmp_packs = if config.enable_two_shot_pull {
+            div_ceil(config.max_packs, world)
+        } else {
+            0
+        };
+        let pull_tmp_offset = offset;
+        offset = align_up(offset + pull_tmp_packs * pack, SCRATCH_REGION_ALIGN);
+
+        let oneshot_stripe_packs = div_ceil(config.oneshot_max_packs, push_blocks);
+        let oneshot_offset = offset;
+        offset = align_up(
+            offset + LAMPORT_SLOTS as u64 * world * push_blocks * oneshot_stripe_packs * pack,
+            SCRATCH_REGION_ALIGN,
+        );
+
+        let push2_stripe_packs = if config.enable_two_shot_push {
+            div_ceil(div_ceil(config.max_packs, world), push_blocks)
+        } else {
+            0
+        };
+        let push2_offset = offset;
+        offset = align_up(
+            offset + 2 * 2 * push_blocks * world * push2_stripe_packs * pack,
+            SCRATCH_REGION_ALIGN,
+        );
+
+        let (island_size, island_count) =
+            if config.island_size >= 2 && config.island_size < config.world_size {
+                if config.world_size % config.island_size == 0 {
+                    (config.island_size, config.world_size / config.island_size)
+                } else {
+                    (0, 0)
+                }
+            } else {
+                (0, 0)
+            };
+        let hier_stripe_packs = if island_size > 0 {
+            div_ceil(div_ceil(config.max_packs, island_size as u64), push_blocks)
+        } else {
+            0
+        };
+        let hier_offset = offset;
+        offset = align_up(
+            offset
+                + 2 * push_blocks
+                    * (2 * island_size as u64 + island_count as u64)
+                    * hier_stripe_packs
+                    * pack,
+            SCRATCH_REGION_ALIGN,
+        );
+
+        let (ring_blocks, ring_slots, ring_chunk_packs) = if config.enable_ring {
+            (
+                config.ring_blocks,
+                config.ring_slots,
+                config.ring_chunk_packs,
+            )
+        } else {
+            (0, 0, 0)
+        };
+        let ring_offset = offset;
+        offset = align_up(
+            offset + ring_blocks as u64 * ring_slots as u64 * ring_chunk_packs * pack,
+            SCRATCH_REGION_ALIGN,
+        );
+
+        ScratchLayout {
+            max_packs: config.max_packs,
+            pull_tmp_offset,
+            pull_tmp_packs,
+            oneshot_offset,
+            oneshot_max_packs: config.oneshot_max_packs,
+            oneshot_stripe_packs,
+            push2_offset,
+            push2_stripe_packs,
+            hier_offset,
+            hier_stripe_packs,
+            ring_offset,
+            ring_chunk_packs,
+            push_blocks: push_blocks as u32,
+            ring_blocks,
+            ring_slots,
+            island_size,
+            island_count,
+            _pad: 0,
+            total_bytes: offset,
+        }
+    }
+
+    /// Byte offset of OneShotPush pack `pack` of block `block` from `src` in
+    /// receive generation `slot`.
+    pub const fn oneshot_pack_offset(
+        &self,
+        world: u32,
+        slot: u32,
+        src: u32,
+        block: u32,
+        pack: u64,
+    ) -> u64 {
+        let stripe = self.oneshot_stripe_packs;
+        let blocks = self.push_blocks as u64;
+        self.oneshot_offset
+            + ((((slot as u64 * world as u64 + src as u64) * blocks + block as u64) * stripe)
+                + pack)
+                * PACK_BYTES as u64
+    }
+
+    /// Byte offset of TwoShotPush pack `pack` of (`gather`? gather : scatter)
+    /// region, generation `parity`, block `block`, source `src`.
+    pub const fn push2_pack_offset(
+        &self,
+        world: u32,
+        gather: bool,
+        parity: u32,
+        block: u32,
+        src: u32,
+        pack: u64,
+    ) -> u64 {
+        let stripe = self.push2_stripe_packs;
+        let blocks = self.push_blocks as u64;
+        let region = self.push2_offset
+            + if gather {
+                2 * blocks * world as u64 * stripe * PACK_BYTES as u64
+            } else {
+                0
+            };
+        region
+            + ((((parity as u64 * blocks + block as u64) * world as u64 + src as u64) * stripe)
+                + pack)
+                * PACK_BYTES as u64
+    }
+
+    /// Byte offset of Hierarchical pack `pack` in `region` (0 scatter,
+    /// 1 cross, 2 gather), generation `parity`, block `block`, source index
+    /// `src` (island member index, or island index for the cross region).
+    pub const fn hier_pack_offset(
+        &self,
+        region: u32,
+        parity: u32,
+        block: u32,
+        src: u32,
+        pack: u64,
+    ) -> u64 {
+        let stripe = self.hier_stripe_packs;
+        let blocks = self.push_blocks as u64;
+        let m = self.island_size as u64;
+        let i = self.island_count as u64;
+        let (base, sources) = match region {
+            0 => (0, m),
+            1 => (2 * blocks * m * stripe, i),
+            _ => (2 * blocks * (m + i) * stripe, m),
+        };
+        self.hier_offset
+            + (base + (((parity as u64 * blocks + block as u64) * sources + src as u64) * stripe)
+                + pack)
+                * PACK_BYTES as u64
+    }
+
+    /// Byte offset of ring slot `slot` of block `block`.
+    pub const fn ring_slot_offset(&self, block: u32, slot: u32) -> u64 {
+        self.ring_offset
+            + ((block as u64 * self.ring_slots as u64 + slot as u64) * self.ring_chunk_packs)
+                * PACK_BYTES as u64
+    }
+}
+
+// Layouts are pinned: a change here must be deliberate (and ARCHITECTURE.md
+// updated), because host and device must agree byte for byte.
+const _: () = assert!(core::mem::size_of::<SignalBlock>() == 43_392);
+const _: () = assert!(core::mem::align_of::<SignalBlock>() == 128);
+const _: () = assert!(core::mem::offset_of!(SignalBlock, abort) == 40_960);
+const _: () = assert!(core::mem::offset_of!(SignalBlock, p2p_outbox) == 41_088);
+const _: () = assert!(core::mem::size_of::<LocalState>() == 7_296);
+const _: () = assert!(core::mem::size_of::<ErrorRecord>() == 64);
+const _: () = assert!(core::mem::size_of::<PeerPointers>() == 8 * MAX_RANKS);
+const _: () = assert!(core::mem::size_of::<IslandLayout>() == 16 + MAX_RANKS * MAX_RANKS);
+const _: () = assert!(core::mem::size_of::<ScratchLayout>() == 128);
+const _: () = assert!(core::mem::size_of::<DeviceHandle>()
+        == (32 + 16 * MAX_RANKS + 128 + 16 + MAX_RANKS * MAX_RANKS).div_ceil(16) * 16);
+const _: () = assert!(core::mem::offset_of!(DeviceHandle, scratch_layout) == 32 + 16 * MAX_RANKS);
+const _: () = assert!(MAX_RANKS <= 16, "the device-side rank unrolling covers at most 16 ranks");
+const _: () = assert!(MAX_BLOCKS as u32 * THREADS_PER_BLOCK <= 1 << 20);
+
+/// The word rank `src` writes into rank `dst`'s `p2p_inbox` (or, with
+/// `dst == u32::MAX`, into its own `p2p_outbox`) in the init-time P2P check.
+/// `salt` changes per communicator so stale memory cannot pass the check.
+pub const fn p2p_pattern(src: u32, dst: u32, word: u32, salt: u32) -> u32 {
+    let mut x = (src as u64) << 48 ^ (dst as u64) << 32 ^ (word as u64) << 16 ^ salt as u64;
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^= x >> 33;
+    x as u32
+}
