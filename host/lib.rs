@@ -8,6 +8,7 @@
 
 pub mod algorithm;
 pub mod error;
+pub mod ptx;
 
 pub use algorithm::{Algorithm, Transport};
 pub use error::{Error, Result};
