@@ -47,7 +47,9 @@ fn main() {
     for arch in &archs {
         let ok = arch.strip_prefix("sm_").and_then(|n| n.parse::<u32>().ok()).is_some_and(|n| n >= 80);
         if !ok {
-            fail(&format!("TP_ALLREDUCE_PTX_ARCHS: `{arch}` is not a supported architecture (sm_80 or newer, e.g. sm_120)"));
+            fail(&format!(
+                "TP_ALLREDUCE_PTX_ARCHS: `{arch}` is not a supported architecture (sm_80 or newer, e.g. sm_120)"
+            ));
         }
     }
 
@@ -57,7 +59,9 @@ fn main() {
     let build_from_source = match mode.as_str() {
         "1" | "always" => {
             if let Err(why) = &nightly {
-                fail(&format!("TP_ALLREDUCE_BUILD_PTX=1 needs the nightly toolchain with rust-src: {why}.\n  Run: {FIX_NIGHTLY}"));
+                fail(&format!(
+                    "TP_ALLREDUCE_BUILD_PTX=1 needs the nightly toolchain with rust-src: {why}.\n  Run: {FIX_NIGHTLY}"
+                ));
             }
             true
         }
@@ -124,8 +128,10 @@ fn main() {
         writeln!(index, "    ({arch:?}, {sm}, include_str!({:?})),", path.display().to_string()).unwrap();
     }
     writeln!(index, "];").unwrap();
-    writeln!(index, "/// \"built\" (from kernels-rs sources in this build) or \"committed\" (kernels-rs/ptx).").unwrap();
-    writeln!(index, "pub const PTX_ORIGIN: &str = {:?};", if build_from_source { "built" } else { "committed" }).unwrap();
+    writeln!(index, "/// \"built\" (from kernels-rs sources in this build) or \"committed\" (kernels-rs/ptx).")
+        .unwrap();
+    writeln!(index, "pub const PTX_ORIGIN: &str = {:?};", if build_from_source { "built" } else { "committed" })
+        .unwrap();
     writeln!(index, "/// Hash of the kernels-rs sources this build saw.").unwrap();
     writeln!(index, "pub const KERNEL_SOURCES_HASH: &str = {sources_hash:?};").unwrap();
     writeln!(index, "/// rustc that built the PTX (empty when committed PTX is used).").unwrap();
@@ -161,10 +167,7 @@ fn nightly_command(program: &str) -> Command {
 
 /// `Ok(rustc version)` when nightly and its rust-src are installed.
 fn nightly_status() -> Result<String, String> {
-    let version = nightly_command("rustc")
-        .arg("--version")
-        .output()
-        .map_err(|e| format!("cannot run rustup ({e})"))?;
+    let version = nightly_command("rustc").arg("--version").output().map_err(|e| format!("cannot run rustup ({e})"))?;
     if !version.status.success() {
         return Err("the nightly toolchain is not installed".into());
     }

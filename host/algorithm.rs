@@ -82,10 +82,7 @@ impl Algorithm {
     /// Whether the algorithm can run over the HostStaged transport (only the
     /// push algorithms: pull would need peers' device buffers).
     pub const fn supports_host_staged(self) -> bool {
-        matches!(
-            self,
-            Algorithm::OneShotPush | Algorithm::TwoShotPush | Algorithm::Ring | Algorithm::Hierarchical
-        )
+        matches!(self, Algorithm::OneShotPush | Algorithm::TwoShotPush | Algorithm::Ring | Algorithm::Hierarchical)
     }
 
     /// Upper bound on roundings to the element type between the exact sum

@@ -7,9 +7,17 @@
 //! See README.md for the overview and ARCHITECTURE.md for the design.
 
 pub mod algorithm;
+pub mod bench;
+pub mod comm;
+pub mod driver;
+pub mod elementwise;
+pub mod env;
 pub mod error;
+pub mod nccl;
 pub mod ptx;
+pub mod rendezvous;
 
 pub use algorithm::{Algorithm, Transport};
+pub use comm::{CallPlan, Comm, Config, Element, ReduceOp, TransportPreference};
 pub use error::{Error, Result};
 pub use tp_allreduce_kernels::ids::DType;

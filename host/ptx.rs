@@ -21,10 +21,8 @@ pub struct EmbeddedPtx {
 
 /// Every embedded PTX module, highest architecture first.
 pub fn embedded() -> Vec<EmbeddedPtx> {
-    let mut all: Vec<EmbeddedPtx> = index::EMBEDDED_PTX
-        .iter()
-        .map(|&(arch, sm, text)| EmbeddedPtx { arch, sm, text })
-        .collect();
+    let mut all: Vec<EmbeddedPtx> =
+        index::EMBEDDED_PTX.iter().map(|&(arch, sm, text)| EmbeddedPtx { arch, sm, text }).collect();
     all.sort_by(|a, b| b.sm.cmp(&a.sm));
     all
 }

@@ -228,18 +228,10 @@ impl ScratchLayout {
     pub const fn new(config: &ScratchConfig) -> ScratchLayout {
         let world = config.world_size as u64;
         let pack = PACK_BYTES as u64;
-        let push_blocks = if config.push_blocks == 0 {
-            1
-        } else {
-            config.push_blocks as u64
-        };
+        let push_blocks = if config.push_blocks == 0 { 1 } else { config.push_blocks as u64 };
         let mut offset = 0u64;
 
-        let pull_tmp_packs = if config.enable_two_shot_pull {
-            div_ceil(config.max_packs, world)
-        } else {
-            0
-        };
+        let pull_tmp_packs = if config.enable_two_shot_pull { div_ceil(config.max_packs, world) } else { 0 };
         let pull_tmp_offset = offset;
         offset = align_up(offset + pull_tmp_packs * pack, SCRATCH_REGION_ALIGN);
 
@@ -250,56 +242,36 @@ impl ScratchLayout {
             SCRATCH_REGION_ALIGN,
         );
 
-        let push2_stripe_packs = if config.enable_two_shot_push {
-            div_ceil(div_ceil(config.max_packs, world), push_blocks)
-        } else {
-            0
-        };
+        let push2_stripe_packs =
+            if config.enable_two_shot_push { div_ceil(div_ceil(config.max_packs, world), push_blocks) } else { 0 };
         let push2_offset = offset;
-        offset = align_up(
-            offset + 2 * 2 * push_blocks * world * push2_stripe_packs * pack,
-            SCRATCH_REGION_ALIGN,
-        );
+        offset = align_up(offset + 2 * 2 * push_blocks * world * push2_stripe_packs * pack, SCRATCH_REGION_ALIGN);
 
-        let (island_size, island_count) =
-            if config.island_size >= 2 && config.island_size < config.world_size {
-                if config.world_size % config.island_size == 0 {
-                    (config.island_size, config.world_size / config.island_size)
-                } else {
-                    (0, 0)
-                }
+        let (island_size, island_count) = if config.island_size >= 2 && config.island_size < config.world_size {
+            if config.world_size % config.island_size == 0 {
+                (config.island_size, config.world_size / config.island_size)
             } else {
                 (0, 0)
-            };
-        let hier_stripe_packs = if island_size > 0 {
-            div_ceil(div_ceil(config.max_packs, island_size as u64), push_blocks)
+            }
         } else {
-            0
+            (0, 0)
         };
+        let hier_stripe_packs =
+            if island_size > 0 { div_ceil(div_ceil(config.max_packs, island_size as u64), push_blocks) } else { 0 };
         let hier_offset = offset;
         offset = align_up(
-            offset
-                + 2 * push_blocks
-                    * (2 * island_size as u64 + island_count as u64)
-                    * hier_stripe_packs
-                    * pack,
+            offset + 2 * push_blocks * (2 * island_size as u64 + island_count as u64) * hier_stripe_packs * pack,
             SCRATCH_REGION_ALIGN,
         );
 
         let (ring_blocks, ring_slots, ring_chunk_packs) = if config.enable_ring {
-            (
-                config.ring_blocks,
-                config.ring_slots,
-                config.ring_chunk_packs,
-            )
+            (config.ring_blocks, config.ring_slots, config.ring_chunk_packs)
         } else {
             (0, 0, 0)
         };
         let ring_offset = offset;
-        offset = align_up(
-            offset + ring_blocks as u64 * ring_slots as u64 * ring_chunk_packs * pack,
-            SCRATCH_REGION_ALIGN,
-        );
+        offset =
+            align_up(offset + ring_blocks as u64 * ring_slots as u64 * ring_chunk_packs * pack, SCRATCH_REGION_ALIGN);
 
         ScratchLayout {
             max_packs: config.max_packs,
@@ -326,19 +298,11 @@ impl ScratchLayout {
 
     /// Byte offset of OneShotPush pack `pack` of block `block` from `src` in
     /// receive generation `slot`.
-    pub const fn oneshot_pack_offset(
-        &self,
-        world: u32,
-        slot: u32,
-        src: u32,
-        block: u32,
-        pack: u64,
-    ) -> u64 {
+    pub const fn oneshot_pack_offset(&self, world: u32, slot: u32, src: u32, block: u32, pack: u64) -> u64 {
         let stripe = self.oneshot_stripe_packs;
         let blocks = self.push_blocks as u64;
         self.oneshot_offset
-            + ((((slot as u64 * world as u64 + src as u64) * blocks + block as u64) * stripe)
-                + pack)
+            + ((((slot as u64 * world as u64 + src as u64) * blocks + block as u64) * stripe) + pack)
                 * PACK_BYTES as u64
     }
 
@@ -355,29 +319,17 @@ impl ScratchLayout {
     ) -> u64 {
         let stripe = self.push2_stripe_packs;
         let blocks = self.push_blocks as u64;
-        let region = self.push2_offset
-            + if gather {
-                2 * blocks * world as u64 * stripe * PACK_BYTES as u64
-            } else {
-                0
-            };
+        let region =
+            self.push2_offset + if gather { 2 * blocks * world as u64 * stripe * PACK_BYTES as u64 } else { 0 };
         region
-            + ((((parity as u64 * blocks + block as u64) * world as u64 + src as u64) * stripe)
-                + pack)
+            + ((((parity as u64 * blocks + block as u64) * world as u64 + src as u64) * stripe) + pack)
                 * PACK_BYTES as u64
     }
 
     /// Byte offset of Hierarchical pack `pack` in `region` (0 scatter,
     /// 1 cross, 2 gather), generation `parity`, block `block`, source index
     /// `src` (island member index, or island index for the cross region).
-    pub const fn hier_pack_offset(
-        &self,
-        region: u32,
-        parity: u32,
-        block: u32,
-        src: u32,
-        pack: u64,
-    ) -> u64 {
+    pub const fn hier_pack_offset(&self, region: u32, parity: u32, block: u32, src: u32, pack: u64) -> u64 {
         let stripe = self.hier_stripe_packs;
         let blocks = self.push_blocks as u64;
         let m = self.island_size as u64;
@@ -388,16 +340,14 @@ impl ScratchLayout {
             _ => (2 * blocks * (m + i) * stripe, m),
         };
         self.hier_offset
-            + (base + (((parity as u64 * blocks + block as u64) * sources + src as u64) * stripe)
-                + pack)
+            + (base + (((parity as u64 * blocks + block as u64) * sources + src as u64) * stripe) + pack)
                 * PACK_BYTES as u64
     }
 
     /// Byte offset of ring slot `slot` of block `block`.
     pub const fn ring_slot_offset(&self, block: u32, slot: u32) -> u64 {
         self.ring_offset
-            + ((block as u64 * self.ring_slots as u64 + slot as u64) * self.ring_chunk_packs)
-                * PACK_BYTES as u64
+            + ((block as u64 * self.ring_slots as u64 + slot as u64) * self.ring_chunk_packs) * PACK_BYTES as u64
     }
 }
 
@@ -412,8 +362,9 @@ const _: () = assert!(core::mem::size_of::<ErrorRecord>() == 64);
 const _: () = assert!(core::mem::size_of::<PeerPointers>() == 8 * MAX_RANKS);
 const _: () = assert!(core::mem::size_of::<IslandLayout>() == 16 + MAX_RANKS * MAX_RANKS);
 const _: () = assert!(core::mem::size_of::<ScratchLayout>() == 128);
-const _: () = assert!(core::mem::size_of::<DeviceHandle>()
-        == (32 + 16 * MAX_RANKS + 128 + 16 + MAX_RANKS * MAX_RANKS).div_ceil(16) * 16);
+const _: () = assert!(
+    core::mem::size_of::<DeviceHandle>() == (32 + 16 * MAX_RANKS + 128 + 16 + MAX_RANKS * MAX_RANKS).div_ceil(16) * 16
+);
 const _: () = assert!(core::mem::offset_of!(DeviceHandle, scratch_layout) == 32 + 16 * MAX_RANKS);
 const _: () = assert!(MAX_RANKS <= 16, "the device-side rank unrolling covers at most 16 ranks");
 const _: () = assert!(MAX_BLOCKS as u32 * THREADS_PER_BLOCK <= 1 << 20);

@@ -15,10 +15,7 @@
 //! root; the memory-ordering contract every kernel follows is stated there and
 //! at each barrier in `device/sync.rs`.
 #![no_std]
-#![cfg_attr(
-    target_arch = "nvptx64",
-    feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)
-)]
+#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch))]
 
 pub mod ids;
 pub mod layout;

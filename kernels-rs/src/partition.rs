@@ -38,11 +38,7 @@ pub const fn even_part(total: u64, parts: u64, index: u64) -> (u64, u64) {
     if start >= total {
         (total, 0)
     } else {
-        let end = if start + size > total {
-            total
-        } else {
-            start + size
-        };
+        let end = if start + size > total { total } else { start + size };
         (start, end - start)
     }
 }

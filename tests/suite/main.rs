@@ -1,1 +1,12 @@
+//! The single integration-test binary. GPU tests skip visibly ("skipped: no
+//! CUDA device") without a GPU; `TP_ALLREDUCE_REQUIRE_GPU=1` turns a skip
+//! into a failure (use it on GPU machines).
 
+mod common;
+
+mod cpu;
+mod gpu_allreduce;
+mod gpu_errors;
+mod gpu_foundation;
+mod gpu_graph;
+mod gpu_timeout;

@@ -4,7 +4,7 @@
 //! between allreduces in a captured graph.
 
 use super::grid_stride;
-use super::pack::{aligned16, load_pack, store_pack, Element, ZERO_ACC};
+use super::pack::{aligned16, load_pack, store_pack, Element};
 use crate::dtype_entry_points;
 use crate::partition::{div_ceil, elems_in_pack};
 
@@ -24,8 +24,8 @@ unsafe fn sum<E: Element>(inputs: *const u64, num_inputs: u32, output: *mut u8, 
     while pack < packs {
         let valid = elems_in_pack(count, lanes, pack);
         let vector = all_aligned && valid == lanes;
-        let mut acc = ZERO_ACC;
-        for k in 0..num_inputs as usize {
+        let mut acc = E::to_acc(&load_pack::<E>(*inputs as *const u8, pack, valid, vector));
+        for k in 1..num_inputs as usize {
             let p = load_pack::<E>(*inputs.add(k) as *const u8, pack, valid, vector);
             E::accumulate(&mut acc, &p);
         }
@@ -48,8 +48,7 @@ unsafe fn affine<E: Element>(input: *const u8, output: *mut u8, count: u64, scal
     while pack < packs {
         let valid = elems_in_pack(count, lanes, pack);
         let vector = all_aligned && valid == lanes;
-        let mut acc = ZERO_ACC;
-        E::accumulate(&mut acc, &load_pack::<E>(input, pack, valid, vector));
+        let mut acc = E::to_acc(&load_pack::<E>(input, pack, valid, vector));
         for a in acc.iter_mut() {
             *a = *a * scale + bias;
         }

@@ -24,7 +24,7 @@
 //! Reuse of generation `parity` is safe for the same reason as TwoShotPush:
 //! reaching call e+2 requires every group's flags of call e+1.
 
-use super::pack::{aligned16, load_pack, store_pack, Element, ZERO_ACC};
+use super::pack::{aligned16, load_pack, store_pack, Element};
 use super::ptx;
 use super::sync::Ctx;
 use crate::dtype_entry_points;
@@ -104,8 +104,9 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     let (my_first, my_len) = part(i);
     let mut j = tid;
     while j < my_len {
-        let mut acc = ZERO_ACC;
-        for k in 0..m {
+        let first = layout.hier_pack_offset(SCATTER, parity, block, 0, j);
+        let mut acc = E::to_acc(&ptx::ld_global_v4_u32(mine.add(first as usize) as *const u32));
+        for k in 1..m {
             let off = layout.hier_pack_offset(SCATTER, parity, block, k, j);
             E::accumulate(&mut acc, &ptx::ld_global_v4_u32(mine.add(off as usize) as *const u32));
         }
@@ -124,8 +125,9 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     // 3. Cross reduce (island order), then to every island member and out.
     let mut j = tid;
     while j < my_len {
-        let mut acc = ZERO_ACC;
-        for other in 0..n_islands {
+        let first = layout.hier_pack_offset(CROSS, parity, block, 0, j);
+        let mut acc = E::to_acc(&ptx::ld_global_v4_u32(mine.add(first as usize) as *const u32));
+        for other in 1..n_islands {
             let off = layout.hier_pack_offset(CROSS, parity, block, other, j);
             E::accumulate(&mut acc, &ptx::ld_global_v4_u32(mine.add(off as usize) as *const u32));
         }

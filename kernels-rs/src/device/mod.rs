@@ -16,13 +16,13 @@ pub mod ptx;
 pub mod sync;
 
 pub mod elementwise;
+pub mod hierarchical;
 pub mod one_shot_pull;
 pub mod one_shot_push;
 pub mod p2p_check;
+pub mod ring;
 pub mod two_shot_pull;
 pub mod two_shot_push;
-pub mod ring;
-pub mod hierarchical;
 
 /// Defines the three `extern "ptx-kernel"` entry points (f32, f16, bf16) of
 /// a kernel written once, generically over [`pack::Element`].

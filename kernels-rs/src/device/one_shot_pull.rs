@@ -14,9 +14,9 @@
 //! input (peers read the input until the end barrier); every rank launches
 //! the same grid for the same call.
 
-use super::pack::{aligned16, load_pack, store_pack, Element, Pack, ZERO_ACC, ZERO_PACK};
-use super::sync::Ctx;
 use super::grid_stride;
+use super::pack::{aligned16, load_pack, store_pack, Element, Pack, ZERO_PACK};
+use super::sync::Ctx;
 use crate::dtype_entry_points;
 use crate::for_each_rank;
 use crate::ids::{AlgorithmId, DeviceErrorCode, Phase};
@@ -66,9 +66,9 @@ pub(crate) unsafe fn reduce_pack_over_ranks<E: Element>(
             loaded[P] = load_pack::<E>(ins[P] as *const u8, pack, valid, vector);
         }
     });
-    let mut acc = ZERO_ACC;
+    let mut acc = E::to_acc(&loaded[0]);
     for_each_rank!(P => {
-        if (P as u32) < world {
+        if P > 0 && (P as u32) < world {
             E::accumulate(&mut acc, &loaded[P]);
         }
     });

@@ -130,6 +130,7 @@ unsafe fn one_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
         for src in 0..world {
             let off = layout.oneshot_pack_offset(world, slot, src, block, j);
             match poll_pack(&ctx, mine.add(off as usize) as *const u32, src) {
+                Some(v) if src == 0 => acc = E::to_acc(&v),
                 Some(v) => E::accumulate(&mut acc, &v),
                 None => {
                     failed = true;

@@ -26,7 +26,10 @@ pub unsafe extern "ptx-kernel" fn p2p_check(handle: *const DeviceHandle, salt: u
     let local = ctx.local();
     for p in 0..ctx.world {
         let sig = ctx.signal(p);
-        ptx::st_relaxed_sys_u32(&mut (*sig).p2p_inbox[ctx.rank as usize][w as usize], p2p_pattern(ctx.rank, p, w, salt));
+        ptx::st_relaxed_sys_u32(
+            &mut (*sig).p2p_inbox[ctx.rank as usize][w as usize],
+            p2p_pattern(ctx.rank, p, w, salt),
+        );
         let seen = ptx::ld_relaxed_sys_u32(&(*sig).p2p_outbox[w as usize]);
         (*local).p2p_read_back[p as usize][w as usize] = seen;
     }

@@ -26,6 +26,9 @@ pub trait Element {
     /// Bit pattern of a quiet NaN of this type.
     const CANONICAL_NAN: u32;
 
+    /// The elements of `pack` widened to f32 (exact). Sums start from the
+    /// first operand rather than from +0.0, so that a sum of -0.0 stays -0.0.
+    fn to_acc(pack: &Pack) -> Acc;
     /// Adds the elements of `pack` to `acc` lane by lane, in f32.
     fn accumulate(acc: &mut Acc, pack: &Pack);
     /// Rounds `acc` to this type (round to nearest even) and packs it.
@@ -47,6 +50,15 @@ impl Element for F32 {
     const DTYPE: DType = DType::F32;
     const LANES: usize = 4;
     const CANONICAL_NAN: u32 = 0x7FC0_0000;
+
+    #[inline(always)]
+    fn to_acc(pack: &Pack) -> Acc {
+        let mut acc = ZERO_ACC;
+        for k in 0..4 {
+            acc[k] = f32::from_bits(pack[k]);
+        }
+        acc
+    }
 
     #[inline(always)]
     fn accumulate(acc: &mut Acc, pack: &Pack) {
@@ -106,6 +118,16 @@ impl Element for F16 {
     const CANONICAL_NAN: u32 = 0x7E00;
 
     #[inline(always)]
+    fn to_acc(pack: &Pack) -> Acc {
+        let mut acc = ZERO_ACC;
+        for k in 0..4 {
+            acc[2 * k] = ptx::cvt_f32_f16(pack[k] as u16);
+            acc[2 * k + 1] = ptx::cvt_f32_f16((pack[k] >> 16) as u16);
+        }
+        acc
+    }
+
+    #[inline(always)]
     fn accumulate(acc: &mut Acc, pack: &Pack) {
         for k in 0..4 {
             acc[2 * k] += ptx::cvt_f32_f16(pack[k] as u16);
@@ -143,6 +165,16 @@ impl Element for Bf16 {
     const DTYPE: DType = DType::Bf16;
     const LANES: usize = 8;
     const CANONICAL_NAN: u32 = 0x7FC0;
+
+    #[inline(always)]
+    fn to_acc(pack: &Pack) -> Acc {
+        let mut acc = ZERO_ACC;
+        for k in 0..4 {
+            acc[2 * k] = ptx::cvt_f32_bf16(pack[k] as u16);
+            acc[2 * k + 1] = ptx::cvt_f32_bf16((pack[k] >> 16) as u16);
+        }
+        acc
+    }
 
     #[inline(always)]
     fn accumulate(acc: &mut Acc, pack: &Pack) {

@@ -321,7 +321,9 @@ pub fn cvt_rn_f16_f32(f: f32) -> u16 {
 pub fn cvt_rn_f16x2_f32(lo: f32, hi: f32) -> u32 {
     let r: u32;
     // SAFETY: register-only conversion (sm_80+).
-    unsafe { asm!("cvt.rn.f16x2.f32 {r}, {hi}, {lo};", r = out(reg32) r, hi = in(reg32) hi, lo = in(reg32) lo, options(pure, nomem, nostack)) };
+    unsafe {
+        asm!("cvt.rn.f16x2.f32 {r}, {hi}, {lo};", r = out(reg32) r, hi = in(reg32) hi, lo = in(reg32) lo, options(pure, nomem, nostack))
+    };
     r
 }
 
@@ -345,7 +347,9 @@ pub fn cvt_rn_bf16_f32(f: f32) -> u16 {
 pub fn cvt_rn_bf16x2_f32(lo: f32, hi: f32) -> u32 {
     let r: u32;
     // SAFETY: register-only conversion (sm_80+).
-    unsafe { asm!("cvt.rn.bf16x2.f32 {r}, {hi}, {lo};", r = out(reg32) r, hi = in(reg32) hi, lo = in(reg32) lo, options(pure, nomem, nostack)) };
+    unsafe {
+        asm!("cvt.rn.bf16x2.f32 {r}, {hi}, {lo};", r = out(reg32) r, hi = in(reg32) hi, lo = in(reg32) lo, options(pure, nomem, nostack))
+    };
     r
 }
 
@@ -354,7 +358,9 @@ pub fn cvt_rn_bf16x2_f32(lo: f32, hi: f32) -> u32 {
 pub fn add_rn_f16x2(a: u32, b: u32) -> u32 {
     let r: u32;
     // SAFETY: register-only arithmetic (sm_53+).
-    unsafe { asm!("add.rn.f16x2 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b, options(pure, nomem, nostack)) };
+    unsafe {
+        asm!("add.rn.f16x2 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b, options(pure, nomem, nostack))
+    };
     r
 }
 
@@ -364,7 +370,9 @@ pub fn add_rn_f16x2(a: u32, b: u32) -> u32 {
 pub fn add_rn_bf16x2(a: u32, b: u32) -> u32 {
     let r: u32;
     // SAFETY: register-only arithmetic (sm_80+). 0x3F803F80 is bf16x2 (1.0, 1.0).
-    unsafe { asm!("fma.rn.bf16x2 {r}, {a}, {one}, {b};", r = out(reg32) r, a = in(reg32) a, one = in(reg32) 0x3F80_3F80u32, b = in(reg32) b, options(pure, nomem, nostack)) };
+    unsafe {
+        asm!("fma.rn.bf16x2 {r}, {a}, {one}, {b};", r = out(reg32) r, a = in(reg32) a, one = in(reg32) 0x3F80_3F80u32, b = in(reg32) b, options(pure, nomem, nostack))
+    };
     r
 }
 

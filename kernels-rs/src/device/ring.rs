@@ -27,7 +27,7 @@
 //! rank's counters advance in lockstep. Chunk counts are padded with empty
 //! messages so that every slice has the same number of chunks per block.
 
-use super::pack::{aligned16, load_pack, store_pack, Element, Pack, ZERO_ACC};
+use super::pack::{aligned16, load_pack, store_pack, Element, Pack};
 use super::ptx;
 use super::sync::Ctx;
 use crate::dtype_entry_points;
@@ -171,8 +171,7 @@ unsafe fn ring<E: Element>(handle: *const DeviceHandle, input: *const u8, output
                 let value: Pack = match step {
                     Step::SendInput => load_pack::<E>(input, pack, valid, vector_in),
                     Step::AddAndSend | Step::AddStoreAndSend => {
-                        let mut acc = ZERO_ACC;
-                        E::accumulate(&mut acc, &ptx::ld_global_v4_u32(recv_slot.add((j * 16) as usize) as *const u32));
+                        let mut acc = E::to_acc(&ptx::ld_global_v4_u32(recv_slot.add((j * 16) as usize) as *const u32));
                         E::accumulate(&mut acc, &load_pack::<E>(input, pack, valid, vector_in));
                         E::round(&acc)
                     }

@@ -110,11 +110,8 @@ impl<'a> Ctx<'a> {
     /// after a timeout instead of reading half-synchronised buffers.
     #[inline(always)]
     pub unsafe fn begin(&self) -> bool {
-        let aborted = if self.tid == 0 {
-            ptx::ld_relaxed_sys_u32(&(*self.signal(self.rank)).abort) != 0
-        } else {
-            false
-        };
+        let aborted =
+            if self.tid == 0 { ptx::ld_relaxed_sys_u32(&(*self.signal(self.rank)).abort) != 0 } else { false };
         !ptx::bar_red_or(aborted)
     }
 
@@ -122,11 +119,8 @@ impl<'a> Ctx<'a> {
     #[inline(always)]
     pub unsafe fn flag(&self, owner: u32, phase: Phase, block: u32, src: u32) -> *mut u32 {
         let sig = self.signal(owner);
-        (*sig)
-            .flags
-            .get_unchecked_mut(phase as usize)
-            .get_unchecked_mut(block as usize)
-            .get_unchecked_mut(src as usize) as *mut u32
+        (*sig).flags.get_unchecked_mut(phase as usize).get_unchecked_mut(block as usize).get_unchecked_mut(src as usize)
+            as *mut u32
     }
 
     /// `st.release.sys` of `value` into `flags[phase][self.block][self.rank]`

@@ -25,7 +25,7 @@
 //! `output` may alias the input: each block reads all its input packs in
 //! step 1, before it writes any output pack of its own parts.
 
-use super::pack::{aligned16, load_pack, store_pack, Element, ZERO_ACC};
+use super::pack::{aligned16, load_pack, store_pack, Element};
 use super::ptx;
 use super::sync::Ctx;
 use crate::dtype_entry_points;
@@ -93,8 +93,9 @@ unsafe fn two_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     let (my_first, my_len) = part(rank);
     let mut j = tid;
     while j < my_len {
-        let mut acc = ZERO_ACC;
-        for src in 0..world {
+        let first = layout.push2_pack_offset(world, false, parity, block, 0, j);
+        let mut acc = E::to_acc(&ptx::ld_global_v4_u32(mine.add(first as usize) as *const u32));
+        for src in 1..world {
             let off = layout.push2_pack_offset(world, false, parity, block, src, j);
             E::accumulate(&mut acc, &ptx::ld_global_v4_u32(mine.add(off as usize) as *const u32));
         }

@@ -1,0 +1,161 @@
+//! Constructors: ranks as threads of one process (like `ncclCommInitAll`)
+//! and ranks as processes (like `ncclCommInitRank`), and the collective
+//! registration helpers for in-process groups. Both paths run the same
+//! initialisation (`setup::build`); only the rendezvous differs.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cudarc::driver::{sys, CudaStream};
+use tp_allreduce_kernels::layout::MAX_RANKS;
+
+use super::config::Config;
+use super::{registry::Registry, setup, Comm};
+use crate::driver::{self, KernelModule};
+use crate::error::{Error, Result};
+use crate::rendezvous::{self, Id, Rendezvous};
+
+impl Comm {
+    /// Initialises rank `rank` of `world_size` over an existing rendezvous
+    /// (the plug for users' own channels). Collective.
+    pub fn from_rendezvous(stream: Arc<CudaStream>, rendezvous: Box<dyn Rendezvous>, config: Config) -> Result<Comm> {
+        let rank = rendezvous.rank();
+        let world = rendezvous.world_size();
+        config.validate()?;
+        if world == 0 || world > MAX_RANKS || rank >= world {
+            return Err(Error::invalid(format!(
+                "rank {rank} of world size {world}: the world size must be in 1..={MAX_RANKS} and rank < world size"
+            )));
+        }
+        driver::require_driver()?;
+        let ctx = stream.context().clone();
+        driver::bind(&ctx)?;
+        let module = KernelModule::for_context(&ctx)?;
+        let setup = setup::build(&stream, rank, world, &*rendezvous, &config, &module)?;
+        let nccl = if config.nccl_fallback && setup.ranks_on_device == 1 && world > 1 {
+            crate::nccl::NcclComm::from_rendezvous(&stream, &*rendezvous).unwrap_or_default()
+        } else {
+            None
+        };
+        Ok(Comm {
+            rank,
+            world,
+            ctx,
+            stream,
+            module,
+            config,
+            setup,
+            registry: Mutex::new(Registry::default()),
+            broken: Mutex::new(None),
+            rendezvous,
+            nccl,
+        })
+    }
+
+    /// Multi-process: rank `rank` of `world_size`, one per process, joined
+    /// through `id` (created by rank 0 with [`Id::new_unix`] or
+    /// [`Id::new_tcp`] and passed to the other ranks). Collective.
+    pub fn from_rank(stream: Arc<CudaStream>, rank: usize, world_size: usize, id: Id) -> Result<Comm> {
+        Self::from_rank_with_config(stream, rank, world_size, id, Config::from_env()?)
+    }
+
+    pub fn from_rank_with_config(
+        stream: Arc<CudaStream>,
+        rank: usize,
+        world_size: usize,
+        id: Id,
+        config: Config,
+    ) -> Result<Comm> {
+        let rdv = rendezvous::connect(&id, rank, world_size, config.rendezvous_timeout)?;
+        Self::from_rendezvous(stream, rdv, config)
+    }
+
+    /// In-process: one rank per stream (ranks may share a device). Blocks
+    /// while all ranks initialise (one thread each).
+    pub fn from_streams(streams: Vec<Arc<CudaStream>>, config: Config) -> Result<Vec<Comm>> {
+        let world = streams.len();
+        if world == 0 || world > MAX_RANKS {
+            return Err(Error::invalid(format!("from_streams: 1..={MAX_RANKS} streams, got {world}")));
+        }
+        let rdvs = rendezvous::in_process_group(world, config.rendezvous_timeout);
+        let results: Vec<Result<Comm>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = streams
+                .into_iter()
+                .zip(rdvs)
+                .map(|(stream, rdv)| {
+                    let config = config.clone();
+                    scope.spawn(move || Comm::from_rendezvous(stream, rdv, config))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Broken("rank init thread panicked".into()))))
+                .collect()
+        });
+        // Report the root cause: a rank's own failure rather than the
+        // rendezvous errors it caused on the others.
+        let mut comms = Vec::with_capacity(world);
+        let mut first_err: Option<Error> = None;
+        for r in results {
+            match r {
+                Ok(c) => comms.push(c),
+                Err(e) => {
+                    let secondary = matches!(e, Error::Rendezvous(_) | Error::RendezvousTimeout { .. });
+                    if first_err.is_none() || (!secondary && first_err.as_ref().is_some_and(is_rendezvous_error)) {
+                        first_err = Some(e);
+                    }
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(comms),
+        }
+    }
+
+    /// Runs a collective method on every rank of an in-process group at once
+    /// (one thread per rank) and returns rank 0's result or the first error.
+    pub fn group_call<T: Send>(comms: &[Comm], f: impl Fn(&Comm) -> Result<T> + Sync) -> Result<Vec<T>> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms.iter().map(|c| scope.spawn(|| f(c))).collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Broken("rank thread panicked".into()))))
+                .collect()
+        })
+    }
+
+    /// [`register_graph_buffers`](Self::register_graph_buffers) on every rank
+    /// of an in-process group.
+    pub fn register_graph_buffers_group(comms: &[Comm]) -> Result<usize> {
+        Ok(Self::group_call(comms, |c| c.register_graph_buffers())?.first().copied().unwrap_or(0))
+    }
+
+    /// [`register_buffer`](Self::register_buffer) on every rank of an
+    /// in-process group; `buffers[r]` is rank r's buffer.
+    pub fn register_buffer_group(comms: &[Comm], buffers: &[(sys::CUdeviceptr, usize)]) -> Result<()> {
+        if buffers.len() != comms.len() {
+            return Err(Error::invalid("register_buffer_group: one buffer per rank"));
+        }
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .iter()
+                .zip(buffers.iter())
+                .map(|(c, &(p, n))| scope.spawn(move || c.register_buffer(p, n)))
+                .collect();
+            for h in handles {
+                h.join().unwrap_or_else(|_| Err(Error::Broken("rank thread panicked".into())))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The rendezvous timeout in effect (for callers building their own).
+    pub fn rendezvous_timeout(&self) -> Duration {
+        self.config.rendezvous_timeout
+    }
+}
+
+fn is_rendezvous_error(e: &Error) -> bool {
+    matches!(e, Error::Rendezvous(_) | Error::RendezvousTimeout { .. })
+}

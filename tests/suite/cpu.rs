@@ -1,0 +1,218 @@
+//! Tests that need no GPU: shared layouts, partition math, configuration
+//! and argument validation, naming, PTX choice, error messages.
+
+use rand::{Rng, SeedableRng};
+use tp_allreduce::{Algorithm, Config, DType, Transport};
+use tp_allreduce_kernels::ids::{AlgorithmId, DeviceErrorCode, Phase};
+use tp_allreduce_kernels::layout::{ErrorRecord, ScratchConfig, ScratchLayout, LAMPORT_SLOTS, PACK_BYTES};
+use tp_allreduce_kernels::partition::{elems_in_pack, even_part, packs_for, push_grid, seq_geq};
+
+fn scratch_config(world: u32, island_size: u32) -> ScratchConfig {
+    ScratchConfig {
+        world_size: world,
+        max_packs: (8 << 20) / 16,
+        oneshot_max_packs: (512 << 10) / 16,
+        push_blocks: 4,
+        ring_blocks: 4,
+        ring_slots: 4,
+        ring_chunk_packs: 4096,
+        island_size,
+        enable_two_shot_pull: true,
+        enable_two_shot_push: true,
+        enable_ring: true,
+    }
+}
+
+#[test]
+fn scratch_regions_are_disjoint_aligned_and_cover_their_largest_index() {
+    for world in 2..=8u32 {
+        for island in [0u32, 2, 4] {
+            let cfg = scratch_config(world, island);
+            let l = ScratchLayout::new(&cfg);
+            let regions = [
+                ("pull", l.pull_tmp_offset, l.oneshot_offset),
+                ("oneshot", l.oneshot_offset, l.push2_offset),
+                ("push2", l.push2_offset, l.hier_offset),
+                ("hier", l.hier_offset, l.ring_offset),
+                ("ring", l.ring_offset, l.total_bytes),
+            ];
+            for (name, start, end) in regions {
+                assert!(start <= end, "{name}: {start} > {end}");
+                assert_eq!(start % 128, 0, "{name} not aligned");
+            }
+            // The last pack of each region lies inside it.
+            let pk = PACK_BYTES as u64;
+            let last_oneshot = l.oneshot_pack_offset(
+                world,
+                LAMPORT_SLOTS as u32 - 1,
+                world - 1,
+                l.push_blocks - 1,
+                l.oneshot_stripe_packs - 1,
+            );
+            assert!(last_oneshot + pk <= l.push2_offset);
+            let last_push2 =
+                l.push2_pack_offset(world, true, 1, l.push_blocks - 1, world - 1, l.push2_stripe_packs - 1);
+            assert!(last_push2 + pk <= l.hier_offset);
+            if l.island_count >= 2 {
+                let last_hier = l.hier_pack_offset(2, 1, l.push_blocks - 1, l.island_size - 1, l.hier_stripe_packs - 1);
+                assert!(last_hier + pk <= l.ring_offset, "world {world} islands {island}");
+                let last_cross =
+                    l.hier_pack_offset(1, 1, l.push_blocks - 1, l.island_count - 1, l.hier_stripe_packs - 1);
+                assert!(last_cross < l.hier_pack_offset(2, 0, 0, 0, 0));
+            } else {
+                assert_eq!(l.hier_stripe_packs, 0);
+            }
+            let last_ring = l.ring_slot_offset(l.ring_blocks - 1, l.ring_slots - 1) + l.ring_chunk_packs * pk;
+            assert!(last_ring <= l.total_bytes);
+            // Stripes hold the largest per-block part of the largest message.
+            assert!(l.oneshot_stripe_packs * l.push_blocks as u64 >= cfg.oneshot_max_packs);
+            assert!(l.push2_stripe_packs * l.push_blocks as u64 * world as u64 >= cfg.max_packs);
+        }
+    }
+}
+
+#[test]
+fn islands_need_an_exact_split() {
+    let l = ScratchLayout::new(&scratch_config(6, 4));
+    assert_eq!((l.island_count, l.island_size), (0, 0), "6 ranks do not split into islands of 4");
+    let l = ScratchLayout::new(&scratch_config(8, 2));
+    assert_eq!((l.island_count, l.island_size), (4, 2));
+}
+
+#[test]
+fn even_parts_cover_every_item_exactly_once() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    for _ in 0..2000 {
+        let total = rng.gen_range(0..100_000u64);
+        let parts = rng.gen_range(1..300u64);
+        let mut next = 0;
+        for i in 0..parts {
+            let (start, len) = even_part(total, parts, i);
+            if len > 0 {
+                assert_eq!(start, next, "total {total} parts {parts} part {i}");
+                next = start + len;
+            }
+            assert!(len <= total.div_ceil(parts));
+        }
+        assert_eq!(next, total, "total {total} parts {parts}");
+    }
+}
+
+#[test]
+fn packs_and_tails() {
+    assert_eq!(packs_for(1, DType::Bf16), 1);
+    assert_eq!(packs_for(8, DType::Bf16), 1);
+    assert_eq!(packs_for(9, DType::Bf16), 2);
+    assert_eq!(packs_for(5, DType::F32), 2);
+    assert_eq!(elems_in_pack(9, 8, 1), 1);
+    assert_eq!(elems_in_pack(9, 8, 0), 8);
+    assert_eq!(elems_in_pack(9, 8, 2), 0);
+    assert_eq!(elems_in_pack(16, 8, 1), 8);
+}
+
+#[test]
+fn epoch_comparison_survives_wraparound() {
+    assert!(seq_geq(5, 5));
+    assert!(seq_geq(6, 5));
+    assert!(!seq_geq(4, 5));
+    assert!(seq_geq(0, u32::MAX), "0 follows u32::MAX");
+    assert!(seq_geq(2, u32::MAX - 1));
+    assert!(!seq_geq(u32::MAX, 0));
+    // A counter incremented 2^32 + 3 times still compares right locally.
+    let mut e: u32 = u32::MAX - 2;
+    for _ in 0..10 {
+        let next = e.wrapping_add(1);
+        assert!(seq_geq(next, e) && !seq_geq(e, next));
+        e = next;
+    }
+}
+
+#[test]
+fn push_grid_respects_stripes() {
+    // 1000 packs, stripes of 300: at least 4 blocks needed.
+    assert_eq!(push_grid(1000, 512, 300, 4), 4);
+    assert_eq!(push_grid(1000, 512, 300, 3), 0, "does not fit");
+    assert_eq!(push_grid(10, 512, 300, 4), 1);
+    assert_eq!(push_grid(0, 512, 300, 4), 1);
+    assert_eq!(push_grid(3000, 512, 1000, 8), 6);
+}
+
+#[test]
+fn names_round_trip() {
+    for a in Algorithm::ALL {
+        assert_eq!(a.name().parse::<Algorithm>().unwrap(), a);
+    }
+    assert!("two_shot_push".parse::<Algorithm>().is_ok());
+    let e = "fastest".parse::<Algorithm>().unwrap_err().to_string();
+    assert!(e.contains("one-shot-push"), "{e}");
+    assert_eq!("host-staged".parse::<Transport>().unwrap(), Transport::HostStaged);
+    assert!("carrier-pigeon".parse::<Transport>().is_err());
+    for a in Algorithm::OURS {
+        let id = a.kernel().unwrap();
+        assert_eq!(AlgorithmId::from_u32(id as u32), Some(id));
+    }
+}
+
+#[test]
+fn config_validation_names_the_field() {
+    assert!(Config::default().validate().is_ok());
+    for (cfg, field) in [
+        (Config { push_blocks: 0, ..Config::default() }, "push_blocks"),
+        (Config { pull_max_blocks: 10_000, ..Config::default() }, "pull_max_blocks"),
+        (Config { max_chunk_bytes: 1000, ..Config::default() }, "max_chunk_bytes"),
+        (Config { ring_chunk_bytes: 17, ..Config::default() }, "ring_chunk_bytes"),
+        (Config { timeout: std::time::Duration::ZERO, ..Config::default() }, "timeouts"),
+    ] {
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains(field), "{field}: {e}");
+    }
+}
+
+#[test]
+fn ptx_choice_follows_compute_capability() {
+    let pick = |ma, mi| tp_allreduce::ptx::choose(ma, mi).map(|p| p.arch);
+    assert_eq!(pick(12, 0), Some("sm_120"));
+    assert_eq!(pick(12, 1), Some("sm_120"));
+    assert_eq!(pick(10, 0), Some("sm_90"), "Blackwell datacenter JIT-compiles the sm_90 PTX");
+    assert_eq!(pick(9, 0), Some("sm_90"));
+    assert_eq!(pick(8, 9), Some("sm_89"));
+    assert_eq!(pick(8, 6), Some("sm_80"));
+    assert_eq!(pick(7, 5), None);
+    let entries = tp_allreduce::ptx::expected_entries();
+    assert_eq!(entries.len(), 6 * 3 + 2 * 3 + 1);
+}
+
+#[test]
+fn timeout_error_names_both_ranks_and_the_phase() {
+    let rec = ErrorRecord {
+        published: 1,
+        code: DeviceErrorCode::Timeout as u32,
+        algorithm: AlgorithmId::TwoShotPush as u32,
+        phase: Phase::PushScatter as u32,
+        rank: 2,
+        peer: 5,
+        block: 1,
+        epoch: 77,
+        expected: 77,
+        observed: 76,
+        waited_ns: 5_000_000_000,
+        _pad: [0; 4],
+    };
+    let e = tp_allreduce::error::DeviceFailure::from_record(&rec).into_error();
+    let msg = e.to_string();
+    assert!(matches!(e, tp_allreduce::Error::Timeout(_)));
+    for needle in ["rank 2", "rank 5", "push reduce-scatter", "two_shot_push", "5000.0 ms"] {
+        assert!(msg.contains(needle), "missing {needle:?} in {msg}");
+    }
+}
+
+#[test]
+fn without_a_driver_init_fails_cleanly() {
+    if tp_allreduce::driver::driver_available() {
+        eprintln!("(a driver is present: this test checks the no-driver path only where there is none)");
+        return;
+    }
+    let e = tp_allreduce::driver::require_driver().unwrap_err();
+    assert!(matches!(e, tp_allreduce::Error::NoDriver(_)), "{e}");
+    assert_eq!(tp_allreduce::driver::device_count(), 0);
+}

@@ -1,0 +1,191 @@
+//! CUDA-graph capture: 122 allreduces with a dependent elementwise kernel
+//! between each (a model layer), captured once per rank and replayed many
+//! times with fresh inputs; every replay checked. Pull algorithms go through
+//! the capture -> register protocol; an unregistered replay fails cleanly.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{sys, CudaContext, CudaGraph};
+use rand::Rng;
+use tp_allreduce::driver::DeviceMemory;
+use tp_allreduce::{Algorithm, Comm, Config, DType};
+
+use crate::common;
+
+const LAYERS: usize = 122;
+
+struct RankBuffers {
+    x: Vec<DeviceMemory>,
+    y: Vec<DeviceMemory>,
+}
+
+fn bias(layer: usize) -> f32 {
+    ((layer % 7) as f32 - 3.0) * 0.125
+}
+
+/// Captures the layer chain on every rank's stream.
+fn capture(ctx: &Arc<CudaContext>, comms: &[Comm], bufs: &[RankBuffers], n: usize) -> Vec<CudaGraph> {
+    let world = comms.len();
+    let mut graphs = Vec::new();
+    for (r, c) in comms.iter().enumerate() {
+        let stream = c.stream();
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        for l in 0..LAYERS {
+            // SAFETY: x[l], y[l], x[l+1] are live buffers of n f32.
+            unsafe {
+                c.all_reduce_raw(bufs[r].x[l].ptr(), bufs[r].y[l].ptr(), n, DType::F32, stream.cu_stream())
+                    .unwrap_or_else(|e| panic!("capture rank {r} layer {l}: {e}"));
+                tp_allreduce::elementwise::affine_raw(
+                    ctx,
+                    stream.cu_stream(),
+                    bufs[r].y[l].ptr(),
+                    bufs[r].x[l + 1].ptr(),
+                    n,
+                    DType::F32,
+                    1.0 / world as f32,
+                    bias(l),
+                )
+                .unwrap();
+            }
+        }
+        let graph = stream
+            .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+            .unwrap()
+            .expect("a graph");
+        graphs.push(graph);
+    }
+    graphs
+}
+
+fn download(buf: &DeviceMemory, n: usize) -> Vec<f32> {
+    let mut host = vec![0f32; n];
+    tp_allreduce::driver::memcpy_dtoh(bytemuck::cast_slice_mut(&mut host), buf.ptr()).unwrap();
+    host
+}
+
+fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: usize, n: usize) {
+    let _lock = common::gpu_lock();
+    let Some(ctx) = common::gpu(test) else { return };
+    let mut rng = common::rng(test);
+    let config = Config { timeout: Duration::from_secs(3), ..Config::default() };
+    let mut comms = Comm::from_streams(common::streams(&ctx, world), config).unwrap();
+    for c in comms.iter_mut() {
+        c.set_algorithm(algorithm).unwrap();
+    }
+    let bufs: Vec<RankBuffers> = (0..world)
+        .map(|_| RankBuffers {
+            x: (0..=LAYERS).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect(),
+            y: (0..LAYERS).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect(),
+        })
+        .collect();
+    let graphs = capture(&ctx, &comms, &bufs, n);
+    let registered = Comm::register_graph_buffers_group(&comms).unwrap();
+    let plan = comms[0].plan_call(n * 4, DType::F32, true, false);
+    eprintln!("{test}: {} per call ({}), {registered} captured inputs registered", plan.algorithm, plan.reason);
+    if plan.algorithm.reads_peer_inputs() {
+        assert_eq!(registered, LAYERS, "every captured pull call must have been registered");
+    }
+    let started = Instant::now();
+    for rep in 0..replays {
+        let x0: Vec<Vec<f32>> = (0..world).map(|_| (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()).collect();
+        for (r, x) in x0.iter().enumerate() {
+            tp_allreduce::driver::memcpy_htod(bufs[r].x[0].ptr(), bytemuck::cast_slice(x)).unwrap();
+        }
+        for g in &graphs {
+            g.launch().unwrap();
+        }
+        for c in &comms {
+            c.synchronize().unwrap_or_else(|e| panic!("replay {rep}: {e}"));
+        }
+        // Final layer against the f64 chain.
+        let mut y: Vec<f64> = (0..n).map(|i| x0.iter().map(|x| x[i] as f64).sum()).collect();
+        for l in 0..LAYERS - 1 {
+            for v in y.iter_mut() {
+                *v = world as f64 * (*v / world as f64 + bias(l) as f64);
+            }
+        }
+        let last: Vec<Vec<f32>> = (0..world).map(|r| download(&bufs[r].y[LAYERS - 1], n)).collect();
+        for (r, out) in last.iter().enumerate() {
+            for i in 0..n {
+                assert!(
+                    (out[i] as f64 - y[i]).abs() <= 1e-3 * (1.0 + y[i].abs()),
+                    "replay {rep} rank {r} [{i}]: got {} want {}",
+                    out[i],
+                    y[i]
+                );
+            }
+            assert_eq!(common::bits(out), common::bits(&last[0]), "replay {rep}: rank {r} differs bitwise");
+        }
+        // Every 100th replay: every layer exactly against its actual inputs.
+        if rep % 100 == 0 {
+            for l in 0..LAYERS {
+                let xs: Vec<Vec<f32>> = (0..world).map(|r| download(&bufs[r].x[l], n)).collect();
+                for r in 0..world {
+                    let out = download(&bufs[r].y[l], n);
+                    common::check_sum(&xs, &out, 1).unwrap_or_else(|e| panic!("replay {rep} layer {l} rank {r}: {e}"));
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{test}: {replays} replays x {LAYERS} allreduces x {world} ranks correct ({:.1} s)",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn graph_replays_selected_algorithm() {
+    graph_run("graph_replays_selected_algorithm", 8, None, 1000, 10_755);
+}
+
+#[test]
+fn graph_replays_two_shot_pull_registered() {
+    graph_run("graph_replays_two_shot_pull_registered", 8, Some(Algorithm::TwoShotPull), 1000, 10_755);
+}
+
+#[test]
+fn graph_replays_every_algorithm() {
+    for algorithm in [Algorithm::OneShotPull, Algorithm::OneShotPush, Algorithm::TwoShotPush, Algorithm::Ring] {
+        graph_run("graph_replays_every_algorithm", 4, Some(algorithm), 200, 4_099);
+    }
+}
+
+/// Replaying a captured pull graph before `register_graph_buffers` fails
+/// with a clear error on every rank, fast (no timeout wait), without hanging.
+#[test]
+fn unregistered_graph_replay_fails_cleanly() {
+    let _lock = common::gpu_lock();
+    let Some(ctx) = common::gpu("unregistered_graph_replay_fails_cleanly") else { return };
+    let world = 4;
+    let n = 4_096;
+    let timeout = Duration::from_secs(3);
+    let mut comms = Comm::from_streams(common::streams(&ctx, world), Config { timeout, ..Config::default() }).unwrap();
+    for c in comms.iter_mut() {
+        c.set_algorithm(Some(Algorithm::TwoShotPull)).unwrap();
+    }
+    let bufs: Vec<RankBuffers> = (0..world)
+        .map(|_| RankBuffers {
+            x: (0..=LAYERS).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect(),
+            y: (0..LAYERS).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect(),
+        })
+        .collect();
+    let graphs = capture(&ctx, &comms, &bufs, n);
+    assert_eq!(comms[0].pending_graph_buffers(), LAYERS);
+    let started = Instant::now();
+    for g in &graphs {
+        g.launch().unwrap();
+    }
+    for (r, c) in comms.iter().enumerate() {
+        let e = c.synchronize().expect_err("an unregistered replay must fail");
+        let msg = e.to_string();
+        assert!(
+            matches!(e, tp_allreduce::Error::Device(_) | tp_allreduce::Error::PeerAborted(_)),
+            "rank {r}: unexpected error {msg}"
+        );
+        eprintln!("rank {r}: {msg}");
+        // The communicator stays unusable afterwards.
+        assert!(matches!(c.check(), Err(tp_allreduce::Error::Broken(_))));
+    }
+    assert!(started.elapsed() < timeout, "failing must not wait for the timeout ({:?})", started.elapsed());
+}
