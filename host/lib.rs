@@ -8,6 +8,7 @@
 
 pub mod algorithm;
 pub mod error;
+pub mod inspect;
 pub mod ptx;
 
 pub use algorithm::{Algorithm, Transport};
