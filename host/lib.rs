@@ -13,6 +13,7 @@ pub mod driver;
 pub mod elementwise;
 pub mod env;
 pub mod error;
+pub mod inspect;
 pub mod nccl;
 pub mod ptx;
 pub mod rendezvous;

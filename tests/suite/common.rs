@@ -32,7 +32,10 @@ pub fn gpu(test: &str) -> Option<Arc<CudaContext>> {
         if std::env::var("TP_ALLREDUCE_REQUIRE_GPU").as_deref() == Ok("1") {
             panic!("{test}: no CUDA device, but TP_ALLREDUCE_REQUIRE_GPU=1");
         }
-        eprintln!("skipped: no CUDA device ({test})");
+        // Written to the stderr handle directly: libtest's capture only
+        // intercepts the print macros, and a skip must be visible.
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({test})");
         return None;
     }
     let ctx = CudaContext::new(0).expect("CudaContext::new(0)");

@@ -10,3 +10,4 @@ mod gpu_errors;
 mod gpu_foundation;
 mod gpu_graph;
 mod gpu_timeout;
+mod ptx;

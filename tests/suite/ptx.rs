@@ -1,0 +1,258 @@
+//! Checks on the embedded PTX that need no GPU: it assembles for its
+//! architecture, calls nothing external, has every kernel the host launches,
+//! keeps the hot kernels out of local memory, and the committed copy in
+//! `kernels-rs/ptx` is current.
+//!
+//! A check that cannot run here says `skipped: ...` on stderr (run with
+//! `--nocapture` to see it) and passes; the switch named in the message turns
+//! the skip into a failure where the tool is expected (CI):
+//! * `TP_ALLREDUCE_REQUIRE_PTXAS=1`: ptxas must be found (`bash .ci/tools.sh`);
+//! * `TP_ALLREDUCE_REQUIRE_PTX_BUILD=1`: the PTX must have been built from
+//!   source in this build (nightly + rust-src), so the committed copy can be
+//!   compared byte for byte.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::thread;
+
+use tp_allreduce::inspect::{self, Assembly};
+use tp_allreduce::ptx;
+
+const REQUIRE_PTXAS: &str = "TP_ALLREDUCE_REQUIRE_PTXAS";
+const REQUIRE_PTX_BUILD: &str = "TP_ALLREDUCE_REQUIRE_PTX_BUILD";
+const REGEN: &str = "run bash .ci/regen-ptx";
+
+/// Reports a check that cannot run, or fails when `require_var=1`.
+fn skip(why: &str, require_var: &str) {
+    if env::var(require_var).as_deref() == Ok("1") {
+        panic!("{why}, and {require_var}=1 requires this check to run");
+    }
+    eprintln!("skipped: {why}");
+}
+
+fn ptxas() -> Option<PathBuf> {
+    let found = inspect::find_tool("ptxas");
+    if found.is_none() {
+        skip("ptxas not found (run bash .ci/tools.sh)", REQUIRE_PTXAS);
+    }
+    found
+}
+
+/// ptxas's result per architecture, computed once for all tests (the
+/// architectures in parallel).
+fn assemblies(ptxas: &Path) -> &'static BTreeMap<&'static str, Result<Assembly, String>> {
+    static CACHE: OnceLock<BTreeMap<&'static str, Result<Assembly, String>>> = OnceLock::new();
+    CACHE.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ptx-checks");
+        fs::create_dir_all(&dir).expect("creating the test's temporary folder");
+        let jobs: Vec<_> = ptx::embedded()
+            .into_iter()
+            .map(|p| {
+                let (dir, ptxas) = (dir.clone(), ptxas.to_path_buf());
+                thread::spawn(move || {
+                    let file = dir.join(format!("{}.ptx", p.arch));
+                    let cubin = dir.join(format!("{}.cubin", p.arch));
+                    let result = fs::write(&file, p.text)
+                        .map_err(|e| format!("writing {}: {e}", file.display()))
+                        .and_then(|()| inspect::assemble(&ptxas, p.arch, &file, &cubin).map_err(|e| e.to_string()));
+                    (p.arch, result)
+                })
+            })
+            .collect();
+        jobs.into_iter().map(|j| j.join().expect("ptxas thread panicked")).collect()
+    })
+}
+
+#[test]
+fn every_ptx_assembles_for_its_arch() {
+    let Some(ptxas) = ptxas() else { return };
+    let version = inspect::tool_version(&ptxas).unwrap_or_else(|| "?".into());
+    let mut failures = Vec::new();
+    for (arch, result) in assemblies(&ptxas) {
+        match result {
+            Ok(a) => eprintln!("{arch}: assembled by ptxas {version} ({} functions)", a.resources.len()),
+            Err(e) => failures.push(format!("{arch}: {e}")),
+        }
+    }
+    assert!(!ptx::embedded().is_empty(), "no PTX embedded at all");
+    assert!(failures.is_empty(), "ptxas ({}) rejected embedded PTX:\n{}", ptxas.display(), failures.join("\n\n"));
+}
+
+#[test]
+fn no_extern_functions() {
+    let mut offenders = Vec::new();
+    for p in ptx::embedded() {
+        if p.text.contains(".extern .func") {
+            offenders.push(format!("embedded {} PTX", p.arch));
+        }
+    }
+    // The committed copies too: a crate built without nightly embeds them.
+    for (arch, file) in committed_ptx_files() {
+        if fs::read_to_string(&file).is_ok_and(|t| t.contains(".extern .func")) {
+            offenders.push(format!("committed {arch} PTX ({})", file.display()));
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "`.extern .func` (an external call the driver cannot load, usually a panic path core did not inline) in: {}",
+        offenders.join(", ")
+    );
+}
+
+#[test]
+fn every_expected_entry_in_every_ptx() {
+    let expected = ptx::expected_entries();
+    assert!(!expected.is_empty());
+    let mut missing = Vec::new();
+    for p in ptx::embedded() {
+        let present: BTreeSet<String> = inspect::entry_names(p.text).into_iter().collect();
+        let absent: Vec<&str> = expected.iter().filter(|e| !present.contains(*e)).map(String::as_str).collect();
+        if !absent.is_empty() {
+            missing.push(format!("{}: {}", p.arch, absent.join(", ")));
+        }
+        let extra: Vec<&String> = present.iter().filter(|e| !expected.contains(e)).collect();
+        if !extra.is_empty() {
+            eprintln!("{}: entries the host does not launch: {extra:?}", p.arch);
+        }
+    }
+    assert!(missing.is_empty(), "kernel entries missing from the PTX:\n{}", missing.join("\n"));
+}
+
+#[test]
+fn hot_kernels_use_no_local_memory() {
+    let Some(ptxas) = ptxas() else { return };
+    let results = assemblies(&ptxas);
+    let hot: BTreeSet<String> = ptx::hot_entries().into_iter().collect();
+    let archs: Vec<&str> = ptx::embedded().iter().map(|p| p.arch).collect();
+    let mut failures = Vec::new();
+
+    // Table: registers per kernel and arch; local memory as +stack/spill-st/spill-ld bytes.
+    let mut table = format!("{:<22}", "kernel (* = hot)");
+    for arch in &archs {
+        table += &format!(" {arch:>14}");
+    }
+    table.push('\n');
+    for name in ptx::expected_entries() {
+        let is_hot = hot.contains(&name);
+        table += &format!("{:<22}", format!("{name}{}", if is_hot { "*" } else { "" }));
+        for arch in &archs {
+            let cell = match &results[arch] {
+                Err(_) => {
+                    if is_hot {
+                        failures.push(format!("{arch} {name}: ptxas failed (see every_ptx_assembles_for_its_arch)"));
+                    }
+                    "ptxas failed".to_string()
+                }
+                Ok(a) => match a.resources.get(&name) {
+                    None => {
+                        if is_hot {
+                            failures.push(format!("{arch} {name}: ptxas reported no resources for it"));
+                        }
+                        "?".to_string()
+                    }
+                    Some(r) => {
+                        let local = format!("+{}/{}/{}", r.stack_frame_bytes, r.spill_store_bytes, r.spill_load_bytes);
+                        if is_hot && r.uses_local_memory() {
+                            failures.push(format!(
+                                "{arch} {name}: {} bytes stack frame, {} bytes spill stores, {} bytes spill loads",
+                                r.stack_frame_bytes, r.spill_store_bytes, r.spill_load_bytes
+                            ));
+                        }
+                        if r.uses_local_memory() {
+                            format!("{} {local}", r.registers)
+                        } else {
+                            r.registers.to_string()
+                        }
+                    }
+                },
+            };
+            table += &format!(" {cell:>14}");
+        }
+        table.push('\n');
+    }
+    eprintln!("registers per kernel (ptxas -v; +stack/spill-store/spill-load bytes when non-zero):\n{table}");
+    assert!(failures.is_empty(), "hot kernels use local memory (stack or spills):\n{}", failures.join("\n"));
+}
+
+// ---------------------------------------------------------------- committed PTX
+
+fn committed_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels-rs").join("ptx")
+}
+
+/// `kernels-rs/ptx/<arch>.ptx` for every embedded architecture.
+fn committed_ptx_files() -> Vec<(&'static str, PathBuf)> {
+    ptx::embedded().into_iter().map(|p| (p.arch, committed_dir().join(format!("{}.ptx", p.arch)))).collect()
+}
+
+/// `key = "value"` pairs of `kernels-rs/ptx/MANIFEST`, or a failure message.
+fn manifest() -> Result<BTreeMap<String, String>, String> {
+    let path = committed_dir().join("MANIFEST");
+    let text = fs::read_to_string(&path)
+        .map_err(|e| format!("no committed PTX ({}: {e}): {REGEN} and commit kernels-rs/ptx", path.display()))?;
+    Ok(text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().trim_matches('"').to_string()))
+        .collect())
+}
+
+#[test]
+fn committed_ptx_matches_kernel_sources() {
+    let manifest = manifest().unwrap_or_else(|e| panic!("{e}"));
+    let committed = manifest.get("sources_hash").map(String::as_str).unwrap_or("(none)");
+    assert_eq!(
+        committed,
+        ptx::KERNEL_SOURCES_HASH,
+        "committed PTX is stale: {REGEN} (kernels-rs/ptx/MANIFEST sources_hash = {committed}, kernels-rs sources hash = {})",
+        ptx::KERNEL_SOURCES_HASH
+    );
+}
+
+#[test]
+fn committed_ptx_is_identical_to_built_ptx() {
+    if ptx::PTX_ORIGIN != "built" {
+        skip(
+            "PTX not built from source in this build (committed PTX embedded; building needs the nightly toolchain with rust-src: bash .ci/tools.sh)",
+            REQUIRE_PTX_BUILD,
+        );
+        return;
+    }
+    let manifest = manifest().unwrap_or_else(|e| panic!("{e}"));
+    let mut differences = Vec::new();
+    for p in ptx::embedded() {
+        let file = committed_dir().join(format!("{}.ptx", p.arch));
+        match fs::read_to_string(&file) {
+            Err(e) => differences.push(format!("{}: {e}", file.display())),
+            Ok(text) if text != p.text => {
+                let line = text.lines().zip(p.text.lines()).position(|(a, b)| a != b).map(|i| i + 1);
+                let at = match line {
+                    Some(l) => format!("first difference at line {l}"),
+                    None => format!("lengths differ: {} vs {} lines", text.lines().count(), p.text.lines().count()),
+                };
+                differences.push(format!("{} differs from the built {} PTX ({at})", file.display(), p.arch));
+            }
+            Ok(_) => {}
+        }
+    }
+    if differences.is_empty() {
+        return;
+    }
+    let committed_rustc = manifest.get("rustc").map(String::as_str).unwrap_or("(unknown)");
+    let rustc_note = if committed_rustc != ptx::PTX_RUSTC_VERSION {
+        format!(
+            "\nnote: the committed PTX was built by `{committed_rustc}`, this build by `{}`; a different compiler emits different PTX, so regenerate with the toolchain CI uses",
+            ptx::PTX_RUSTC_VERSION
+        )
+    } else {
+        String::new()
+    };
+    panic!(
+        "committed PTX does not match the PTX built from these sources: {REGEN}\n{}{rustc_note}",
+        differences.join("\n")
+    );
+}
