@@ -237,9 +237,34 @@ fn build_arch(staged: &Path, out: &Path, arch: &str) -> Result<PathBuf, String> 
         }
     }
     let (_, asm) = newest.ok_or_else(|| format!("no PTX produced for {arch} in {}", deps.display()))?;
+    let text = fs::read_to_string(&asm).map_err(|e| format!("reading PTX for {arch}: {e}"))?;
     let dest = out.join(format!("{arch}.ptx"));
-    fs::copy(&asm, &dest).map_err(|e| format!("copying PTX for {arch}: {e}"))?;
+    fs::write(&dest, add_launch_bounds(&text)).map_err(|e| format!("writing PTX for {arch}: {e}"))?;
     Ok(dest)
+}
+
+/// Every kernel is launched with `THREADS_PER_BLOCK` (512) threads; Rust has
+/// no launch-bounds attribute, so the register budget is stated here:
+/// `.maxnreg 128` (65536 registers / 512 threads) between each entry's
+/// parameter list and its body makes ptxas stay within it (spilling if it
+/// must, which the PTX tests reject) instead of producing a kernel that
+/// fails to launch. (`.maxntid 512,1,1` made ptxas pick 64 registers for
+/// some kernels and spill.)
+fn add_launch_bounds(ptx: &str) -> String {
+    let mut out = String::with_capacity(ptx.len() + 4096);
+    let mut in_entry_params = false;
+    for line in ptx.lines() {
+        if line.starts_with(".visible .entry ") || line.starts_with(".entry ") {
+            in_entry_params = true;
+        }
+        out.push_str(line);
+        out.push('\n');
+        if in_entry_params && line.trim_start().starts_with(')') {
+            out.push_str(".maxnreg 128\n");
+            in_entry_params = false;
+        }
+    }
+    out
 }
 
 /// FNV-1a over the kernel crate's sources (paths and contents, sorted).

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{sys, CudaContext};
 
@@ -367,14 +367,17 @@ unsafe impl Send for KernelModule {}
 unsafe impl Sync for KernelModule {}
 
 impl KernelModule {
-    /// The module for `ctx`, loaded once per context and shared.
+    /// The module for `ctx`, loaded once per context and kept for the life
+    /// of the process. (Unloading when the last user drops it would make a
+    /// later call reload it — possibly inside a stream capture, where a
+    /// module load invalidates the capture.)
     pub fn for_context(ctx: &Arc<CudaContext>) -> Result<Arc<KernelModule>> {
-        static CACHE: OnceLock<Mutex<HashMap<usize, Weak<KernelModule>>>> = OnceLock::new();
+        static CACHE: OnceLock<Mutex<HashMap<usize, Arc<KernelModule>>>> = OnceLock::new();
         let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
         let key = ctx.cu_ctx() as usize;
         let mut map = cache.lock().map_err(|_| Error::Broken("kernel module cache poisoned".into()))?;
-        if let Some(m) = map.get(&key).and_then(Weak::upgrade) {
-            return Ok(m);
+        if let Some(m) = map.get(&key) {
+            return Ok(m.clone());
         }
         let (major, minor) = ctx.compute_capability().map_err(|e| crate::error::driver("cuDeviceGetAttribute", e))?;
         let ptx = crate::ptx::choose(major as u32, minor as u32).ok_or_else(|| {
@@ -386,7 +389,7 @@ impl KernelModule {
             ))
         })?;
         let module = Arc::new(Self::load(ctx, ptx)?);
-        map.insert(key, Arc::downgrade(&module));
+        map.insert(key, module.clone());
         Ok(module)
     }
 

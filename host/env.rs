@@ -6,7 +6,7 @@
 //! | `TP_ALLREDUCE_TRANSPORT` | `p2p` or `host-staged` | auto |
 //! | `TP_ALLREDUCE_TIMEOUT_MS` | bound of every device-side wait | 5000 |
 //! | `TP_ALLREDUCE_ISLAND_SIZE` | ranks per island for `hierarchical` | none |
-//! | `TP_ALLREDUCE_PUSH_BLOCKS` | most blocks per push-kernel launch | 4 |
+//! | `TP_ALLREDUCE_PUSH_BLOCKS` | most blocks per push-kernel launch | 16 |
 
 use std::time::Duration;
 

@@ -681,6 +681,8 @@ pub struct Scenarios {
     pub verify_pass: bool,
     /// 2 ranks on one GPU, 64 MiB f32: fraction of copy bandwidth.
     pub efficiency: bool,
+    /// Time of one tiny kernel per rank per graph step (launch floor).
+    pub launch_floor: bool,
 }
 
 /// Runs the whole benchmark and returns the report.
@@ -718,7 +720,8 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
     }
     let total = opts.sizes.len() * (selections.len() + nccl.is_some() as usize)
         + if scenarios.verify_pass { 2 } else { 0 }
-        + if scenarios.efficiency { 3 } else { 0 };
+        + if scenarios.efficiency { 3 } else { 0 }
+        + scenarios.launch_floor as usize;
     let mut progress = Progress::new(total);
     let mut measurements = Vec::new();
     for (i, &bytes) in opts.sizes.iter().enumerate() {
@@ -773,6 +776,12 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
         }
     }
     drop(comms);
+    let launch_floor_us = if scenarios.launch_floor {
+        progress.step("launch floor");
+        Some(launch_floor(&ranks)?)
+    } else {
+        None
+    };
     let mut efficiency = Vec::new();
     if scenarios.efficiency {
         efficiency = large_message_efficiency(&opts.gpus, &opts.config, &mut progress)?;
@@ -797,7 +806,56 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
         measurements,
         verify_pass: verify,
         efficiency,
+        launch_floor_us,
     })
+}
+
+/// Per-step time of graphs of tiny dependent kernels replayed on every
+/// rank's stream at once: the floor any one-kernel allreduce sits on when
+/// these ranks share the GPU(s).
+pub fn launch_floor(ranks: &Ranks) -> Result<f64> {
+    const STEPS: usize = 200;
+    let world = ranks.world();
+    let mut bufs = Vec::new();
+    let mut graphs = Vec::new();
+    for r in 0..world {
+        let b = DeviceMemory::alloc_zeroed(&ranks.contexts[r], 64)?;
+        let s = &ranks.streams[r];
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| crate::error::driver("cuStreamBeginCapture", e))?;
+        let mut captured = Ok(());
+        for _ in 0..STEPS {
+            // SAFETY: 16 f32 in place in a 64-byte buffer.
+            captured = unsafe {
+                crate::elementwise::affine_raw(&ranks.contexts[r], s.cu_stream(), b.ptr(), b.ptr(), 16, DType::F32, 1.0, 0.0)
+            };
+            if captured.is_err() {
+                break;
+            }
+        }
+        let g = s.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
+        captured?;
+        graphs.push(g.ok_or_else(|| Error::InvalidUsage("empty capture".into()))?);
+        bufs.push(b);
+    }
+    let starts: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
+    let ends: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
+    let mut samples = Vec::new();
+    for i in 0..13 {
+        for r in 0..world {
+            starts[r].record(&ranks.streams[r]).map_err(|e| crate::error::driver("cuEventRecord", e))?;
+            graphs[r].launch().map_err(|e| crate::error::driver("cuGraphLaunch", e))?;
+            ends[r].record(&ranks.streams[r]).map_err(|e| crate::error::driver("cuEventRecord", e))?;
+        }
+        for (r, s) in ranks.streams.iter().enumerate() {
+            driver::bind(&ranks.contexts[r])?;
+            driver::stream_synchronize(s.cu_stream())?;
+        }
+        if i >= 3 {
+            samples.push(span_us(&starts, &ends)? / STEPS as f64);
+        }
+    }
+    Ok(percentiles(&mut samples).0)
 }
 
 fn measurement(

@@ -31,6 +31,10 @@ pub struct Report {
     pub verify_pass: Vec<VerifyPass>,
     /// Single-GPU large-message efficiency, when measured.
     pub efficiency: Vec<Efficiency>,
+    /// Launch floor: one tiny kernel per rank per step, all ranks' streams
+    /// replaying graphs at once (what any per-call kernel costs here).
+    #[serde(default)]
+    pub launch_floor_us: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -143,6 +147,9 @@ pub fn render_table(r: &Report) -> String {
             e.copy_gbs
         )
         .unwrap();
+    }
+    if let Some(f) = r.launch_floor_us {
+        writeln!(out, "\nlaunch floor: {f:.2} us per step ({} ranks' streams each replaying a graph of tiny kernels)", r.world).unwrap();
     }
     for n in &r.notes {
         writeln!(out, "note: {n}").unwrap();

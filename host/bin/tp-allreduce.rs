@@ -137,7 +137,7 @@ fn bench(args: BenchArgs) -> Result<(), String> {
         ranks_per_gpu: args.ranks_per_gpu.max(1),
         config,
     };
-    let scenarios = Scenarios { verify_pass: !args.no_verify_pass, efficiency: args.efficiency };
+    let scenarios = Scenarios { verify_pass: !args.no_verify_pass, efficiency: args.efficiency, launch_floor: true };
     let rep = bench::run(&opts, &scenarios, &command_line).map_err(|e| e.to_string())?;
     print!("{}", report::render_table(&rep));
     let out =

@@ -67,7 +67,7 @@ impl Default for Config {
             rendezvous_timeout: Duration::from_secs(60),
             max_chunk_bytes: 8 << 20,
             one_shot_push_max_bytes: 512 << 10,
-            push_blocks: 4,
+            push_blocks: 16,
             pull_max_blocks: 36,
             ring_blocks: 4,
             ring_slots: 4,

@@ -17,7 +17,6 @@ pub(crate) struct SharedHostRegion {
     host: *mut c_void,
     device: u64,
     bytes: usize,
-    owner: bool,
     unlinked: std::sync::atomic::AtomicBool,
 }
 
@@ -98,7 +97,6 @@ impl SharedHostRegion {
                 host,
                 device,
                 bytes,
-                owner,
                 unlinked: std::sync::atomic::AtomicBool::new(!owner),
             })
         }

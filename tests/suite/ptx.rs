@@ -161,6 +161,13 @@ fn hot_kernels_use_no_local_memory() {
                                 r.stack_frame_bytes, r.spill_store_bytes, r.spill_load_bytes
                             ));
                         }
+                        // Every kernel launches with THREADS_PER_BLOCK threads;
+                        // more registers than the register file holds per
+                        // thread would make the launch fail.
+                        let budget = 65_536 / tp_allreduce_kernels::layout::THREADS_PER_BLOCK;
+                        if r.registers > budget {
+                            failures.push(format!("{arch} {name}: {} registers > {budget} (512-thread launch fails)", r.registers));
+                        }
                         if r.uses_local_memory() {
                             format!("{} {local}", r.registers)
                         } else {

@@ -24,12 +24,14 @@
 //! Reuse of generation `parity` is safe for the same reason as TwoShotPush:
 //! reaching call e+2 requires every group's flags of call e+1.
 
-use super::pack::{aligned16, load_pack, store_pack, Element};
+use super::gather::{load_all, pick_pack, pick_u32, sum_in_order};
+use super::pack::{aligned16, load_pack, store_pack, Element, ZERO_PACK};
 use super::ptx;
 use super::sync::Ctx;
 use crate::dtype_entry_points;
+use crate::for_each_rank;
 use crate::ids::{AlgorithmId, Phase};
-use crate::layout::DeviceHandle;
+use crate::layout::{DeviceHandle, MAX_RANKS};
 use crate::partition::{div_ceil, elems_in_pack, even_part};
 
 const SCATTER: u32 = 0;
@@ -74,43 +76,57 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     let tid = ctx.tid as u64;
     let in_aligned = aligned16(input as u64);
     let out_aligned = aligned16(output as u64);
-    let part = |share: u32| {
-        let (share_start, share_len) = even_part(packs, m as u64, share as u64);
-        let (part_start, part_len) = even_part(share_len, grid as u64, block as u64);
-        (share_start + part_start, part_len)
-    };
+    // Pack range of (share k, part b) for every island member k.
+    // u32: one launch handles far fewer than 2^32 packs (max_chunk_bytes).
+    let mut firsts = [0u32; MAX_RANKS];
+    let mut lens = [0u32; MAX_RANKS];
+    let mut longest = 0u64;
+    for_each_rank!(P => {
+        if (P as u32) < m {
+            let (share_start, share_len) = even_part(packs, m as u64, P as u64);
+            let (part_start, part_len) = even_part(share_len, grid as u64, block as u64);
+            firsts[P] = (share_start + part_start) as u32;
+            lens[P] = part_len as u32;
+            if part_len > longest {
+                longest = part_len;
+            }
+        }
+    });
     let mine = ctx.scratch(ctx.rank);
 
-    // 1. Island scatter.
-    for step in 0..m {
-        let k = (i + 1 + step) % m;
-        let dst = ctx.scratch(member(g, k));
-        let (first, len) = part(k);
-        let mut j = tid;
-        while j < len {
-            let pack = first + j;
-            let valid = elems_in_pack(count, lanes, pack);
-            let v = load_pack::<E>(input, pack, valid, in_aligned && valid == lanes);
-            let off = layout.hier_pack_offset(SCATTER, parity, block, i, j);
-            ptx::st_global_v4_u32(dst.add(off as usize) as *mut u32, v);
-            j += threads;
+    // 1. Island scatter: share k part b to member k (loads first, stores
+    //    staggered from member i+1).
+    let mut j = tid;
+    while j < longest {
+        let mut values = [ZERO_PACK; MAX_RANKS];
+        for_each_rank!(P => {
+            if (P as u32) < m && j < lens[P] as u64 {
+                let pack = firsts[P] as u64 + j;
+                let valid = elems_in_pack(count, lanes, pack);
+                values[P] = load_pack::<E>(input, pack, valid, in_aligned && valid == lanes);
+            }
+        });
+        for step in 0..m {
+            let k = (i + 1 + step) % m;
+            if j < pick_u32(&lens, k) as u64 {
+                let off = layout.hier_pack_offset(SCATTER, parity, block, i, j);
+                ptx::st_global_v4_u32(ctx.scratch(member(g, k)).add(off as usize) as *mut u32, pick_pack(&values, k));
+            }
         }
+        j += threads;
     }
     if !ctx.barrier_among(Phase::HierScatter, m, |t| member(g, t)) {
         return;
     }
 
-    // 2. Island reduce of share i, then to the counterparts of every island.
-    let (my_first, my_len) = part(i);
+    // 2. Island reduce of share i (member order), then to the counterparts
+    //    of every island.
+    let my_first = pick_u32(&firsts, i) as u64;
+    let my_len = pick_u32(&lens, i) as u64;
     let mut j = tid;
     while j < my_len {
-        let first = layout.hier_pack_offset(SCATTER, parity, block, 0, j);
-        let mut acc = E::to_acc(&ptx::ld_global_v4_u32(mine.add(first as usize) as *const u32));
-        for k in 1..m {
-            let off = layout.hier_pack_offset(SCATTER, parity, block, k, j);
-            E::accumulate(&mut acc, &ptx::ld_global_v4_u32(mine.add(off as usize) as *const u32));
-        }
-        let partial = E::round(&acc);
+        let parts = load_all(m, |k| mine.add(layout.hier_pack_offset(SCATTER, parity, block, k, j) as usize) as *const u8);
+        let partial = sum_in_order::<E>(&parts, m);
         for step in 0..n_islands {
             let other = (g + 1 + step) % n_islands;
             let off = layout.hier_pack_offset(CROSS, parity, block, g, j);
@@ -125,13 +141,8 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     // 3. Cross reduce (island order), then to every island member and out.
     let mut j = tid;
     while j < my_len {
-        let first = layout.hier_pack_offset(CROSS, parity, block, 0, j);
-        let mut acc = E::to_acc(&ptx::ld_global_v4_u32(mine.add(first as usize) as *const u32));
-        for other in 1..n_islands {
-            let off = layout.hier_pack_offset(CROSS, parity, block, other, j);
-            E::accumulate(&mut acc, &ptx::ld_global_v4_u32(mine.add(off as usize) as *const u32));
-        }
-        let total = E::round(&acc);
+        let parts = load_all(n_islands, |o| mine.add(layout.hier_pack_offset(CROSS, parity, block, o, j) as usize) as *const u8);
+        let total = sum_in_order::<E>(&parts, n_islands);
         for step in 1..m {
             let k = (i + step) % m;
             let off = layout.hier_pack_offset(GATHER, parity, block, i, j);
@@ -146,19 +157,18 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
         return;
     }
 
-    // 4. Copy the other members' shares.
-    for step in 1..m {
-        let k = (i + step) % m;
-        let (first, len) = part(k);
-        let mut j = tid;
-        while j < len {
-            let off = layout.hier_pack_offset(GATHER, parity, block, k, j);
-            let v = ptx::ld_global_v4_u32(mine.add(off as usize) as *const u32);
-            let pack = first + j;
-            let valid = elems_in_pack(count, lanes, pack);
-            store_pack::<E>(output, pack, valid, out_aligned && valid == lanes, &v);
-            j += threads;
-        }
+    // 4. Copy the other members' shares (all loads in flight together).
+    let mut j = tid;
+    while j < longest {
+        let values = load_all(m, |k| mine.add(layout.hier_pack_offset(GATHER, parity, block, k, j) as usize) as *const u8);
+        for_each_rank!(P => {
+            if (P as u32) < m && P as u32 != i && j < lens[P] as u64 {
+                let pack = firsts[P] as u64 + j;
+                let valid = elems_in_pack(count, lanes, pack);
+                store_pack::<E>(output, pack, valid, out_aligned && valid == lanes, &values[P]);
+            }
+        });
+        j += threads;
     }
     if ctx.tid == 0 {
         (*local).hier_epoch[b] = ctx.epoch;

@@ -11,6 +11,7 @@
 //! Entry points are `#[no_mangle] extern "ptx-kernel"` functions named
 //! `<algorithm>_<dtype>` and take only scalars and raw pointers.
 
+pub mod gather;
 pub mod pack;
 pub mod ptx;
 pub mod sync;

@@ -26,38 +26,14 @@
 //! Scratch is striped per block: block b only ever touches stripe b on every
 //! rank, so blocks are independent and the grid may differ between calls.
 
-use super::pack::{aligned16, any_word_empty, load_pack, store_pack, Element, Pack, ZERO_ACC};
+use super::gather::{poll_all, sum_in_order};
+use super::pack::{aligned16, load_pack, store_pack, Element};
 use super::ptx;
 use super::sync::Ctx;
 use crate::dtype_entry_points;
-use crate::ids::{AlgorithmId, Phase};
+use crate::ids::AlgorithmId;
 use crate::layout::{DeviceHandle, LAMPORT_EMPTY_WORD, LAMPORT_SLOTS};
 use crate::partition::{div_ceil, elems_in_pack, even_part};
-
-/// Polls one receive pack until its payload has landed (bounded).
-#[inline(always)]
-pub(crate) unsafe fn poll_pack(ctx: &Ctx, addr: *const u32, src: u32) -> Option<Pack> {
-    let mut v = ptx::ld_volatile_v4_u32(addr);
-    if !any_word_empty(&v) {
-        return Some(v);
-    }
-    let start = ptx::globaltimer_ns();
-    let mut spins: u32 = 0;
-    loop {
-        v = ptx::ld_volatile_v4_u32(addr);
-        if !any_word_empty(&v) {
-            return Some(v);
-        }
-        spins = spins.wrapping_add(1);
-        if spins % 32 == 0 {
-            if let Some(code) = ctx.wait_should_stop(start, src) {
-                let waited = ptx::globaltimer_ns().wrapping_sub(start);
-                ctx.record_error(code, Phase::Payload, src, ctx.epoch, v[0], waited);
-                return None;
-            }
-        }
-    }
-}
 
 #[inline(always)]
 unsafe fn one_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u8, output: *mut u8, count: u64) {
@@ -88,21 +64,20 @@ unsafe fn one_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     let tid = ctx.tid as u64;
     let vector_in = aligned16(input as u64);
 
-    // 1. Push this block's part to every rank (itself included), staggered:
-    //    rank r starts with r+1 so that each GPU has about one inbound and
-    //    one outbound stream at a time.
-    for i in 0..world {
-        let dst = (rank + 1 + i) % world;
-        let base = ctx.scratch(dst);
-        let mut j = tid;
-        while j < len {
-            let pack = start + j;
-            let valid = elems_in_pack(count, lanes, pack);
-            let v = E::canonicalise(load_pack::<E>(input, pack, valid, vector_in && valid == lanes));
-            let off = layout.oneshot_pack_offset(world, slot, rank, block, j);
-            ptx::st_relaxed_sys_v4_u32(base.add(off as usize) as *mut u32, v);
-            j += threads;
+    // 1. Push this block's part to every rank (itself included). Each pack
+    //    is loaded once and stored to rank+1, rank+2, ... (staggered, so that
+    //    at any moment the ranks target different peers).
+    let mut j = tid;
+    while j < len {
+        let pack = start + j;
+        let valid = elems_in_pack(count, lanes, pack);
+        let v = E::canonicalise(load_pack::<E>(input, pack, valid, vector_in && valid == lanes));
+        let off = layout.oneshot_pack_offset(world, slot, rank, block, j);
+        for i in 0..world {
+            let dst = (rank + 1 + i) % world;
+            ptx::st_relaxed_sys_v4_u32(ctx.scratch(dst).add(off as usize) as *mut u32, v);
         }
+        j += threads;
     }
 
     // 2. Re-arm generation e-1 (what this block received there last time).
@@ -116,31 +91,32 @@ unsafe fn one_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
             j += threads;
         }
     }
-    // The re-arm must be performed before this rank's next payload reaches a
-    // peer (which is what lets that peer write generation e+2 here).
-    ptx::fence_acq_rel_sys();
+    // No fence here: the re-arm must be performed before a peer writes
+    // generation e+2, which it can only do after receiving this rank's call
+    // e+1 payload — sent by the next kernel on this rank's stream, which
+    // starts only after this kernel (and every store in it) completed. A
+    // per-thread `fence.acq_rel.sys` here cost ~3 us per call (measured, 8
+    // ranks on one H200; docs/RESULTS.md).
 
-    // 3. Poll and reduce, sources in rank order (bitwise identical results).
+    // 3. Poll every source's pack at once, sum in source rank order
+    //    (bitwise identical results on every rank).
     let vector_out = aligned16(output as u64);
     let mut failed = false;
     let mut j = tid;
     while j < len && !failed {
-        let pack = start + j;
-        let mut acc = ZERO_ACC;
-        for src in 0..world {
-            let off = layout.oneshot_pack_offset(world, slot, src, block, j);
-            match poll_pack(&ctx, mine.add(off as usize) as *const u32, src) {
-                Some(v) if src == 0 => acc = E::to_acc(&v),
-                Some(v) => E::accumulate(&mut acc, &v),
-                None => {
-                    failed = true;
-                    break;
-                }
+        let polled = poll_all(
+            &ctx,
+            world,
+            |src| mine.add(layout.oneshot_pack_offset(world, slot, src, block, j) as usize) as *const u8,
+            |src| src,
+        );
+        match polled {
+            Some(packs) => {
+                let pack = start + j;
+                let valid = elems_in_pack(count, lanes, pack);
+                store_pack::<E>(output, pack, valid, vector_out && valid == lanes, &sum_in_order::<E>(&packs, world));
             }
-        }
-        if !failed {
-            let valid = elems_in_pack(count, lanes, pack);
-            store_pack::<E>(output, pack, valid, vector_out && valid == lanes, &E::round(&acc));
+            None => failed = true,
         }
         j += threads;
     }

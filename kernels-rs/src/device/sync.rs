@@ -144,6 +144,9 @@ impl<'a> Ctx<'a> {
     /// `peer` is the rank expected to write the flag (checked for abort).
     #[inline(always)]
     pub unsafe fn wait_value_geq(&self, flag: *const u32, target: u32, phase: Phase, peer: u32) -> bool {
+        // An acquire load per iteration. (Measured: relaxed loads plus one
+        // fence after the flag is seen were slower, 9.0 -> 13.0 us per
+        // OneShotPull with 8 ranks on one H200; docs/RESULTS.md.)
         let mut v = ptx::ld_acquire_sys_u32(flag);
         if seq_geq(v, target) {
             return true;

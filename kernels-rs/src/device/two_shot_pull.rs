@@ -16,6 +16,7 @@
 //! `output` may alias this rank's input: peers stop reading inputs at the mid
 //! barrier, before any rank writes its output.
 
+use super::gather::load_all;
 use super::grid_stride;
 use super::one_shot_pull::{reduce_pack_over_ranks, resolve_peer_inputs};
 use super::pack::{aligned16, store_pack, Element};
@@ -89,21 +90,24 @@ unsafe fn two_shot_pull<E: Element>(
         return;
     }
 
-    // All-gather: every slice from its owner's tmp, starting with the next
-    // rank so that ranks do not all read from rank 0 first.
+    // All-gather: every slice from its owner's tmp, all owners' loads in
+    //    flight together. (Lanes past an owner's slice read unused tmp.)
     let out_aligned = aligned16(output as u64);
-    for i in 0..ctx.world {
-        let owner = (ctx.rank + 1 + i) % ctx.world;
-        let (start, len) = even_part(packs, world, owner as u64);
-        let src = ctx.scratch(owner).add(tmp_offset as usize);
-        let mut j = first;
-        while j < len {
-            let pack = start + j;
-            let valid = elems_in_pack(count, lanes, pack);
-            let value = ptx::ld_global_v4_u32(src.add((j * PACK) as usize) as *const u32);
-            store_pack::<E>(output, pack, valid, out_aligned && valid == lanes, &value);
-            j += stride;
-        }
+    // Slice p is packs [p * size, min((p + 1) * size, packs)).
+    let size = div_ceil(packs, world);
+    let longest = if packs < size { packs } else { size };
+    let mut j = first;
+    while j < longest {
+        let values = load_all(ctx.world, |owner| ctx.scratch(owner).add((tmp_offset + j * PACK) as usize) as *const u8);
+        for_each_rank!(P => {
+            let start = P as u64 * size;
+            if (P as u32) < ctx.world && start + j < packs {
+                let pack = start + j;
+                let valid = elems_in_pack(count, lanes, pack);
+                store_pack::<E>(output, pack, valid, out_aligned && valid == lanes, &values[P]);
+            }
+        });
+        j += stride;
     }
 
     // End: nobody reads this rank's tmp any more; the next call may refill it.

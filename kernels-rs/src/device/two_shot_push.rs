@@ -25,12 +25,14 @@
 //! `output` may alias the input: each block reads all its input packs in
 //! step 1, before it writes any output pack of its own parts.
 
-use super::pack::{aligned16, load_pack, store_pack, Element};
+use super::gather::{load_all, pick_pack, pick_u32, sum_in_order};
+use super::pack::{aligned16, load_pack, store_pack, Element, ZERO_PACK};
 use super::ptx;
 use super::sync::Ctx;
 use crate::dtype_entry_points;
+use crate::for_each_rank;
 use crate::ids::{AlgorithmId, Phase};
-use crate::layout::DeviceHandle;
+use crate::layout::{DeviceHandle, MAX_RANKS};
 use crate::partition::{div_ceil, elems_in_pack, even_part};
 
 #[inline(always)]
@@ -61,27 +63,45 @@ unsafe fn two_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     let tid = ctx.tid as u64;
     let in_aligned = aligned16(input as u64);
     let out_aligned = aligned16(output as u64);
-    // Pack range of (slice s, part b): (first pack, length).
-    let part = |s: u32| {
-        let (slice_start, slice_len) = even_part(packs, world as u64, s as u64);
-        let (part_start, part_len) = even_part(slice_len, grid as u64, block as u64);
-        (slice_start + part_start, part_len)
-    };
-
-    // 1. Scatter: part b of slice p goes to rank p.
-    for i in 0..world {
-        let dst = (rank + 1 + i) % world;
-        let (first, len) = part(dst);
-        let base = ctx.scratch(dst);
-        let mut j = tid;
-        while j < len {
-            let pack = first + j;
-            let valid = elems_in_pack(count, lanes, pack);
-            let v = load_pack::<E>(input, pack, valid, in_aligned && valid == lanes);
-            let off = layout.push2_pack_offset(world, false, parity, block, rank, j);
-            ptx::st_global_v4_u32(base.add(off as usize) as *mut u32, v);
-            j += threads;
+    // Pack range of (slice s, part b) for every slice, computed once.
+    // u32: one launch handles far fewer than 2^32 packs (max_chunk_bytes).
+    let mut firsts = [0u32; MAX_RANKS];
+    let mut lens = [0u32; MAX_RANKS];
+    let mut longest = 0u64;
+    for_each_rank!(P => {
+        if (P as u32) < world {
+            let (slice_start, slice_len) = even_part(packs, world as u64, P as u64);
+            let (part_start, part_len) = even_part(slice_len, grid as u64, block as u64);
+            firsts[P] = (slice_start + part_start) as u32;
+            lens[P] = part_len as u32;
+            if part_len > longest {
+                longest = part_len;
+            }
         }
+    });
+    let mine = ctx.scratch(rank);
+
+    // 1. Scatter: part b of slice p goes to rank p. Every destination's
+    //    pack is loaded before any is stored (one memory latency per step);
+    //    destinations are visited from rank+1 on (staggered).
+    let mut j = tid;
+    while j < longest {
+        let mut values = [ZERO_PACK; MAX_RANKS];
+        for_each_rank!(P => {
+            if (P as u32) < world && j < lens[P] as u64 {
+                let pack = firsts[P] as u64 + j;
+                let valid = elems_in_pack(count, lanes, pack);
+                values[P] = load_pack::<E>(input, pack, valid, in_aligned && valid == lanes);
+            }
+        });
+        for i in 0..world {
+            let dst = (rank + 1 + i) % world;
+            if j < pick_u32(&lens, dst) as u64 {
+                let off = layout.push2_pack_offset(world, false, parity, block, rank, j);
+                ptx::st_global_v4_u32(ctx.scratch(dst).add(off as usize) as *mut u32, pick_pack(&values, dst));
+            }
+        }
+        j += threads;
     }
     // Publishes the scatter writes; acquires every rank's writes to us.
     if !ctx.barrier(Phase::PushScatter) {
@@ -89,17 +109,14 @@ unsafe fn two_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     }
 
     // 2. Reduce this rank's part, in source rank order, and push it to all.
-    let mine = ctx.scratch(rank);
-    let (my_first, my_len) = part(rank);
+    let my_first = pick_u32(&firsts, rank) as u64;
+    let my_len = pick_u32(&lens, rank) as u64;
     let mut j = tid;
     while j < my_len {
-        let first = layout.push2_pack_offset(world, false, parity, block, 0, j);
-        let mut acc = E::to_acc(&ptx::ld_global_v4_u32(mine.add(first as usize) as *const u32));
-        for src in 1..world {
-            let off = layout.push2_pack_offset(world, false, parity, block, src, j);
-            E::accumulate(&mut acc, &ptx::ld_global_v4_u32(mine.add(off as usize) as *const u32));
-        }
-        let v = E::round(&acc);
+        let parts = load_all(world, |src| {
+            mine.add(layout.push2_pack_offset(world, false, parity, block, src, j) as usize) as *const u8
+        });
+        let v = sum_in_order::<E>(&parts, world);
         for i in 1..world {
             let dst = (rank + i) % world;
             let off = layout.push2_pack_offset(world, true, parity, block, rank, j);
@@ -114,19 +131,21 @@ unsafe fn two_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
         return;
     }
 
-    // 3. Copy the other ranks' reduced parts into the output.
-    for i in 1..world {
-        let src = (rank + i) % world;
-        let (first, len) = part(src);
-        let mut j = tid;
-        while j < len {
-            let off = layout.push2_pack_offset(world, true, parity, block, src, j);
-            let v = ptx::ld_global_v4_u32(mine.add(off as usize) as *const u32);
-            let pack = first + j;
-            let valid = elems_in_pack(count, lanes, pack);
-            store_pack::<E>(output, pack, valid, out_aligned && valid == lanes, &v);
-            j += threads;
-        }
+    // 3. Copy the other ranks' reduced parts into the output (all loads of a
+    //    step in flight together).
+    let mut j = tid;
+    while j < longest {
+        let values = load_all(world, |src| {
+            mine.add(layout.push2_pack_offset(world, true, parity, block, src, j) as usize) as *const u8
+        });
+        for_each_rank!(P => {
+            if (P as u32) < world && P as u32 != rank && j < lens[P] as u64 {
+                let pack = firsts[P] as u64 + j;
+                let valid = elems_in_pack(count, lanes, pack);
+                store_pack::<E>(output, pack, valid, out_aligned && valid == lanes, &values[P]);
+            }
+        });
+        j += threads;
     }
     if ctx.tid == 0 {
         (*local).push_epoch[b] = ctx.epoch;
