@@ -14,9 +14,11 @@ pub mod elementwise;
 pub mod env;
 pub mod error;
 pub mod inspect;
+pub mod launch;
 pub mod nccl;
 pub mod ptx;
 pub mod rendezvous;
+pub mod selftest;
 
 pub use algorithm::{Algorithm, Transport};
 pub use comm::{CallPlan, Comm, Config, Element, ReduceOp, TransportPreference};

@@ -192,7 +192,8 @@ pub struct Buffers {
     host_inputs: Vec<Vec<f64>>,
 }
 
-fn random_bits(dtype: DType, n: usize, seed: u64) -> (Vec<u8>, Vec<f64>) {
+/// `n` pseudo-random values in [-1, 1) of `dtype`: their bytes and values.
+pub(crate) fn random_bits(dtype: DType, n: usize, seed: u64) -> (Vec<u8>, Vec<f64>) {
     // A small xorshift: fresh values per rank and size, no dependency.
     let mut x = seed | 1;
     let mut next = || {
@@ -226,7 +227,8 @@ fn random_bits(dtype: DType, n: usize, seed: u64) -> (Vec<u8>, Vec<f64>) {
     (bytes, values)
 }
 
-fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+/// Values of raw `dtype` bytes.
+pub(crate) fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
     match dtype {
         DType::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(),
         DType::F16 => {
@@ -827,13 +829,24 @@ pub fn launch_floor(ranks: &Ranks) -> Result<f64> {
         for _ in 0..STEPS {
             // SAFETY: 16 f32 in place in a 64-byte buffer.
             captured = unsafe {
-                crate::elementwise::affine_raw(&ranks.contexts[r], s.cu_stream(), b.ptr(), b.ptr(), 16, DType::F32, 1.0, 0.0)
+                crate::elementwise::affine_raw(
+                    &ranks.contexts[r],
+                    s.cu_stream(),
+                    b.ptr(),
+                    b.ptr(),
+                    16,
+                    DType::F32,
+                    1.0,
+                    0.0,
+                )
             };
             if captured.is_err() {
                 break;
             }
         }
-        let g = s.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
+        let g = s
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
         captured?;
         graphs.push(g.ok_or_else(|| Error::InvalidUsage("empty capture".into()))?);
         bufs.push(b);

@@ -149,7 +149,12 @@ pub fn render_table(r: &Report) -> String {
         .unwrap();
     }
     if let Some(f) = r.launch_floor_us {
-        writeln!(out, "\nlaunch floor: {f:.2} us per step ({} ranks' streams each replaying a graph of tiny kernels)", r.world).unwrap();
+        writeln!(
+            out,
+            "\nlaunch floor: {f:.2} us per step ({} ranks' streams each replaying a graph of tiny kernels)",
+            r.world
+        )
+        .unwrap();
     }
     for n in &r.notes {
         writeln!(out, "note: {n}").unwrap();

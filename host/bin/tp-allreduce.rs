@@ -19,6 +19,67 @@ struct Cli {
 enum Command {
     /// Time allreduce against NCCL on the visible GPUs (in-process ranks).
     Bench(BenchArgs),
+    /// Per-kernel registers, spills, memory operations and syncs from the
+    /// embedded PTX (default sm_120); writes PTX and SASS to a folder.
+    Inspect(InspectArgs),
+    /// Start N processes, one per rank, with the rank environment set.
+    Launch(LaunchArgs),
+    /// Correctness check of a launched rank (run under `launch`).
+    Selftest(SelftestArgs),
+    /// Cross-process rendezvous check of a launched rank (no GPU needed).
+    #[command(hide = true)]
+    ProbeRendezvous {
+        #[arg(long, default_value_t = 20)]
+        rounds: usize,
+    },
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    /// Architecture: sm_120, sm_90, sm_89 or sm_80.
+    #[arg(long, default_value = "sm_120")]
+    arch: String,
+    /// Where to write the PTX, cubin, ptxas log and SASS.
+    #[arg(long, default_value = "results/inspect")]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct LaunchArgs {
+    /// Number of ranks (processes).
+    #[arg(short = 'n', long)]
+    ranks: usize,
+    /// GPUs to place ranks on, round-robin (default: all on GPU 0).
+    #[arg(long, value_delimiter = ',')]
+    gpus: Vec<usize>,
+    /// Seconds the other ranks get after one fails, before they are killed.
+    #[arg(long, default_value_t = 30)]
+    grace: u64,
+    /// Bound of the whole launch in seconds (0: none).
+    #[arg(long, default_value_t = 0)]
+    timeout: u64,
+    /// The command each rank runs.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+#[derive(Args)]
+struct SelftestArgs {
+    /// A short run (fewer sizes and replays).
+    #[arg(long)]
+    quick: bool,
+    /// Comma-separated algorithms (default: all of ours).
+    #[arg(long)]
+    algorithms: Option<String>,
+    /// `R:K`: rank R SIGKILLs itself after K calls (fault test).
+    #[arg(long)]
+    fault: Option<String>,
+    /// Seed shared by all ranks (default: from TP_ALLREDUCE_TEST_SEED or the job).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Islands for the hierarchical algorithm (ranks per island).
+    #[arg(long)]
+    island_size: Option<usize>,
 }
 
 #[derive(Args)]
@@ -154,10 +215,114 @@ fn bench(args: BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn inspect(args: InspectArgs) -> Result<(), String> {
+    let report = tp_allreduce::inspect::inspect(&args.arch, &args.out).map_err(|e| e.to_string())?;
+    print!("{}", tp_allreduce::inspect::render(&report));
+    println!("files: {}", args.out.display());
+    Ok(())
+}
+
+fn launch(args: LaunchArgs) -> Result<(), String> {
+    let opts = tp_allreduce::launch::LaunchOptions {
+        world_size: args.ranks,
+        gpus: args.gpus,
+        grace: std::time::Duration::from_secs(args.grace),
+        timeout: (args.timeout > 0).then(|| std::time::Duration::from_secs(args.timeout)),
+    };
+    let outcomes = tp_allreduce::launch::launch(&opts, &args.command).map_err(|e| e.to_string())?;
+    let failed: Vec<_> = outcomes.iter().filter(|o| !o.success).collect();
+    for o in &outcomes {
+        eprintln!("launch: rank {}: {}", o.rank, o.status);
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{} of {} ranks failed", failed.len(), outcomes.len()))
+    }
+}
+
+fn rank_env() -> Result<tp_allreduce::launch::RankEnv, String> {
+    tp_allreduce::launch::RankEnv::from_env()
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| "not started by `tp-allreduce launch` (TP_ALLREDUCE_RANK is not set)".to_string())
+}
+
+fn selftest(args: SelftestArgs) -> Result<(), String> {
+    let env = rank_env()?;
+    let algorithms = match &args.algorithms {
+        None => Algorithm::OURS.to_vec(),
+        Some(list) => {
+            list.split(',').map(|a| a.parse::<Algorithm>().map_err(|e| e.to_string())).collect::<Result<_, _>>()?
+        }
+    };
+    let fault = match &args.fault {
+        None => None,
+        Some(f) => {
+            let (r, k) = f.split_once(':').ok_or("--fault takes RANK:CALLS")?;
+            Some((r.parse().map_err(|_| "bad fault rank")?, k.parse().map_err(|_| "bad fault call count")?))
+        }
+    };
+    let seed = args
+        .seed
+        .or_else(|| std::env::var("TP_ALLREDUCE_TEST_SEED").ok().and_then(|s| s.parse().ok()))
+        .unwrap_or_else(|| u64::from_le_bytes(env.id.job_id()[..8].try_into().unwrap()));
+    let mut config = Config::from_env().map_err(|e| e.to_string())?;
+    if args.island_size.is_some() {
+        config.island_size = args.island_size;
+    }
+    let sizes: Vec<usize> = if args.quick {
+        vec![2, 18, 4_096, 43_008, 262_142]
+    } else {
+        vec![2, 6, 18, 34, 1_000, 4_096, 16_386, 43_008, 65_538, 262_142, 1_048_578, 8_388_608]
+    };
+    let opts = tp_allreduce::selftest::SelftestOptions {
+        sizes,
+        dtypes: DType::ALL.to_vec(),
+        algorithms,
+        graph_allreduces: if args.quick { 50 } else { 60 },
+        graph_replays: if args.quick { 200 } else { 300 },
+        seed,
+        fault,
+        config,
+    };
+    println!("rank {}: seed {seed}", env.rank);
+    let summary = tp_allreduce::selftest::run(&env, &opts).map_err(|e| format!("rank {}: {e}", env.rank))?;
+    println!(
+        "rank {}: selftest passed: {} eager cases, {} graph replays ({:.1} s)",
+        env.rank,
+        summary.eager_cases,
+        summary.graph_replays,
+        summary.elapsed.as_secs_f64()
+    );
+    Ok(())
+}
+
+fn probe_rendezvous(rounds: usize) -> Result<(), String> {
+    let env = rank_env()?;
+    let rdv = tp_allreduce::rendezvous::connect(&env.id, env.rank, env.world_size, std::time::Duration::from_secs(30))
+        .map_err(|e| e.to_string())?;
+    for round in 0..rounds {
+        let mine = format!("rank {} round {round} pid {}", env.rank, std::process::id()).into_bytes();
+        let all = rdv.all_gather(&mine).map_err(|e| e.to_string())?;
+        for (r, got) in all.iter().enumerate() {
+            let text = String::from_utf8_lossy(got);
+            if !text.starts_with(&format!("rank {r} round {round} pid ")) {
+                return Err(format!("round {round}: rank {r} sent {text:?}"));
+            }
+        }
+    }
+    println!("rank {}: {rounds} rendezvous rounds across {} processes ok", env.rank, env.world_size);
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(a) => bench(a),
+        Command::Inspect(a) => inspect(a),
+        Command::Launch(a) => launch(a),
+        Command::Selftest(a) => selftest(a),
+        Command::ProbeRendezvous { rounds } => probe_rendezvous(rounds),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -131,6 +131,12 @@ impl Comm {
         self.nccl.is_some()
     }
 
+    /// Collective: every rank's `mine`, in rank order, through the
+    /// communicator's rendezvous (small host-side messages only).
+    pub fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.rendezvous.all_gather(mine)
+    }
+
     /// Forces an algorithm for later calls (`None`: back to the selection).
     /// Takes effect immediately on this rank; every rank must do the same.
     pub fn set_algorithm(&mut self, algorithm: Option<Algorithm>) -> Result<()> {

@@ -10,4 +10,5 @@ mod gpu_errors;
 mod gpu_foundation;
 mod gpu_graph;
 mod gpu_timeout;
+mod multiprocess;
 mod ptx;

@@ -166,7 +166,10 @@ fn hot_kernels_use_no_local_memory() {
                         // thread would make the launch fail.
                         let budget = 65_536 / tp_allreduce_kernels::layout::THREADS_PER_BLOCK;
                         if r.registers > budget {
-                            failures.push(format!("{arch} {name}: {} registers > {budget} (512-thread launch fails)", r.registers));
+                            failures.push(format!(
+                                "{arch} {name}: {} registers > {budget} (512-thread launch fails)",
+                                r.registers
+                            ));
                         }
                         if r.uses_local_memory() {
                             format!("{} {local}", r.registers)

@@ -125,7 +125,8 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     let my_len = pick_u32(&lens, i) as u64;
     let mut j = tid;
     while j < my_len {
-        let parts = load_all(m, |k| mine.add(layout.hier_pack_offset(SCATTER, parity, block, k, j) as usize) as *const u8);
+        let parts =
+            load_all(m, |k| mine.add(layout.hier_pack_offset(SCATTER, parity, block, k, j) as usize) as *const u8);
         let partial = sum_in_order::<E>(&parts, m);
         for step in 0..n_islands {
             let other = (g + 1 + step) % n_islands;
@@ -141,7 +142,9 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     // 3. Cross reduce (island order), then to every island member and out.
     let mut j = tid;
     while j < my_len {
-        let parts = load_all(n_islands, |o| mine.add(layout.hier_pack_offset(CROSS, parity, block, o, j) as usize) as *const u8);
+        let parts = load_all(n_islands, |o| {
+            mine.add(layout.hier_pack_offset(CROSS, parity, block, o, j) as usize) as *const u8
+        });
         let total = sum_in_order::<E>(&parts, n_islands);
         for step in 1..m {
             let k = (i + step) % m;
@@ -160,7 +163,8 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     // 4. Copy the other members' shares (all loads in flight together).
     let mut j = tid;
     while j < longest {
-        let values = load_all(m, |k| mine.add(layout.hier_pack_offset(GATHER, parity, block, k, j) as usize) as *const u8);
+        let values =
+            load_all(m, |k| mine.add(layout.hier_pack_offset(GATHER, parity, block, k, j) as usize) as *const u8);
         for_each_rank!(P => {
             if (P as u32) < m && P as u32 != i && j < lens[P] as u64 {
                 let pack = firsts[P] as u64 + j;

@@ -1,0 +1,186 @@
+//! Starting one process per rank on this host: `tp-allreduce launch -n N --
+//! <command>` and the environment contract the ranks read.
+//!
+//! Every rank gets `TP_ALLREDUCE_RANK`, `TP_ALLREDUCE_WORLD_SIZE`,
+//! `TP_ALLREDUCE_ID` (the rendezvous id, created here) and
+//! `TP_ALLREDUCE_DEVICE` (the CUDA ordinal it should use). Output lines are
+//! prefixed with `[rank r]`. If a rank fails (non-zero exit or a signal),
+//! the launcher says which and how, gives the others `grace` to notice
+//! (their collectives fail within the communicator's timeout) and then
+//! kills what is left, so a launch never hangs.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+
+use crate::comm::{Comm, Config};
+use crate::error::{Error, Result};
+use crate::rendezvous::Id;
+
+/// The rank environment of a process started by the launcher.
+#[derive(Clone, Debug)]
+pub struct RankEnv {
+    pub rank: usize,
+    pub world_size: usize,
+    pub id: Id,
+    pub device: usize,
+}
+
+impl RankEnv {
+    /// `Ok(None)` when the process was not started by the launcher.
+    pub fn from_env() -> Result<Option<RankEnv>> {
+        let Ok(rank) = std::env::var("TP_ALLREDUCE_RANK") else {
+            return Ok(None);
+        };
+        let get = |name: &str| std::env::var(name).map_err(|_| Error::Config(format!("{name} is not set")));
+        let num = |name: &str, v: String| {
+            v.parse::<usize>().map_err(|_| Error::Config(format!("{name}={v} is not a number")))
+        };
+        Ok(Some(RankEnv {
+            rank: num("TP_ALLREDUCE_RANK", rank)?,
+            world_size: num("TP_ALLREDUCE_WORLD_SIZE", get("TP_ALLREDUCE_WORLD_SIZE")?)?,
+            id: get("TP_ALLREDUCE_ID")?.parse()?,
+            device: num("TP_ALLREDUCE_DEVICE", get("TP_ALLREDUCE_DEVICE").unwrap_or_else(|_| "0".into()))?,
+        }))
+    }
+
+    /// The communicator for this rank on `stream`.
+    pub fn comm(&self, stream: Arc<CudaStream>, config: Config) -> Result<Comm> {
+        Comm::from_rank_with_config(stream, self.rank, self.world_size, self.id.clone(), config)
+    }
+}
+
+/// How a rank ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankOutcome {
+    pub rank: usize,
+    pub status: String,
+    pub success: bool,
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("killed by signal {s}{}", if s == 9 { " (SIGKILL)" } else { "" }),
+        _ => "unknown status".into(),
+    }
+}
+
+/// SIGKILL to the rank's process group, then reap it.
+fn kill_group(child: &mut Child) {
+    // SAFETY: signals the group the launcher created for this child.
+    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Options of [`launch`].
+#[derive(Clone, Debug)]
+pub struct LaunchOptions {
+    pub world_size: usize,
+    /// CUDA ordinals, assigned round-robin (empty: all ranks on device 0).
+    pub gpus: Vec<usize>,
+    /// After a rank fails, how long the others get before they are killed.
+    pub grace: Duration,
+    /// Whole-launch bound (None: unbounded).
+    pub timeout: Option<Duration>,
+}
+
+/// Runs `command` once per rank and waits for all. Returns every rank's
+/// outcome; `Err` only when processes could not be started.
+pub fn launch(opts: &LaunchOptions, command: &[String]) -> Result<Vec<RankOutcome>> {
+    if command.is_empty() {
+        return Err(Error::invalid("launch: no command given"));
+    }
+    if opts.world_size == 0 || opts.world_size > tp_allreduce_kernels::layout::MAX_RANKS {
+        return Err(Error::invalid(format!("launch: -n must be in 1..={}", tp_allreduce_kernels::layout::MAX_RANKS)));
+    }
+    let id = Id::new_unix()?;
+    let mut children: Vec<Option<Child>> = Vec::new();
+    let mut printers = Vec::new();
+    for rank in 0..opts.world_size {
+        let device = if opts.gpus.is_empty() { 0 } else { opts.gpus[rank % opts.gpus.len()] };
+        // Each rank leads its own process group so that killing it also
+        // kills whatever it started (which may hold its output pipes).
+        let spawned = Command::new(&command[0])
+            .args(&command[1..])
+            .process_group(0)
+            .env("TP_ALLREDUCE_RANK", rank.to_string())
+            .env("TP_ALLREDUCE_WORLD_SIZE", opts.world_size.to_string())
+            .env("TP_ALLREDUCE_ID", id.to_string())
+            .env("TP_ALLREDUCE_DEVICE", device.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                for c in children.iter_mut().flatten() {
+                    kill_group(c);
+                }
+                return Err(Error::io(format!("starting rank {rank}: {}", command[0]), e));
+            }
+        };
+        if let Some(out) = child.stdout.take() {
+            printers.push(std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+                    println!("[rank {rank}] {line}");
+                }
+            }));
+        }
+        if let Some(err) = child.stderr.take() {
+            printers.push(std::thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
+                    eprintln!("[rank {rank}] {line}");
+                }
+            }));
+        }
+        children.push(Some(child));
+    }
+    let started = Instant::now();
+    let mut outcomes: Vec<Option<RankOutcome>> = vec![None; opts.world_size];
+    let mut first_failure: Option<Instant> = None;
+    while outcomes.iter().any(|o| o.is_none()) {
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot.as_mut() else { continue };
+            if let Ok(Some(status)) = child.try_wait() {
+                let success = status.success();
+                if !success && first_failure.is_none() {
+                    first_failure = Some(Instant::now());
+                    eprintln!(
+                        "launch: rank {rank} failed ({}); the other ranks have {:?} to finish",
+                        describe(status),
+                        opts.grace
+                    );
+                }
+                outcomes[rank] = Some(RankOutcome { rank, status: describe(status), success });
+                *slot = None;
+            }
+        }
+        let overdue = first_failure.is_some_and(|t| t.elapsed() > opts.grace)
+            || opts.timeout.is_some_and(|t| started.elapsed() > t);
+        if overdue {
+            for (rank, slot) in children.iter_mut().enumerate() {
+                if let Some(child) = slot.as_mut() {
+                    kill_group(child);
+                    eprintln!("launch: killed rank {rank} (did not finish in time)");
+                    outcomes[rank] =
+                        Some(RankOutcome { rank, status: "killed by the launcher".into(), success: false });
+                    *slot = None;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for p in printers {
+        let _ = p.join();
+    }
+    // Rank 0 removes its socket; after a crash the launcher does.
+    id.remove_files();
+    Ok(outcomes.into_iter().flatten().collect())
+}

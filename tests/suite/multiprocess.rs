@@ -1,0 +1,192 @@
+//! Several processes, one rank each, started by `tp-allreduce launch`:
+//! cross-process rendezvous (CPU), the launcher's failure reporting (CPU),
+//! the allreduce over CUDA IPC with eager and graph paths (GPU), and the
+//! SIGKILL fault test (GPU). Ranks sharing one GPU need MPS (without it two
+//! contexts time-slice and a round trip costs ~5 ms); those tests skip
+//! visibly without it, and `TP_ALLREDUCE_REQUIRE_MPS=1` makes that a failure.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use crate::common;
+
+/// The CLI binary (`TP_ALLREDUCE_BIN` overrides the build-time path, for
+/// test binaries copied to another machine).
+fn bin() -> PathBuf {
+    std::env::var_os("TP_ALLREDUCE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tp-allreduce")))
+}
+
+fn launch(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let exe = bin();
+    let mut cmd = Command::new(&exe);
+    cmd.arg("launch").args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap_or_else(|e| panic!("running {}: {e}", exe.display()))
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// A private runtime directory so leftovers are visible.
+fn scratch_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tpar-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn launched_processes_rendezvous() {
+    let dir = scratch_dir("probe");
+    let exe = bin();
+    let o = launch(
+        &["-n", "4", "--", exe.to_str().unwrap(), "probe-rendezvous", "--rounds", "25"],
+        &[("XDG_RUNTIME_DIR", dir.to_str().unwrap())],
+    );
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    for r in 0..4 {
+        assert!(out.contains(&format!("[rank {r}] rank {r}: 25 rendezvous rounds across 4 processes ok")), "{out}");
+    }
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "rendezvous files left behind");
+    let _ = std::fs::remove_dir(&dir);
+}
+
+#[test]
+fn launcher_names_a_killed_rank_and_does_not_hang() {
+    let started = Instant::now();
+    let o = launch(
+        &[
+            "-n",
+            "3",
+            "--grace",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "if [ \"$TP_ALLREDUCE_RANK\" = 1 ]; then kill -9 $$; fi; sleep 30",
+        ],
+        &[],
+    );
+    let out = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(out.contains("rank 1 failed (killed by signal 9 (SIGKILL))"), "{out}");
+    assert!(out.contains("killed rank 0") && out.contains("killed rank 2"), "{out}");
+    assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
+}
+
+/// `Some(reason)` when multi-process GPU tests cannot run here.
+fn multi_process_gpu_unavailable(test: &str) -> bool {
+    if common::gpu(test).is_none() {
+        return true;
+    }
+    let gpus = tp_allreduce::driver::device_count();
+    if gpus < 2 && std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_none() {
+        if std::env::var("TP_ALLREDUCE_REQUIRE_MPS").as_deref() == Ok("1") {
+            panic!("{test}: several processes on one GPU need MPS, but TP_ALLREDUCE_REQUIRE_MPS=1 and CUDA_MPS_PIPE_DIRECTORY is unset");
+        }
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "skipped: several processes on one GPU need MPS ({test})");
+        return true;
+    }
+    false
+}
+
+fn gpu_list() -> String {
+    let n = tp_allreduce::driver::device_count().max(1);
+    (0..n).map(|g| g.to_string()).collect::<Vec<_>>().join(",")
+}
+
+#[test]
+fn multi_process_selftest_eager_and_graph() {
+    let _lock = common::gpu_lock();
+    if multi_process_gpu_unavailable("multi_process_selftest_eager_and_graph") {
+        return;
+    }
+    let exe = bin();
+    let gpus = gpu_list();
+    for (n, islands) in [("2", None), ("4", Some("2"))] {
+        let dir = scratch_dir(&format!("selftest{n}"));
+        let mut args = vec![
+            "-n",
+            n,
+            "--gpus",
+            &gpus,
+            "--grace",
+            "20",
+            "--timeout",
+            "280",
+            "--",
+            exe.to_str().unwrap(),
+            "selftest",
+            "--quick",
+        ];
+        if let Some(m) = islands {
+            args.extend(["--island-size", m]);
+        }
+        let o = launch(&args, &[("XDG_RUNTIME_DIR", dir.to_str().unwrap()), ("TP_ALLREDUCE_TIMEOUT_MS", "3000")]);
+        let out = text(&o);
+        eprintln!("{out}");
+        assert!(o.status.success(), "{n} processes:\n{out}");
+        let n: usize = n.parse().unwrap();
+        for r in 0..n {
+            assert!(out.contains(&format!("[rank {r}] rank {r}: selftest passed")), "rank {r} did not pass:\n{out}");
+        }
+        // Pull algorithms registered their captured inputs over IPC.
+        assert!(!out.contains("skipped:"), "{out}");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "rendezvous files left behind");
+        let _ = std::fs::remove_dir(&dir);
+    }
+}
+
+#[test]
+fn sigkill_of_one_rank_fails_the_others_cleanly() {
+    let _lock = common::gpu_lock();
+    if multi_process_gpu_unavailable("sigkill_of_one_rank_fails_the_others_cleanly") {
+        return;
+    }
+    let exe = bin();
+    let gpus = gpu_list();
+    let dir = scratch_dir("fault");
+    let started = Instant::now();
+    let o = launch(
+        &[
+            "-n",
+            "4",
+            "--gpus",
+            &gpus,
+            "--grace",
+            "30",
+            "--timeout",
+            "120",
+            "--",
+            exe.to_str().unwrap(),
+            "selftest",
+            "--quick",
+            "--fault",
+            "2:7",
+        ],
+        &[("XDG_RUNTIME_DIR", dir.to_str().unwrap()), ("TP_ALLREDUCE_TIMEOUT_MS", "2000")],
+    );
+    let out = text(&o);
+    eprintln!("{out}");
+    let elapsed = started.elapsed();
+    assert!(out.contains("rank 2 failed (killed by signal 9 (SIGKILL))"), "{out}");
+    for r in [0, 1, 3] {
+        assert!(
+            out.contains(&format!("[rank {r}] rank {r}: survived the fault")),
+            "rank {r} did not fail cleanly:\n{out}"
+        );
+        assert!(out.contains(&format!("launch: rank {r}: exit code 0")), "rank {r} did not exit cleanly:\n{out}");
+    }
+    assert!(!out.contains("killed by the launcher"), "a survivor hung:\n{out}");
+    assert!(elapsed < Duration::from_secs(60), "took {elapsed:?}");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "rendezvous files left behind");
+    let _ = std::fs::remove_dir(&dir);
+}
