@@ -7,8 +7,11 @@
 //! See README.md for the overview and ARCHITECTURE.md for the design.
 
 pub mod algorithm;
+pub mod env;
 pub mod error;
 pub mod ptx;
+pub mod topology;
+pub mod tuning;
 
 pub use algorithm::{Algorithm, Transport};
 pub use error::{Error, Result};
