@@ -132,16 +132,11 @@ pub fn discover() -> Result<Topology> {
         }
     }
     // The driver may answer asymmetrically; the model needs one kind per pair.
-    for i in 0..n {
-        for j in 0..i {
-            let worse = if pairs[i][j].link.quality() <= pairs[j][i].link.quality() {
-                pairs[i][j].link
-            } else {
-                pairs[j][i].link
-            };
-            pairs[i][j].link = worse;
-            pairs[j][i].link = worse;
-        }
+    for (i, j) in (0..n).flat_map(|i| (0..i).map(move |j| (i, j))) {
+        let (a, b) = (pairs[i][j].link, pairs[j][i].link);
+        let worse = if a.quality() <= b.quality() { a } else { b };
+        pairs[i][j].link = worse;
+        pairs[j][i].link = worse;
     }
     let t = Topology {
         name: source.into(),

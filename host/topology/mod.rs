@@ -236,6 +236,27 @@ pub struct Topology {
     pub islands: Option<Islands>,
 }
 
+/// Connected components of `0..n` under `joined` (symmetric), numbered in
+/// order of their smallest member.
+pub(crate) fn components(n: usize, joined: impl Fn(usize, usize) -> bool) -> Vec<usize> {
+    let mut id = vec![usize::MAX; n];
+    let mut next = 0;
+    while let Some(start) = id.iter().position(|&x| x == usize::MAX) {
+        id[start] = next;
+        let mut stack = vec![start];
+        while let Some(a) = stack.pop() {
+            for (b, slot) in id.iter_mut().enumerate() {
+                if *slot == usize::MAX && joined(a, b) {
+                    *slot = next;
+                    stack.push(b);
+                }
+            }
+        }
+        next += 1;
+    }
+    id
+}
+
 /// FNV-1a, 64 bit: small, specified, identical on every platform.
 fn fnv1a64(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -438,28 +459,11 @@ impl Topology {
         levels.dedup();
         // Ascending: the first qualifying threshold is the coarsest split.
         for &t in &levels {
-            let mut island = vec![usize::MAX; n];
-            let mut groups: Vec<Vec<usize>> = Vec::new();
-            for start in 0..n {
-                if island[start] != usize::MAX {
-                    continue;
-                }
-                let g = groups.len();
-                let mut members = vec![start];
-                island[start] = g;
-                let mut k = 0;
-                while k < members.len() {
-                    let a = members[k];
-                    for b in 0..n {
-                        if island[b] == usize::MAX && q(a, b) >= t {
-                            island[b] = g;
-                            members.push(b);
-                        }
-                    }
-                    k += 1;
-                }
-                members.sort_unstable();
-                groups.push(members);
+            let id = components(n, |a, b| q(a, b) >= t);
+            let count = id.iter().max().map_or(0, |m| m + 1);
+            let mut groups: Vec<Vec<usize>> = vec![Vec::new(); count];
+            for (r, &g) in id.iter().enumerate() {
+                groups[g].push(r);
             }
             let m = groups[0].len();
             let equal = groups.iter().all(|g| g.len() == m);
