@@ -7,6 +7,7 @@
 //! See README.md for the overview and ARCHITECTURE.md for the design.
 
 pub mod algorithm;
+pub mod cost_model;
 pub mod env;
 pub mod error;
 pub mod ptx;
