@@ -10,7 +10,9 @@ pub mod algorithm;
 pub mod cost_model;
 pub mod env;
 pub mod error;
+pub mod plan;
 pub mod ptx;
+pub mod selection;
 pub mod topology;
 pub mod tuning;
 
