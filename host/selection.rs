@@ -391,24 +391,33 @@ impl SelectionTable {
         constraints: &Constraints,
     ) -> SelectionTable {
         let bounds = bucket_bounds();
-        let mut choices = Vec::with_capacity(DType::ALL.len() * 2 * bounds.len());
+        let at = |i: usize| {
+            if bounds[i] == usize::MAX {
+                bounds[i - 1].saturating_mul(2)
+            } else {
+                bounds[i]
+            }
+        };
+        // The model does not depend on the dtype: evaluate it once per
+        // (capturing, bucket) and only re-select where the tuning table
+        // has an entry for that dtype.
+        let model_only: Vec<Choice> = [false, true]
+            .into_iter()
+            .flat_map(|capturing| (0..bounds.len()).map(move |i| (capturing, i)))
+            .map(|(capturing, i)| {
+                select_view(model, None, view, DType::F32, at(i), capturing, constraints)
+            })
+            .collect();
+        let mut choices = Vec::with_capacity(DType::ALL.len() * model_only.len());
         for dtype in DType::ALL {
             for capturing in [false, true] {
-                for (i, &b) in bounds.iter().enumerate() {
-                    let at = if b == usize::MAX {
-                        bounds[i - 1].saturating_mul(2)
+                for i in 0..bounds.len() {
+                    let measured = tuning.and_then(|t| t.lookup(dtype, at(i))).is_some();
+                    choices.push(if measured {
+                        select_view(model, tuning, view, dtype, at(i), capturing, constraints)
                     } else {
-                        b
-                    };
-                    choices.push(select_view(
-                        model,
-                        tuning,
-                        view,
-                        dtype,
-                        at,
-                        capturing,
-                        constraints,
-                    ));
+                        model_only[usize::from(capturing) * bounds.len() + i].clone()
+                    });
                 }
             }
         }
@@ -769,6 +778,41 @@ mod tests {
             &c,
         );
         assert_eq!(ch.source, Source::Model);
+    }
+
+    #[test]
+    fn table_uses_tuning_only_where_measured() {
+        let view = embedded::default_topology();
+        let c = Constraints::for_topology(&view);
+        let meta = TuningMeta::for_topology(&view, "test");
+        let m = |algorithm, median_us| Measurement {
+            bucket_bytes: 65536,
+            dtype: DType::Bf16,
+            algorithm,
+            transport: Transport::PeerToPeer,
+            median_us,
+        };
+        let tuning = TuningTable::from_measurements(
+            meta,
+            vec![m(Algorithm::Ring, 9.0), m(Algorithm::Nccl, 20.0)],
+        )
+        .unwrap();
+        let model = CostModel::default();
+        let table = SelectionTable::build(&model, Some(&tuning), &view, &c);
+        for dtype in DType::ALL {
+            for bytes in [4096, 43008, 65536, 1 << 20] {
+                let direct = select_with(&model, Some(&tuning), &view, 8, dtype, bytes, true, &c);
+                let i = table.bounds().partition_point(|&b| b < bytes);
+                let at = table.bounds()[i];
+                let expected = select_with(&model, Some(&tuning), &view, 8, dtype, at, true, &c);
+                assert_eq!(table.lookup(bytes, dtype, true), &expected);
+                if dtype == DType::Bf16 && bytes == 43008 {
+                    assert_eq!(direct.algorithm, Algorithm::Ring);
+                    assert_eq!(table.lookup(bytes, dtype, true).source, Source::Tuning);
+                }
+            }
+        }
+        assert_eq!(table.lookup(43008, DType::F32, true).source, Source::Model);
     }
 
     #[test]
