@@ -466,7 +466,7 @@ fn sysfs_relation(a: &GpuInfo, b: &GpuInfo) -> PcieRelation {
     )
 }
 
-/// Pure part of [`sysfs_relation`]: paths are the components from the host
+/// Pure part of `sysfs_relation`: paths are the components from the host
 /// bridge (`pci0000:00`) down to the GPU's parent port.
 pub fn relation_from_paths(
     a: Option<&[String]>,
