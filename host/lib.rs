@@ -9,6 +9,7 @@
 pub mod algorithm;
 pub mod bench;
 pub mod comm;
+pub mod cost_model;
 pub mod driver;
 pub mod elementwise;
 pub mod env;
@@ -16,9 +17,13 @@ pub mod error;
 pub mod inspect;
 pub mod launch;
 pub mod nccl;
+pub mod plan;
 pub mod ptx;
 pub mod rendezvous;
+pub mod selection;
 pub mod selftest;
+pub mod topology;
+pub mod tuning;
 
 pub use algorithm::{Algorithm, Transport};
 pub use comm::{CallPlan, Comm, Config, Element, ReduceOp, TransportPreference};

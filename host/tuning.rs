@@ -1,0 +1,622 @@
+//! The persisted tuning table: measured median times per algorithm and size
+//! bucket on one machine, which replace the cost model's predictions where
+//! they exist.
+//!
+//! # Key
+//! A table is valid for one (GPU model, topology fingerprint, world size);
+//! inside, entries are keyed by (dtype, bucket bytes). The fingerprint is
+//! that of the communicator's *rank view* ([`Topology::for_ranks`]), so a
+//! table measured on GPUs 0-3 of a 2-socket box does not apply to ranks on
+//! GPUs 0,1,4,5. A table whose key does not match is ignored, with a reason
+//! the caller logs ([`Applicability`]); it is never an error.
+//!
+//! # File format (TOML)
+//! ```toml
+//! format = 1
+//!
+//! [meta]
+//! gpu_model = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+//! fingerprint = "e2c5c89df4a0737f"
+//! world_size = 8
+//! captured = true                 # medians from CUDA-graph replay
+//! tool = "tp-allreduce tune 0.1.0"
+//!
+//! [[entry]]
+//! dtype = "bf16"
+//! bytes = 65536                   # the bucket: the size that was measured
+//! winner = "hierarchical"
+//! winner_transport = "p2p"
+//!
+//! [[entry.result]]
+//! algorithm = "hierarchical"
+//! transport = "p2p"
+//! median_us = 12.4
+//!
+//! [[entry.result]]
+//! algorithm = "nccl"
+//! transport = "p2p"
+//! median_us = 27.9
+//! ```
+//! Malformed files give an `Error::Config` naming the file, and the line and
+//! field (TOML and type errors come with line and column; semantic errors
+//! name the entry and the line of its `[[entry]]` header).
+//!
+//! # The API `tp-allreduce tune` calls
+//! ```text
+//! let view = discover()?.for_ranks(&devices)?;            // the communicator's rank view
+//! let meta = TuningMeta::for_topology(&view, "tp-allreduce tune 0.1.0");
+//! let mut ms = Vec::new();
+//! for dtype in dtypes {
+//!     for &bytes in &tuning::default_buckets() {
+//!         for (algorithm, transport) in what the communicator can run (NCCL included) {
+//!             // every rank runs the same sequence; median over graph replays
+//!             ms.push(Measurement { bucket_bytes: bytes, dtype, algorithm, transport, median_us });
+//!         }
+//!     }
+//! }
+//! let table = TuningTable::from_measurements(meta, ms)?;     // winners, validation
+//! table.save(&TuningTable::default_path(&dir, &table.meta))?; // rank 0 only
+//! ```
+//! At init, a communicator calls [`TuningTable::load_for`] with its rank
+//! view and passes the usable table to
+//! [`SelectionTable::build`](crate::selection::SelectionTable::build).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tp_allreduce_kernels::ids::DType;
+
+use crate::algorithm::{Algorithm, Transport};
+use crate::error::{Error, Result};
+use crate::topology::Topology;
+
+/// The only file format this build reads and writes.
+pub const FORMAT: u32 = 1;
+
+/// Sizes `tp-allreduce tune` measures by default: 1 KiB to 16 MiB,
+/// doubling, plus 42 KiB (the verify-pass allreduce of CONTEXT.md).
+pub fn default_buckets() -> Vec<usize> {
+    let mut v: Vec<usize> = (10..=24).map(|k| 1usize << k).collect();
+    v.push(42 * 1024);
+    v.sort_unstable();
+    v
+}
+
+mod dtype_name {
+    use serde::{de::Error as _, Deserialize, Deserializer, Serializer};
+    use tp_allreduce_kernels::ids::DType;
+
+    pub fn serialize<S: Serializer>(d: &DType, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(d.name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DType, D::Error> {
+        let name = String::deserialize(d)?;
+        DType::ALL
+            .into_iter()
+            .find(|t| t.name() == name.trim().to_ascii_lowercase())
+            .ok_or_else(|| D::Error::custom(format!("unknown dtype `{name}`, expected f32, f16 or bf16")))
+    }
+}
+
+mod transport_name {
+    use serde::{de::Error as _, Deserialize, Deserializer, Serializer};
+
+    use crate::algorithm::Transport;
+
+    pub fn serialize<S: Serializer>(t: &Transport, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(t.name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Transport, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(|_| D::Error::custom(format!("unknown transport `{name}`, expected p2p or host-staged")))
+    }
+}
+
+/// What a table was measured on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TuningMeta {
+    /// [`Topology::gpu_model`] of the rank view.
+    pub gpu_model: String,
+    /// [`Topology::fingerprint`] of the rank view.
+    pub fingerprint: String,
+    pub world_size: usize,
+    /// Medians from CUDA-graph replay (else eager launches).
+    #[serde(default = "default_true")]
+    pub captured: bool,
+    /// What wrote the table (free text).
+    #[serde(default)]
+    pub tool: String,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl TuningMeta {
+    /// The key of a table for this rank view.
+    pub fn for_topology(view: &Topology, tool: impl Into<String>) -> TuningMeta {
+        TuningMeta {
+            gpu_model: view.gpu_model(),
+            fingerprint: view.fingerprint(),
+            world_size: view.len(),
+            captured: true,
+            tool: tool.into(),
+        }
+    }
+}
+
+/// One measured median.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Timing {
+    pub algorithm: Algorithm,
+    #[serde(with = "transport_name")]
+    pub transport: Transport,
+    pub median_us: f64,
+}
+
+/// All medians of one (dtype, size bucket).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TuningEntry {
+    #[serde(with = "dtype_name")]
+    pub dtype: DType,
+    /// The size that was measured; the entry covers sizes up to it (down to
+    /// the previous bucket).
+    pub bytes: usize,
+    pub winner: Algorithm,
+    #[serde(with = "transport_name")]
+    pub winner_transport: Transport,
+    #[serde(rename = "result")]
+    pub results: Vec<Timing>,
+}
+
+impl TuningEntry {
+    /// The measured median of `algorithm` over `transport`. NCCL's own
+    /// transport choice is not ours: any NCCL result matches.
+    pub fn median_us(&self, algorithm: Algorithm, transport: Transport) -> Option<f64> {
+        self.results
+            .iter()
+            .find(|t| t.algorithm == algorithm && (t.transport == transport || algorithm == Algorithm::Nccl))
+            .map(|t| t.median_us)
+    }
+}
+
+/// The input of [`TuningTable::from_measurements`]: one median.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Measurement {
+    pub bucket_bytes: usize,
+    pub dtype: DType,
+    pub algorithm: Algorithm,
+    pub transport: Transport,
+    pub median_us: f64,
+}
+
+/// A tuning table (one file).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TuningTable {
+    pub format: u32,
+    pub meta: TuningMeta,
+    /// Sorted by (dtype, bytes) once loaded or built.
+    #[serde(rename = "entry", default)]
+    pub entries: Vec<TuningEntry>,
+}
+
+/// Whether a loaded table applies to the current rank view.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Applicability {
+    Applies,
+    /// Ignored; the reason is for the caller's log.
+    Ignored(String),
+}
+
+/// What [`TuningTable::load_for`] found.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Loaded {
+    Usable(TuningTable),
+    /// No file, or a table for another machine/world: the model decides.
+    Ignored {
+        reason: String,
+    },
+}
+
+fn dtype_order(d: DType) -> u32 {
+    d as u32
+}
+
+impl TuningTable {
+    /// Builds a table from medians: groups them by (dtype, bucket), picks
+    /// each bucket's winner (lowest median), validates.
+    pub fn from_measurements(meta: TuningMeta, measurements: Vec<Measurement>) -> Result<TuningTable> {
+        let mut entries: Vec<TuningEntry> = Vec::new();
+        for m in measurements {
+            let t = Timing { algorithm: m.algorithm, transport: m.transport, median_us: m.median_us };
+            match entries.iter_mut().find(|e| e.dtype == m.dtype && e.bytes == m.bucket_bytes) {
+                Some(e) => {
+                    if e.results.iter().any(|r| r.algorithm == t.algorithm && r.transport == t.transport) {
+                        return Err(Error::Config(format!(
+                            "tuning measurements: {} over {} at {} {} bytes measured twice",
+                            m.algorithm,
+                            m.transport,
+                            m.dtype.name(),
+                            m.bucket_bytes
+                        )));
+                    }
+                    e.results.push(t);
+                }
+                None => entries.push(TuningEntry {
+                    dtype: m.dtype,
+                    bytes: m.bucket_bytes,
+                    winner: m.algorithm,
+                    winner_transport: m.transport,
+                    results: vec![t],
+                }),
+            }
+        }
+        for e in &mut entries {
+            e.results.sort_by(|a, b| a.algorithm.cmp(&b.algorithm).then(a.transport.cmp(&b.transport)));
+            if let Some(w) = e.results.iter().min_by(|a, b| a.median_us.total_cmp(&b.median_us)) {
+                e.winner = w.algorithm;
+                e.winner_transport = w.transport;
+            }
+        }
+        let mut table = TuningTable { format: FORMAT, meta, entries };
+        table.sort();
+        table.validate(None)?;
+        Ok(table)
+    }
+
+    fn sort(&mut self) {
+        self.entries.sort_by_key(|e| (dtype_order(e.dtype), e.bytes));
+    }
+
+    /// Line of the `index`-th `[[entry]]` header in `text`.
+    fn entry_line(text: Option<&str>, index: usize) -> String {
+        text.and_then(|t| {
+            t.lines()
+                .enumerate()
+                .filter(|(_, l)| l.trim_start().starts_with("[[entry]]"))
+                .nth(index)
+                .map(|(n, _)| format!(" (line {})", n + 1))
+        })
+        .unwrap_or_default()
+    }
+
+    /// Semantic checks; `text` (the file) lets messages name lines.
+    fn validate(&self, text: Option<&str>) -> Result<()> {
+        if self.format != FORMAT {
+            return Err(Error::Config(format!(
+                "format = {}: this build reads tuning tables of format {FORMAT}",
+                self.format
+            )));
+        }
+        if self.meta.world_size == 0 {
+            return Err(Error::Config("meta.world_size must be at least 1".into()));
+        }
+        if self.meta.fingerprint.len() != 16 || !self.meta.fingerprint.chars().all(|c| c.is_ascii_hexdigit()) {
+            return Err(Error::Config(format!(
+                "meta.fingerprint `{}` is not a topology fingerprint (16 hex digits)",
+                self.meta.fingerprint
+            )));
+        }
+        for (i, e) in self.entries.iter().enumerate() {
+            let at = || format!("entry {}{} ({} bytes, {})", i + 1, Self::entry_line(text, i), e.bytes, e.dtype.name());
+            if e.bytes == 0 {
+                return Err(Error::Config(format!("{}: bytes must be positive", at())));
+            }
+            if e.results.is_empty() {
+                return Err(Error::Config(format!("{}: no [[entry.result]]", at())));
+            }
+            for (k, r) in e.results.iter().enumerate() {
+                if !(r.median_us.is_finite() && r.median_us > 0.0) {
+                    return Err(Error::Config(format!(
+                        "{}: result {} ({}): median_us = {} is not a positive time",
+                        at(),
+                        k + 1,
+                        r.algorithm,
+                        r.median_us
+                    )));
+                }
+                if r.transport == Transport::HostStaged
+                    && !r.algorithm.supports_host_staged()
+                    && r.algorithm != Algorithm::Nccl
+                {
+                    return Err(Error::Config(format!(
+                        "{}: result {}: {} cannot run host-staged",
+                        at(),
+                        k + 1,
+                        r.algorithm
+                    )));
+                }
+                if e.results[..k].iter().any(|q| q.algorithm == r.algorithm && q.transport == r.transport) {
+                    return Err(Error::Config(format!("{}: {} over {} listed twice", at(), r.algorithm, r.transport)));
+                }
+            }
+            let fastest = e.results.iter().min_by(|a, b| a.median_us.total_cmp(&b.median_us)).expect("non-empty");
+            let winner = e.results.iter().find(|r| r.algorithm == e.winner && r.transport == e.winner_transport);
+            match winner {
+                None => {
+                    return Err(Error::Config(format!(
+                        "{}: winner {} over {} has no result in the entry",
+                        at(),
+                        e.winner,
+                        e.winner_transport
+                    )))
+                }
+                Some(w) if w.median_us > fastest.median_us => {
+                    return Err(Error::Config(format!(
+                        "{}: winner {} ({} us) is slower than {} ({} us)",
+                        at(),
+                        e.winner,
+                        w.median_us,
+                        fastest.algorithm,
+                        fastest.median_us
+                    )))
+                }
+                Some(_) => {}
+            }
+            if self.entries[..i].iter().any(|q| q.dtype == e.dtype && q.bytes == e.bytes) {
+                return Err(Error::Config(format!("{}: a second entry for the same dtype and bytes", at())));
+            }
+        }
+        Ok(())
+    }
+
+    /// Parses a table; `origin` (a path) prefixes every error message.
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<TuningTable> {
+        let mut table: TuningTable = toml::from_str(text)
+            .map_err(|e| Error::Config(format!("tuning table {origin}: {}", e.to_string().trim_end())))?;
+        table.validate(Some(text)).map_err(|e| match e {
+            Error::Config(m) => Error::Config(format!("tuning table {origin}: {m}")),
+            other => other,
+        })?;
+        table.sort();
+        Ok(table)
+    }
+
+    pub fn to_toml_string(&self) -> Result<String> {
+        let body = toml::to_string(self).map_err(|e| Error::Config(format!("encoding tuning table: {e}")))?;
+        Ok(format!(
+            "# tp-allreduce tuning table: median microseconds per algorithm and size bucket.\n\
+             # Valid only for the topology fingerprint and world size in [meta]; re-run `tp-allreduce tune` after hardware changes.\n{body}"
+        ))
+    }
+
+    pub fn load(path: &Path) -> Result<TuningTable> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("reading tuning table {}", path.display()), e))?;
+        Self::from_toml_str(&text, &path.display().to_string())
+    }
+
+    /// Writes the table (through a temporary file and a rename, so a reader
+    /// never sees half a table).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let text = self.to_toml_string()?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        }
+        let tmp = path.with_extension(format!("toml.tmp{}", std::process::id()));
+        std::fs::write(&tmp, text).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+        std::fs::rename(&tmp, path)
+            .map_err(|e| Error::io(format!("renaming {} to {}", tmp.display(), path.display()), e))
+    }
+
+    /// `dir/tuning-<fingerprint>-w<world>.toml`.
+    pub fn default_path(dir: &Path, meta: &TuningMeta) -> PathBuf {
+        dir.join(format!("tuning-{}-w{}.toml", meta.fingerprint, meta.world_size))
+    }
+
+    /// Whether this table was measured on `view` (same fingerprint, GPU
+    /// model and world size).
+    pub fn applicability(&self, view: &Topology) -> Applicability {
+        let fp = view.fingerprint();
+        if self.meta.fingerprint != fp {
+            return Applicability::Ignored(format!(
+                "tuning table measured on topology {} ({}, {} ranks) does not match this topology {} ({}, {} ranks): ignored; re-run `tp-allreduce tune`",
+                self.meta.fingerprint,
+                self.meta.gpu_model,
+                self.meta.world_size,
+                fp,
+                view.gpu_model(),
+                view.len()
+            ));
+        }
+        if self.meta.world_size != view.len() {
+            return Applicability::Ignored(format!(
+                "tuning table is for {} ranks, this communicator has {}: ignored",
+                self.meta.world_size,
+                view.len()
+            ));
+        }
+        if self.meta.gpu_model != view.gpu_model() {
+            return Applicability::Ignored(format!(
+                "tuning table is for {}, these GPUs are {}: ignored",
+                self.meta.gpu_model,
+                view.gpu_model()
+            ));
+        }
+        Applicability::Applies
+    }
+
+    /// Loads `path` for the rank view `view`: a missing file or a table of
+    /// another machine is `Loaded::Ignored` with the reason; a malformed
+    /// file is an error.
+    pub fn load_for(path: &Path, view: &Topology) -> Result<Loaded> {
+        if !path.exists() {
+            return Ok(Loaded::Ignored { reason: format!("no tuning table at {}", path.display()) });
+        }
+        let table = Self::load(path)?;
+        Ok(match table.applicability(view) {
+            Applicability::Applies => Loaded::Usable(table),
+            Applicability::Ignored(reason) => Loaded::Ignored { reason: format!("{}: {reason}", path.display()) },
+        })
+    }
+
+    /// The entry covering `bytes` for `dtype`: the smallest measured bucket
+    /// at or above `bytes` (sizes below the first bucket use the first;
+    /// sizes above the last have none and fall back to the model).
+    /// O(log n), no allocation.
+    pub fn lookup(&self, dtype: DType, bytes: usize) -> Option<&TuningEntry> {
+        let key = dtype_order(dtype);
+        let lo = self.entries.partition_point(|e| dtype_order(e.dtype) < key);
+        let hi = self.entries.partition_point(|e| dtype_order(e.dtype) <= key);
+        let same = &self.entries[lo..hi];
+        let i = same.partition_point(|e| e.bytes < bytes);
+        same.get(i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::embedded;
+
+    fn meta() -> TuningMeta {
+        TuningMeta::for_topology(&embedded::default_topology(), "test")
+    }
+
+    fn sample() -> TuningTable {
+        let m = |bucket_bytes, dtype, algorithm, median_us| Measurement {
+            bucket_bytes,
+            dtype,
+            algorithm,
+            transport: Transport::PeerToPeer,
+            median_us,
+        };
+        TuningTable::from_measurements(
+            meta(),
+            vec![
+                m(65536, DType::Bf16, Algorithm::Hierarchical, 12.4),
+                m(65536, DType::Bf16, Algorithm::Nccl, 27.9),
+                m(4096, DType::Bf16, Algorithm::OneShotPush, 7.5),
+                m(4096, DType::Bf16, Algorithm::Nccl, 21.0),
+                m(4096, DType::F32, Algorithm::TwoShotPush, 8.5),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn round_trip_through_toml_and_disk() {
+        let t = sample();
+        assert_eq!(t.entries[0].dtype, DType::F32);
+        let text = t.to_toml_string().unwrap();
+        assert!(text.contains("[[entry.result]]"), "{text}");
+        let back = TuningTable::from_toml_str(&text, "mem").unwrap();
+        assert_eq!(back, t);
+        let dir = std::env::temp_dir().join(format!("tp-allreduce-tuning-test-{}", std::process::id()));
+        let path = TuningTable::default_path(&dir, &t.meta);
+        t.save(&path).unwrap();
+        assert_eq!(TuningTable::load(&path).unwrap(), t);
+        match TuningTable::load_for(&path, &embedded::default_topology()).unwrap() {
+            Loaded::Usable(u) => assert_eq!(u, t),
+            other => panic!("{other:?}"),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn winners_and_lookup() {
+        let t = sample();
+        let e = t.lookup(DType::Bf16, 43008).unwrap();
+        assert_eq!(e.bytes, 65536);
+        assert_eq!(e.winner, Algorithm::Hierarchical);
+        assert_eq!(e.median_us(Algorithm::Nccl, Transport::HostStaged), Some(27.9));
+        assert_eq!(e.median_us(Algorithm::Ring, Transport::PeerToPeer), None);
+        assert_eq!(t.lookup(DType::Bf16, 100).unwrap().bytes, 4096);
+        assert!(t.lookup(DType::Bf16, 1 << 20).is_none());
+        assert!(t.lookup(DType::F16, 4096).is_none());
+        assert_eq!(t.lookup(DType::F32, 4096).unwrap().winner, Algorithm::TwoShotPush);
+        let dup = TuningTable::from_measurements(
+            meta(),
+            vec![
+                Measurement {
+                    bucket_bytes: 1,
+                    dtype: DType::F32,
+                    algorithm: Algorithm::Ring,
+                    transport: Transport::PeerToPeer,
+                    median_us: 1.0,
+                },
+                Measurement {
+                    bucket_bytes: 1,
+                    dtype: DType::F32,
+                    algorithm: Algorithm::Ring,
+                    transport: Transport::PeerToPeer,
+                    median_us: 2.0,
+                },
+            ],
+        );
+        assert!(dup.unwrap_err().to_string().contains("twice"));
+    }
+
+    #[test]
+    fn mismatched_tables_are_ignored_with_a_reason() {
+        let t = sample();
+        assert_eq!(t.applicability(&embedded::default_topology()), Applicability::Applies);
+        let other = embedded::by_name("l40s-8x-pcie4").unwrap();
+        match t.applicability(&other) {
+            Applicability::Ignored(why) => assert!(why.contains("does not match"), "{why}"),
+            a => panic!("{a:?}"),
+        }
+        let four = embedded::default_topology().for_world(4).unwrap();
+        assert!(matches!(t.applicability(&four), Applicability::Ignored(_)));
+        let missing = TuningTable::load_for(Path::new("/nonexistent/tuning.toml"), &other).unwrap();
+        assert!(matches!(missing, Loaded::Ignored { .. }));
+        let dir = std::env::temp_dir().join(format!("tp-allreduce-tuning-mismatch-{}", std::process::id()));
+        let path = dir.join("t.toml");
+        t.save(&path).unwrap();
+        match TuningTable::load_for(&path, &other).unwrap() {
+            Loaded::Ignored { reason } => assert!(reason.contains("t.toml") && reason.contains("re-run"), "{reason}"),
+            l => panic!("{l:?}"),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn err(text: &str) -> String {
+        TuningTable::from_toml_str(text, "bad.toml").unwrap_err().to_string()
+    }
+
+    fn good_text() -> String {
+        sample().to_toml_string().unwrap()
+    }
+
+    #[test]
+    fn malformed_files_give_clear_errors() {
+        let good = good_text();
+        // Missing field: names the field.
+        let no_median = good.replacen("median_us = 8.5\n", "", 1);
+        let e = err(&no_median);
+        assert!(e.contains("bad.toml") && e.contains("missing field `median_us`"), "{e}");
+        // Bad number: names the line.
+        let bad_number = good.replacen("median_us = 8.5", "median_us = \"fast\"", 1);
+        let e = err(&bad_number);
+        let line = bad_number.lines().position(|l| l.contains("\"fast\"")).unwrap() + 1;
+        assert!(e.contains(&format!("line {line}")) && e.contains("f64"), "{e}");
+        // Unknown algorithm: names the value, the line and the choices.
+        let unknown = good.replacen("algorithm = \"two-shot-push\"", "algorithm = \"warp-drive\"", 1);
+        let e = err(&unknown);
+        let line = unknown.lines().position(|l| l.contains("warp-drive")).unwrap() + 1;
+        assert!(e.contains("warp-drive") && e.contains(&format!("line {line}")) && e.contains("one-shot-push"), "{e}");
+        // Negative time: names the entry and its line.
+        let negative = good.replacen("median_us = 8.5", "median_us = -1.0", 1);
+        let e = err(&negative);
+        let line = negative.lines().position(|l| l.starts_with("[[entry]]")).unwrap() + 1;
+        assert!(e.contains("entry 1") && e.contains(&format!("line {line}")) && e.contains("median_us"), "{e}");
+        // Unknown dtype and transport.
+        assert!(err(&good.replacen("dtype = \"f32\"", "dtype = \"f8\"", 1)).contains("unknown dtype `f8`"));
+        assert!(err(&good.replacen("transport = \"p2p\"", "transport = \"smoke-signals\"", 1))
+            .contains("unknown transport"));
+        // Winner that is not the fastest.
+        let e = err(&good.replacen("winner = \"hierarchical\"", "winner = \"nccl\"", 1));
+        assert!(e.contains("slower than"), "{e}");
+        // Unknown field, wrong format, not TOML at all.
+        assert!(err(&good.replacen("world_size = 8", "world_size = 8\ncolour = \"blue\"", 1)).contains("colour"));
+        assert!(err(&good.replacen("format = 1", "format = 9", 1))
+            .contains("format = 9: this build reads tuning tables of format 1"));
+        assert!(err("this is [not toml").contains("bad.toml"));
+    }
+}
