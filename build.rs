@@ -73,7 +73,7 @@ fn main() {
     let mut ptx: BTreeMap<String, PathBuf> = BTreeMap::new();
     let rustc_version;
     if build_from_source {
-        rustc_version = nightly.as_ref().map(|v| v.clone()).unwrap_or_default();
+        rustc_version = nightly.clone().unwrap_or_default();
         let staged = stage_sources(&kernels, &out).unwrap_or_else(|e| fail(&e));
         let handles: Vec<_> = archs
             .iter()

@@ -263,14 +263,20 @@ pub fn pointer_context(ptr: sys::CUdeviceptr) -> Option<sys::CUcontext> {
 }
 
 /// The context of a stream.
-pub fn stream_context(stream: sys::CUstream) -> Result<sys::CUcontext> {
+///
+/// # Safety
+/// `stream` must be a live stream handle of this process (or null).
+pub unsafe fn stream_context(stream: sys::CUstream) -> Result<sys::CUcontext> {
     let mut ctx: sys::CUcontext = std::ptr::null_mut();
     cu!(cuStreamGetCtx(stream, &mut ctx))?;
     Ok(ctx)
 }
 
 /// Whether `stream` is capturing into a graph right now.
-pub fn is_capturing(stream: sys::CUstream) -> Result<bool> {
+///
+/// # Safety
+/// `stream` must be a live stream handle of this process (or null).
+pub unsafe fn is_capturing(stream: sys::CUstream) -> Result<bool> {
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     cu!(cuStreamIsCapturing(stream, &mut status))?;
     match status {
@@ -290,7 +296,10 @@ pub fn memcpy_dtoh(dst: &mut [u8], src: sys::CUdeviceptr) -> Result<()> {
     cu!(cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len()))
 }
 
-pub fn memcpy_dtod_async(
+/// # Safety
+/// `stream` must be a live stream handle of the current context; `dst` and
+/// `src` valid for `bytes` until the copy runs.
+pub unsafe fn memcpy_dtod_async(
     dst: sys::CUdeviceptr,
     src: sys::CUdeviceptr,
     bytes: usize,
@@ -303,11 +312,24 @@ pub fn memset_d8(dst: sys::CUdeviceptr, value: u8, bytes: usize) -> Result<()> {
     cu!(cuMemsetD8_v2(dst, value, bytes))
 }
 
-pub fn memset_d8_async(dst: sys::CUdeviceptr, value: u8, bytes: usize, stream: sys::CUstream) -> Result<()> {
+/// # Safety
+/// `stream` must be a live stream handle of the current context; `dst`
+/// valid for `bytes` until the memset runs.
+pub unsafe fn memset_d8_async(dst: sys::CUdeviceptr, value: u8, bytes: usize, stream: sys::CUstream) -> Result<()> {
     cu!(cuMemsetD8Async(dst, value, bytes, stream))
 }
 
-pub fn stream_synchronize(stream: sys::CUstream) -> Result<()> {
+/// Waits for all work queued on `stream`.
+pub fn synchronize(stream: &cudarc::driver::CudaStream) -> Result<()> {
+    bind(stream.context())?;
+    cu!(cuStreamSynchronize(stream.cu_stream()))
+}
+
+/// Waits for all work queued on a raw stream handle.
+///
+/// # Safety
+/// `stream` must be a live stream handle of this process (or null).
+pub unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<()> {
     cu!(cuStreamSynchronize(stream))
 }
 

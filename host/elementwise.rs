@@ -67,7 +67,7 @@ pub unsafe fn sum_raw(
     let args = KernelArgs::new().u64(table.ptr()).u32(inputs.len() as u32).u64(output).u64(count as u64);
     driver::launch(f, grid(count, dtype), THREADS_PER_BLOCK, stream.cu_stream(), &args)?;
     // The pointer table must outlive the kernel.
-    driver::stream_synchronize(stream.cu_stream())
+    driver::synchronize(stream)
 }
 
 /// `output = input * scale + bias` elementwise (in f32, one rounding).

@@ -23,7 +23,7 @@ pub struct EmbeddedPtx {
 pub fn embedded() -> Vec<EmbeddedPtx> {
     let mut all: Vec<EmbeddedPtx> =
         index::EMBEDDED_PTX.iter().map(|&(arch, sm, text)| EmbeddedPtx { arch, sm, text }).collect();
-    all.sort_by(|a, b| b.sm.cmp(&a.sm));
+    all.sort_by_key(|p| std::cmp::Reverse(p.sm));
     all
 }
 

@@ -64,7 +64,7 @@ fn check(dtype: DType, inputs: &[Vec<f64>], out: &[u8], roundings: usize) -> std
             mag += x[i].abs();
         }
         let tol = roundings as f64 * u * mag * 1.001 + inputs.len() as f64 * 6e-8 * mag + 1e-30;
-        if !((got[i] - exact).abs() <= tol) {
+        if (got[i] - exact).abs().is_nan() || (got[i] - exact).abs() > tol {
             return Err(format!("element {i}: got {} want {exact}", got[i]));
         }
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use serde::{Deserialize, Serialize};
 
-use crate::algorithm::Algorithm;
+use crate::algorithm::{Algorithm, Transport};
 use crate::comm::{Comm, Config};
 use crate::driver::{self, DeviceMemory};
 use crate::error::{Error, Result};
@@ -297,7 +297,7 @@ impl Buffers {
                     mag += h[i].abs();
                 }
                 let tol = roundings as f64 * u * mag * 1.001 + world as f64 * 6e-8 * mag + 1e-30;
-                if !((got[i] - exact).abs() <= tol) {
+                if (got[i] - exact).abs().is_nan() || (got[i] - exact).abs() > tol {
                     return Err(Error::InvalidUsage(format!(
                         "benchmark correctness check failed for {what}: rank {r} element {i} is {} but the sum is {exact}",
                         got[i]
@@ -455,7 +455,7 @@ fn event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
 fn sync_all(c: &dyn Collective, ranks: &Ranks) -> Result<()> {
     for (r, s) in ranks.streams.iter().enumerate() {
         driver::bind(&ranks.contexts[r])?;
-        let synced = driver::stream_synchronize(s.cu_stream());
+        let synced = driver::synchronize(s);
         c.check()?;
         synced?;
     }
@@ -526,14 +526,14 @@ pub fn time_collective(c: &dyn Collective, ranks: &Ranks, bufs: &Buffers, opts: 
         }
         Mode::Eager => {
             for i in 0..opts.warmup + opts.repeats {
-                for r in 0..world {
-                    starts[r].record(&ranks.streams[r]).map_err(|e| crate::error::driver("cuEventRecord", e))?;
+                for (start, stream) in starts.iter().zip(&ranks.streams) {
+                    start.record(stream).map_err(|e| crate::error::driver("cuEventRecord", e))?;
                 }
                 for _ in 0..opts.iterations {
                     c.issue_all(ranks, bufs)?;
                 }
-                for r in 0..world {
-                    ends[r].record(&ranks.streams[r]).map_err(|e| crate::error::driver("cuEventRecord", e))?;
+                for (end, stream) in ends.iter().zip(&ranks.streams) {
+                    end.record(stream).map_err(|e| crate::error::driver("cuEventRecord", e))?;
                 }
                 sync_all(c, ranks)?;
                 if i >= opts.warmup {
@@ -565,7 +565,8 @@ pub fn copy_bandwidth_gbs(ctx: &Arc<CudaContext>, bytes: usize) -> Result<f64> {
     let mut samples = Vec::new();
     for i in 0..12 {
         start.record(&stream).map_err(|e| crate::error::driver("cuEventRecord", e))?;
-        driver::memcpy_dtod_async(b.ptr(), a.ptr(), bytes, stream.cu_stream())?;
+        // SAFETY: a live stream of `ctx`; both buffers hold `bytes`.
+        unsafe { driver::memcpy_dtod_async(b.ptr(), a.ptr(), bytes, stream.cu_stream())? };
         end.record(&stream).map_err(|e| crate::error::driver("cuEventRecord", e))?;
         let ms = start.elapsed_ms(&end).map_err(|e| crate::error::driver("cuEventElapsedTime", e))? as f64;
         if i >= 2 {
@@ -692,7 +693,9 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
     let ranks = Ranks::new(&opts.gpus, opts.ranks_per_gpu)?;
     let world = ranks.world();
     let mut comms = our_group(&ranks, &opts.config)?;
-    let mut notes = Vec::new();
+    let topology_fingerprint = comms[0].topology().fingerprint();
+    let mut notes: Vec<String> = comms[0].notes().to_vec();
+    notes.push(format!("auto selects (graph): {}", comms[0].selection().describe(opts.dtype, true)));
     let nccl = if opts.include_nccl {
         match nccl_group(&ranks) {
             Ok(n) => Some(n),
@@ -798,7 +801,7 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
         gpu_model: ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
         driver: driver_version(),
         nccl: crate::nccl::version(),
-        topology_fingerprint: String::from("n/a"),
+        topology_fingerprint,
         world,
         ranks_per_gpu: opts.ranks_per_gpu,
         mode: format!("{:?}", opts.mode).to_lowercase(),
@@ -862,7 +865,7 @@ pub fn launch_floor(ranks: &Ranks) -> Result<f64> {
         }
         for (r, s) in ranks.streams.iter().enumerate() {
             driver::bind(&ranks.contexts[r])?;
-            driver::stream_synchronize(s.cu_stream())?;
+            driver::synchronize(s)?;
         }
         if i >= 3 {
             samples.push(span_us(&starts, &ends)? / STEPS as f64);
@@ -1009,4 +1012,77 @@ pub fn large_message_efficiency(
         });
     }
     Ok(out)
+}
+
+/// What `tune` produced.
+pub struct TuneOutcome {
+    pub table: crate::tuning::TuningTable,
+    pub path: std::path::PathBuf,
+    pub measured: usize,
+    pub seconds: f64,
+}
+
+/// `tp-allreduce tune`: every applicable algorithm (and NCCL when it can
+/// run) per size bucket on this machine, graph replay, medians; writes the
+/// tuning table the communicators of this machine and world size load.
+pub fn tune(opts: &Options, out: Option<std::path::PathBuf>) -> Result<TuneOutcome> {
+    use crate::tuning::{Measurement as TuneMeasurement, TuningMeta, TuningTable};
+    let started = std::time::Instant::now();
+    let ranks = Ranks::new(&opts.gpus, opts.ranks_per_gpu)?;
+    let world = ranks.world();
+    let mut comms = our_group(&ranks, &opts.config)?;
+    let view = comms[0].topology().clone();
+    let transport = comms[0].transport();
+    let nccl = nccl_group(&ranks).ok();
+    let algorithms: Vec<Algorithm> =
+        Algorithm::OURS.into_iter().filter(|a| comms[0].set_algorithm(Some(*a)).is_ok()).collect();
+    let total = opts.sizes.len() * (algorithms.len() + nccl.is_some() as usize);
+    let mut progress = Progress::new(total);
+    let mut measurements = Vec::new();
+    for (i, &bytes) in opts.sizes.iter().enumerate() {
+        let bufs = Buffers::new(&ranks, bytes, opts.dtype, 0x7E57 ^ (i as u64) << 24)?;
+        for &a in &algorithms {
+            progress.step(&format!("{} {a}", report::human_bytes(bytes)));
+            for c in comms.iter_mut() {
+                c.set_algorithm(Some(a))?;
+            }
+            let mut samples = time_collective(&OurGroup { comms: &comms }, &ranks, &bufs, opts)?;
+            measurements.push(TuneMeasurement {
+                bucket_bytes: bytes,
+                dtype: opts.dtype,
+                algorithm: a,
+                transport,
+                median_us: percentiles(&mut samples).0,
+            });
+        }
+        if let Some(n) = &nccl {
+            progress.step(&format!("{} nccl", report::human_bytes(bytes)));
+            let group = NcclGroup { comms: n };
+            let mut o = opts.clone();
+            if !group.capturable_per_rank() {
+                o.mode = Mode::Eager;
+            }
+            let mut samples = time_collective(&group, &ranks, &bufs, &o)?;
+            measurements.push(TuneMeasurement {
+                bucket_bytes: bytes,
+                dtype: opts.dtype,
+                algorithm: Algorithm::Nccl,
+                transport: Transport::PeerToPeer,
+                median_us: percentiles(&mut samples).0,
+            });
+        }
+    }
+    progress.finish();
+    drop(comms);
+    let measured = measurements.len();
+    let meta = TuningMeta::for_topology(&view, format!("tp-allreduce tune {}", env!("CARGO_PKG_VERSION")));
+    let table = TuningTable::from_measurements(meta, measurements)?;
+    let path = match out {
+        Some(p) => p,
+        None => crate::env::tuning_file(&view.fingerprint(), world).ok_or_else(|| {
+            Error::Config("no place for the tuning table: set TP_ALLREDUCE_TUNING_FILE or HOME".into())
+        })?,
+    };
+    table.save(&path)?;
+    Ok(TuneOutcome { table, path, measured, seconds: started.elapsed().as_secs_f64() })
 }

@@ -26,12 +26,57 @@ enum Command {
     Launch(LaunchArgs),
     /// Correctness check of a launched rank (run under `launch`).
     Selftest(SelftestArgs),
+    /// Predicted algorithm and time per message size for a topology (no GPU
+    /// needed; default: the 8x RTX PRO 6000 PCIe machine).
+    Plan(PlanArgs),
+    /// Discover and print this machine's GPU topology.
+    Topo {
+        /// Print the topology as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measure every algorithm (and NCCL) per size bucket on this machine
+    /// and write the tuning table communicators load.
+    Tune(TuneArgs),
     /// Cross-process rendezvous check of a launched rank (no GPU needed).
     #[command(hide = true)]
     ProbeRendezvous {
         #[arg(long, default_value_t = 20)]
         rounds: usize,
     },
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Embedded topology name (see `--list`).
+    #[arg(long)]
+    topology: Option<String>,
+    /// Ranks (default: every GPU of the topology).
+    #[arg(long)]
+    world: Option<usize>,
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// List the embedded topologies.
+    #[arg(long)]
+    list: bool,
+}
+
+#[derive(Args)]
+struct TuneArgs {
+    /// GPUs to use (default: all visible).
+    #[arg(long, value_delimiter = ',')]
+    gpus: Vec<usize>,
+    /// Ranks per GPU.
+    #[arg(long, default_value_t = 1)]
+    ranks_per_gpu: usize,
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Where to write the table (default: the path communicators look at).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Islands for the hierarchical algorithm (ranks per island).
+    #[arg(long)]
+    island_size: Option<usize>,
 }
 
 #[derive(Args)]
@@ -149,11 +194,94 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
         .ok_or_else(|| format!("bad dtype `{s}`: f32, f16 or bf16"))
 }
 
+fn plan(args: PlanArgs) -> Result<(), String> {
+    if args.list {
+        for name in tp_allreduce::topology::embedded::names() {
+            println!("{name}");
+        }
+        return Ok(());
+    }
+    let topology = match &args.topology {
+        Some(name) => tp_allreduce::topology::embedded::by_name(name).map_err(|e| e.to_string())?,
+        None => tp_allreduce::topology::embedded::default_topology(),
+    };
+    let dtype = parse_dtype(&args.dtype)?;
+    print!("{}", tp_allreduce::plan::plan_report(&topology, args.world, dtype));
+    Ok(())
+}
+
+fn topo(json: bool) -> Result<(), String> {
+    let t = tp_allreduce::topology::discover::discover().map_err(|e| e.to_string())?;
+    if json {
+        println!("{}", t.to_json().map_err(|e| e.to_string())?);
+    } else {
+        print!("{}", t.summary());
+        println!("fingerprint: {}", t.fingerprint());
+    }
+    Ok(())
+}
+
+fn tune(args: TuneArgs) -> Result<(), String> {
+    if tp_allreduce::driver::device_count() == 0 {
+        return Err("no CUDA device: tuning measures this machine's GPUs".into());
+    }
+    let gpus =
+        if args.gpus.is_empty() { (0..tp_allreduce::driver::device_count()).collect() } else { args.gpus.clone() };
+    let mut config = Config::from_env().map_err(|e| e.to_string())?;
+    if args.island_size.is_some() {
+        config.island_size = args.island_size;
+    }
+    config.algorithm = None;
+    let opts = Options {
+        sizes: tp_allreduce::tuning::default_buckets(),
+        dtype: parse_dtype(&args.dtype)?,
+        selections: Vec::new(),
+        include_nccl: true,
+        mode: Mode::Graph,
+        iterations: 20,
+        repeats: 5,
+        warmup: 2,
+        gpus: gpus.clone(),
+        ranks_per_gpu: args.ranks_per_gpu.max(1),
+        config: config.clone(),
+    };
+    let outcome = bench::tune(&opts, args.out).map_err(|e| e.to_string())?;
+    println!(
+        "tuned {} measurements in {:.1} s; table written to {}",
+        outcome.measured,
+        outcome.seconds,
+        outcome.path.display()
+    );
+    print!(
+        "{}",
+        outcome
+            .table
+            .to_toml_string()
+            .map_err(|e| e.to_string())?
+            .lines()
+            .filter(|l| l.starts_with("bytes") || l.starts_with("winner =") || l.starts_with("dtype"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    println!();
+    // A new communicator on the same ranks must load and use it.
+    let ranks = bench::Ranks::new(&gpus, opts.ranks_per_gpu).map_err(|e| e.to_string())?;
+    let mut check_config = config;
+    check_config.algorithm = None;
+    std::env::set_var(tp_allreduce::env::TUNING_FILE, &outcome.path);
+    let comms = bench::our_group(&ranks, &check_config).map_err(|e| e.to_string())?;
+    for n in comms[0].notes() {
+        println!("communicator: {n}");
+    }
+    println!("communicator selects (graph): {}", comms[0].selection().describe(opts.dtype, true));
+    Ok(())
+}
+
 fn bench(args: BenchArgs) -> Result<(), String> {
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
     if tp_allreduce::driver::device_count() == 0 {
-        println!("no CUDA device: nothing to benchmark here (run on a GPU machine).");
-        return Ok(());
+        println!("no CUDA device: nothing to measure here; the plan for the default topology instead (`tp-allreduce plan`):\n");
+        return plan(PlanArgs { topology: None, world: None, dtype: args.dtype.clone(), list: false });
     }
     let sizes = if args.sizes == "default" {
         bench::default_sizes()
@@ -323,6 +451,9 @@ fn main() -> ExitCode {
         Command::Launch(a) => launch(a),
         Command::Selftest(a) => selftest(a),
         Command::ProbeRendezvous { rounds } => probe_rendezvous(rounds),
+        Command::Plan(a) => plan(a),
+        Command::Topo { json } => topo(json),
+        Command::Tune(a) => tune(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

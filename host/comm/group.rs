@@ -10,7 +10,7 @@ use cudarc::driver::{sys, CudaStream};
 use tp_allreduce_kernels::layout::MAX_RANKS;
 
 use super::config::Config;
-use super::{registry::Registry, setup, Comm};
+use super::{registry::Registry, selector, setup, Comm};
 use crate::driver::{self, KernelModule};
 use crate::error::{Error, Result};
 use crate::rendezvous::{self, Id, Rendezvous};
@@ -31,12 +31,23 @@ impl Comm {
         let ctx = stream.context().clone();
         driver::bind(&ctx)?;
         let module = KernelModule::for_context(&ctx)?;
+        let (view, mut notes) = selector::rank_view(&ctx, rank, world, &*rendezvous)?;
+        let mut config = config;
+        config.island_size = selector::island_size(&view, &config);
         let setup = setup::build(&stream, rank, world, &*rendezvous, &config, &module)?;
         let nccl = if config.nccl_fallback && setup.ranks_on_device == 1 && world > 1 {
-            crate::nccl::NcclComm::from_rendezvous(&stream, &*rendezvous).unwrap_or_default()
+            match crate::nccl::NcclComm::from_rendezvous(&stream, &*rendezvous) {
+                Ok(n) => n,
+                Err(e) => {
+                    notes.push(format!("NCCL fallback unavailable: {e}"));
+                    None
+                }
+            }
         } else {
             None
         };
+        let (selection, topology, more) = selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
+        notes.extend(more);
         Ok(Comm {
             rank,
             world,
@@ -49,6 +60,9 @@ impl Comm {
             broken: Mutex::new(None),
             rendezvous,
             nccl,
+            selection,
+            topology,
+            notes,
         })
     }
 

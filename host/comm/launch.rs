@@ -13,22 +13,24 @@ use crate::algorithm::Algorithm;
 use crate::driver::{self, KernelArgs};
 use crate::error::{Error, Result};
 
-/// Chooses the algorithm for one call.
+/// The algorithm for one call: the forced one, else the selection table's
+/// choice for this size bucket (no allocation).
+pub(super) fn choose(comm: &Comm, bytes: usize, dtype: DType, capturing: bool) -> Algorithm {
+    comm.config.algorithm.unwrap_or_else(|| comm.selection.lookup(bytes, dtype, capturing).algorithm)
+}
+
+/// [`choose`] with the reason, for callers that want to explain it.
 pub(super) fn plan(comm: &Comm, bytes: usize, dtype: DType, capturing: bool, in_place: bool) -> CallPlan {
     let transport = comm.setup.transport;
     if let Some(forced) = comm.config.algorithm {
         return CallPlan { algorithm: forced, transport, reason: "forced by configuration".into() };
     }
-    let _ = (dtype, capturing, in_place);
-    // Interim rule until the cost-model selection is wired in: push
-    // algorithms only (no registration needed, posted writes).
-    let oneshot_max = comm.setup.layout.oneshot_max_packs as usize * PACK_BYTES;
-    let (algorithm, reason) = if bytes <= oneshot_max {
-        (Algorithm::OneShotPush, "small message: one hop, payload carries completion")
-    } else {
-        (Algorithm::TwoShotPush, "larger message: 2(N-1)/N bytes per rank")
-    };
-    CallPlan { algorithm, transport, reason: reason.into() }
+    let c = comm.selection.lookup(bytes, dtype, capturing);
+    let mut reason = c.reason.clone();
+    if in_place && c.algorithm == Algorithm::OneShotPull {
+        reason.push_str(" (in place: the input is staged first)");
+    }
+    CallPlan { algorithm: c.algorithm, transport, reason }
 }
 
 /// Packs one launch of `algorithm` may handle.
@@ -129,7 +131,8 @@ impl Comm {
             let off = (start * elem) as u64;
             let (entry, peer_offset) = match source {
                 InputSource::Staging => {
-                    driver::memcpy_dtod_async(self.setup.staging_ptr(), send + off, n * elem, stream)?;
+                    // SAFETY: `stream` is the caller's live stream; staging holds a whole chunk.
+                    unsafe { driver::memcpy_dtod_async(self.setup.staging_ptr(), send + off, n * elem, stream)? };
                     (self.setup.table_entry(0), 0)
                 }
                 InputSource::Table(index) => (self.setup.table_entry(index), off),

@@ -32,6 +32,7 @@ mod config;
 mod group;
 mod launch;
 mod registry;
+mod selector;
 mod setup;
 mod shm;
 
@@ -76,6 +77,9 @@ pub struct Comm {
     broken: Mutex<Option<String>>,
     rendezvous: Box<dyn crate::rendezvous::Rendezvous>,
     nccl: Option<crate::nccl::NcclComm>,
+    selection: crate::selection::SelectionTable,
+    topology: crate::topology::Topology,
+    notes: Vec<String>,
 }
 
 /// What a call will do: the algorithm, how the input reaches peers, why.
@@ -124,6 +128,21 @@ impl Comm {
     /// How many ranks of this communicator share this rank's GPU.
     pub fn ranks_on_device(&self) -> usize {
         self.setup.ranks_on_device
+    }
+
+    /// The rank view of the machine the selection models.
+    pub fn topology(&self) -> &crate::topology::Topology {
+        &self.topology
+    }
+
+    /// The precomputed algorithm choice per size bucket.
+    pub fn selection(&self) -> &crate::selection::SelectionTable {
+        &self.selection
+    }
+
+    /// What init decided and why (tuning table used or not, NCCL, topology).
+    pub fn notes(&self) -> &[String] {
+        &self.notes
     }
 
     /// Whether an NCCL communicator backs the `Nccl` algorithm.
@@ -219,19 +238,21 @@ impl Comm {
         for (what, ptr) in [("send", send), ("recv", recv)] {
             self.validate_device_range(what, ptr, bytes, count, dtype)?;
         }
-        let stream_ctx = driver::stream_context(stream)?;
+        // SAFETY: the caller guarantees `stream` is a live stream (contract of this fn).
+        let stream_ctx = unsafe { driver::stream_context(stream)? };
         if stream_ctx != self.ctx.cu_ctx() {
             return Err(Error::invalid("all_reduce: the stream belongs to another CUDA context than the communicator"));
         }
         if self.world == 1 {
             if send != recv {
-                driver::memcpy_dtod_async(recv, send, bytes, stream)?;
+                // SAFETY: live stream of our context; pointers checked above.
+                unsafe { driver::memcpy_dtod_async(recv, send, bytes, stream)? };
             }
             return Ok(());
         }
-        let capturing = driver::is_capturing(stream)?;
-        let plan = self.plan_call(bytes, dtype, capturing, send == recv);
-        match plan.algorithm {
+        // SAFETY: as above.
+        let capturing = unsafe { driver::is_capturing(stream)? };
+        match launch::choose(self, bytes, dtype, capturing) {
             Algorithm::Nccl => self.nccl_all_reduce(send, recv, count, dtype, stream),
             a if a.reads_peer_inputs() => self.run_pull(a, send, recv, count, dtype, stream, capturing),
             a => self.run_push(a, send, recv, count, dtype, stream),
@@ -265,7 +286,7 @@ impl Comm {
     /// Waits for the communicator's stream, then checks for device errors.
     pub fn synchronize(&self) -> Result<()> {
         driver::bind(&self.ctx)?;
-        let synced = driver::stream_synchronize(self.stream.cu_stream());
+        let synced = driver::synchronize(&self.stream);
         self.check()?;
         synced
     }
@@ -356,7 +377,7 @@ impl Drop for Comm {
         // Outstanding work may still use our memory: wait for the stream
         // (errors are ignored: nothing useful can be done in drop).
         if driver::bind(&self.ctx).is_ok() {
-            let _ = driver::stream_synchronize(self.stream.cu_stream());
+            let _ = driver::synchronize(&self.stream);
         }
     }
 }

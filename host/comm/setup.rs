@@ -495,16 +495,16 @@ fn allocate_and_map(
         islands: *islands,
         ..DeviceHandle::default()
     };
-    for p in 0..world {
-        h.signals[p] = peer_bases[p];
-        h.scratch[p] = peer_bases[p] + offsets.scratch as u64;
+    for (p, base) in peer_bases.iter().enumerate() {
+        h.signals[p] = *base;
+        h.scratch[p] = base + offsets.scratch as u64;
     }
     driver::write_struct(handle.ptr(), &h)?;
     // Table entry 0: every rank's staging buffer (pull algorithms, eager).
     if transport == Transport::PeerToPeer {
         let mut staging = PeerPointers::default();
-        for p in 0..world {
-            staging.ptrs[p] = peer_bases[p] + offsets.staging as u64;
+        for (p, base) in peer_bases.iter().enumerate() {
+            staging.ptrs[p] = base + offsets.staging as u64;
         }
         driver::write_struct(table.ptr(), &staging)?;
     }
@@ -596,7 +596,7 @@ fn p2p_check(
     // SAFETY: p2p_check(handle, salt) matches these arguments; the handle
     // points at fully initialised state.
     unsafe { driver::launch(f, 1, P2P_CHECK_WORDS as u32, stream.cu_stream(), &args)? };
-    driver::stream_synchronize(stream.cu_stream())?;
+    driver::synchronize(stream)?;
     rdv.barrier()?;
     let mut problems: BTreeSet<String> = BTreeSet::new();
     let mut inbox = vec![0u32; MAX_RANKS * P2P_CHECK_WORDS];

@@ -96,6 +96,7 @@ fn id_round_trips_and_rejects_garbage() {
 }
 
 /// A frame header with chosen fields (for hostile inputs).
+#[allow(clippy::too_many_arguments)]
 fn raw_frame(
     kind: u16,
     job: [u8; 16],

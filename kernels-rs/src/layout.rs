@@ -248,7 +248,7 @@ impl ScratchLayout {
         offset = align_up(offset + 2 * 2 * push_blocks * world * push2_stripe_packs * pack, SCRATCH_REGION_ALIGN);
 
         let (island_size, island_count) = if config.island_size >= 2 && config.island_size < config.world_size {
-            if config.world_size % config.island_size == 0 {
+            if config.world_size.is_multiple_of(config.island_size) {
                 (config.island_size, config.world_size / config.island_size)
             } else {
                 (0, 0)

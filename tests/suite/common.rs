@@ -60,17 +60,14 @@ pub fn rng(test: &str) -> StdRng {
 pub trait TestElem:
     Element + cudarc::driver::ValidAsZeroBits + Copy + Default + Send + Sync + std::fmt::Debug + 'static
 {
-    const NAME: &'static str;
     fn from_f64(v: f64) -> Self;
     fn to_f64(self) -> f64;
     fn to_bits32(self) -> u32;
-    fn from_bits32(b: u32) -> Self;
     /// Unit roundoff of the type (half an ulp at 1.0).
     const UNIT_ROUNDOFF: f64;
 }
 
 impl TestElem for f32 {
-    const NAME: &'static str = "f32";
     fn from_f64(v: f64) -> Self {
         v as f32
     }
@@ -80,14 +77,10 @@ impl TestElem for f32 {
     fn to_bits32(self) -> u32 {
         self.to_bits()
     }
-    fn from_bits32(b: u32) -> Self {
-        f32::from_bits(b)
-    }
     const UNIT_ROUNDOFF: f64 = 5.960_464_477_539_063e-8; // 2^-24
 }
 
 impl TestElem for f16 {
-    const NAME: &'static str = "f16";
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
     }
@@ -97,14 +90,10 @@ impl TestElem for f16 {
     fn to_bits32(self) -> u32 {
         self.to_bits() as u32
     }
-    fn from_bits32(b: u32) -> Self {
-        f16::from_bits(b as u16)
-    }
     const UNIT_ROUNDOFF: f64 = 4.882_812_5e-4; // 2^-11
 }
 
 impl TestElem for bf16 {
-    const NAME: &'static str = "bf16";
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
     }
@@ -113,9 +102,6 @@ impl TestElem for bf16 {
     }
     fn to_bits32(self) -> u32 {
         self.to_bits() as u32
-    }
-    fn from_bits32(b: u32) -> Self {
-        bf16::from_bits(b as u16)
     }
     const UNIT_ROUNDOFF: f64 = 3.906_25e-3; // 2^-8
 }
@@ -213,12 +199,15 @@ pub fn run_case<T: TestElem>(comms: &[Comm], rng: &mut StdRng, case: Case) -> Re
         let base = ptr_of(&s, dst, 0);
         if !case.in_place {
             // Poison the whole output (the offset prefix too: it must stay poisoned).
-            tp_allreduce::driver::memset_d8_async(
-                base,
-                POISON,
-                (n + case.offset) * std::mem::size_of::<T>(),
-                s.cu_stream(),
-            )
+            // SAFETY: a live stream; the buffer holds n + offset elements.
+            unsafe {
+                tp_allreduce::driver::memset_d8_async(
+                    base,
+                    POISON,
+                    (n + case.offset) * std::mem::size_of::<T>(),
+                    s.cu_stream(),
+                )
+            }
             .map_err(|e| e.to_string())?;
         }
     }

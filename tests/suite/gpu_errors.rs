@@ -45,7 +45,7 @@ fn bad_input_is_rejected_with_clear_errors() {
     let e = unsafe { c.all_reduce_raw(pa, pa + 8, 10, DType::F32, s.cu_stream()) }.unwrap_err();
     assert!(matches!(e, Error::InvalidUsage(_)), "overlap: {e}");
 
-    let host = vec![0f32; 16];
+    let host = [0f32; 16];
     let e = unsafe { c.all_reduce_raw(host.as_ptr() as u64, host.as_ptr() as u64, 16, DType::F32, s.cu_stream()) }
         .unwrap_err();
     assert!(matches!(e, Error::InvalidUsage(_)), "host pointer: {e}");

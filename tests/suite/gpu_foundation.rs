@@ -40,8 +40,16 @@ fn sum_case<T: TestElem>(
     // SAFETY: poisoned before use.
     let out: CudaSlice<T> = unsafe { stream.alloc::<T>(n + offset) }.unwrap();
     let (out_ptr, _g) = out.device_ptr(&stream);
-    tp_allreduce::driver::memset_d8_async(out_ptr, POISON, (n + offset) * std::mem::size_of::<T>(), stream.cu_stream())
-        .unwrap();
+    // SAFETY: a live stream; the buffer holds n + offset elements.
+    unsafe {
+        tp_allreduce::driver::memset_d8_async(
+            out_ptr,
+            POISON,
+            (n + offset) * std::mem::size_of::<T>(),
+            stream.cu_stream(),
+        )
+    }
+    .unwrap();
     let ptrs: Vec<u64> = bufs.iter().map(|b| common::ptr_of(&stream, b, offset)).collect();
     let out_view = out_ptr + (offset * std::mem::size_of::<T>()) as u64;
     // SAFETY: every pointer covers n elements inside a live buffer.

@@ -120,9 +120,9 @@ fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: us
         // Every 100th replay: every layer exactly against its actual inputs.
         if rep % 100 == 0 {
             for l in 0..LAYERS {
-                let xs: Vec<Vec<f32>> = (0..world).map(|r| download(&bufs[r].x[l], n)).collect();
-                for r in 0..world {
-                    let out = download(&bufs[r].y[l], n);
+                let xs: Vec<Vec<f32>> = bufs.iter().map(|b| download(&b.x[l], n)).collect();
+                for (r, b) in bufs.iter().enumerate() {
+                    let out = download(&b.y[l], n);
                     common::check_sum(&xs, &out, 1).unwrap_or_else(|e| panic!("replay {rep} layer {l} rank {r}: {e}"));
                 }
             }
