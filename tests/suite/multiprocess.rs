@@ -23,6 +23,11 @@ fn launch(args: &[&str], env: &[(&str, &str)]) -> Output {
     let exe = bin();
     let mut cmd = Command::new(&exe);
     cmd.arg("launch").args(args);
+    // Each launched rank uses one stream. Under MPS the device connections
+    // of all clients share one cap, and this test process already holds 32
+    // (set for the in-process tests): inheriting 32 per rank exhausts it
+    // (CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED with four ranks).
+    cmd.env("CUDA_DEVICE_MAX_CONNECTIONS", "2");
     for (k, v) in env {
         cmd.env(k, v);
     }
