@@ -38,6 +38,17 @@ enum Command {
     /// Measure every algorithm (and NCCL) per size bucket on this machine
     /// and write the tuning table communicators load.
     Tune(TuneArgs),
+    /// Print a saved results.json as a table, write its plot, or compare two runs.
+    Report {
+        /// A results.json written by `bench`.
+        results: PathBuf,
+        /// Write the latency plot (SVG) here.
+        #[arg(long)]
+        svg: Option<PathBuf>,
+        /// Print the speedup of `results` over this earlier results.json.
+        #[arg(long)]
+        compare: Option<PathBuf>,
+    },
     /// Cross-process rendezvous check of a launched rank (no GPU needed).
     #[command(hide = true)]
     ProbeRendezvous {
@@ -443,6 +454,20 @@ fn probe_rendezvous(rounds: usize) -> Result<(), String> {
     Ok(())
 }
 
+fn report_cmd(results: &std::path::Path, svg: Option<PathBuf>, compare: Option<PathBuf>) -> Result<(), String> {
+    let rep = report::read_json(results).map_err(|e| e.to_string())?;
+    print!("{}", report::render_table(&rep));
+    if let Some(path) = svg {
+        std::fs::write(&path, report::render_svg(&rep)).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        println!("plot: {}", path.display());
+    }
+    if let Some(old) = compare {
+        let old = report::read_json(&old).map_err(|e| e.to_string())?;
+        print!("{}", report::render_compare(&old, &rep));
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -454,6 +479,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => plan(a),
         Command::Topo { json } => topo(json),
         Command::Tune(a) => tune(a),
+        Command::Report { results, svg, compare } => report_cmd(&results, svg, compare),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
