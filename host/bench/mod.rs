@@ -10,7 +10,7 @@ pub mod report;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaGraph, CudaStream};
 use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Algorithm, Transport};
@@ -462,6 +462,50 @@ fn sync_all(c: &dyn Collective, ranks: &Ranks) -> Result<()> {
     Ok(())
 }
 
+/// Captures `body(rank, stream)` on every rank's stream into one graph per
+/// rank (thread-local capture mode).
+fn capture_per_rank(ranks: &Ranks, mut body: impl FnMut(usize, &CudaStream) -> Result<()>) -> Result<Vec<CudaGraph>> {
+    let mut graphs = Vec::with_capacity(ranks.world());
+    for (r, s) in ranks.streams.iter().enumerate() {
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| crate::error::driver("cuStreamBeginCapture", e))?;
+        // Always end the capture, even when the body failed.
+        let captured = body(r, s);
+        let graph = s
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
+        captured?;
+        graphs.push(graph.ok_or_else(|| Error::InvalidUsage("empty capture".into()))?);
+    }
+    Ok(graphs)
+}
+
+/// Replays every rank's graph `warmup + repeats` times; each sample is the
+/// slowest rank's start-to-end time (microseconds) of one replay.
+fn time_graph_replays(
+    graphs: &[CudaGraph],
+    ranks: &Ranks,
+    warmup: usize,
+    repeats: usize,
+    mut sync: impl FnMut() -> Result<()>,
+) -> Result<Vec<f64>> {
+    let starts: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
+    let ends: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
+    let mut samples = Vec::with_capacity(repeats);
+    for i in 0..warmup + repeats {
+        for ((g, s), (start, end)) in graphs.iter().zip(&ranks.streams).zip(starts.iter().zip(&ends)) {
+            start.record(s).map_err(|e| crate::error::driver("cuEventRecord", e))?;
+            g.launch().map_err(|e| crate::error::driver("cuGraphLaunch", e))?;
+            end.record(s).map_err(|e| crate::error::driver("cuEventRecord", e))?;
+        }
+        sync()?;
+        if i >= warmup {
+            samples.push(span_us(&starts, &ends)?);
+        }
+    }
+    Ok(samples)
+}
+
 /// Verifies, then times `c` on `bufs`; returns per-allreduce microseconds
 /// (one sample per timed repeat).
 pub fn time_collective(c: &dyn Collective, ranks: &Ranks, bufs: &Buffers, opts: &Options) -> Result<Vec<f64>> {
@@ -471,22 +515,14 @@ pub fn time_collective(c: &dyn Collective, ranks: &Ranks, bufs: &Buffers, opts: 
     sync_all(c, ranks)?;
     bufs.verify(ranks, c.roundings(bufs.bytes(), bufs.dtype), &what)?;
 
-    let world = c.world();
-    let starts: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
-    let ends: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
     let mut samples = Vec::with_capacity(opts.repeats);
     let mode = if opts.mode == Mode::Graph && !c.capturable_per_rank() { Mode::Eager } else { opts.mode };
     match mode {
         Mode::Graph => {
-            let mut graphs = Vec::with_capacity(world);
-            for r in 0..world {
-                let s = &ranks.streams[r];
-                s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(|e| crate::error::driver("cuStreamBeginCapture", e))?;
-                let mut captured = Ok(());
+            let graphs = capture_per_rank(ranks, |r, s| {
                 for _ in 0..opts.iterations {
                     // SAFETY: as in issue_all.
-                    captured = unsafe {
+                    unsafe {
                         c.all_reduce(
                             r,
                             bufs.inputs[r].ptr(),
@@ -494,37 +530,23 @@ pub fn time_collective(c: &dyn Collective, ranks: &Ranks, bufs: &Buffers, opts: 
                             bufs.count,
                             bufs.dtype,
                             s.cu_stream(),
-                        )
+                        )?
                     };
-                    if captured.is_err() {
-                        break;
-                    }
                 }
-                let graph = s
-                    .end_capture(sys::CUgraphInstantiate_flags(0))
-                    .map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
-                captured?;
-                graphs.push(graph.ok_or_else(|| Error::InvalidUsage("empty capture".into()))?);
-            }
+                Ok(())
+            })?;
             c.after_capture()?;
             for g in &graphs {
                 g.upload().map_err(|e| crate::error::driver("cuGraphUpload", e))?;
             }
-            for i in 0..opts.warmup + opts.repeats {
-                for r in 0..world {
-                    starts[r].record(&ranks.streams[r]).map_err(|e| crate::error::driver("cuEventRecord", e))?;
-                    graphs[r].launch().map_err(|e| crate::error::driver("cuGraphLaunch", e))?;
-                    ends[r].record(&ranks.streams[r]).map_err(|e| crate::error::driver("cuEventRecord", e))?;
-                }
-                sync_all(c, ranks)?;
-                if i >= opts.warmup {
-                    samples.push(span_us(&starts, &ends)? / opts.iterations as f64);
-                }
-            }
+            let replays = time_graph_replays(&graphs, ranks, opts.warmup, opts.repeats, || sync_all(c, ranks))?;
+            samples.extend(replays.into_iter().map(|us| us / opts.iterations as f64));
             // The replays ran on the same buffers: check the result again.
             bufs.verify(ranks, c.roundings(bufs.bytes(), bufs.dtype), &what)?;
         }
         Mode::Eager => {
+            let starts: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
+            let ends: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
             for i in 0..opts.warmup + opts.repeats {
                 for (start, stream) in starts.iter().zip(&ranks.streams) {
                     start.record(stream).map_err(|e| crate::error::driver("cuEventRecord", e))?;
@@ -820,57 +842,29 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
 /// these ranks share the GPU(s).
 pub fn launch_floor(ranks: &Ranks) -> Result<f64> {
     const STEPS: usize = 200;
-    let world = ranks.world();
-    let mut bufs = Vec::new();
-    let mut graphs = Vec::new();
-    for r in 0..world {
-        let b = DeviceMemory::alloc_zeroed(&ranks.contexts[r], 64)?;
-        let s = &ranks.streams[r];
-        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| crate::error::driver("cuStreamBeginCapture", e))?;
-        let mut captured = Ok(());
+    let bufs: Vec<DeviceMemory> =
+        ranks.contexts.iter().map(|c| DeviceMemory::alloc_zeroed(c, 64)).collect::<Result<_>>()?;
+    let graphs = capture_per_rank(ranks, |r, s| {
         for _ in 0..STEPS {
             // SAFETY: 16 f32 in place in a 64-byte buffer.
-            captured = unsafe {
+            unsafe {
                 crate::elementwise::affine_raw(
                     &ranks.contexts[r],
                     s.cu_stream(),
-                    b.ptr(),
-                    b.ptr(),
+                    bufs[r].ptr(),
+                    bufs[r].ptr(),
                     16,
                     DType::F32,
                     1.0,
                     0.0,
-                )
+                )?
             };
-            if captured.is_err() {
-                break;
-            }
         }
-        let g = s
-            .end_capture(sys::CUgraphInstantiate_flags(0))
-            .map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
-        captured?;
-        graphs.push(g.ok_or_else(|| Error::InvalidUsage("empty capture".into()))?);
-        bufs.push(b);
-    }
-    let starts: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
-    let ends: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
-    let mut samples = Vec::new();
-    for i in 0..13 {
-        for r in 0..world {
-            starts[r].record(&ranks.streams[r]).map_err(|e| crate::error::driver("cuEventRecord", e))?;
-            graphs[r].launch().map_err(|e| crate::error::driver("cuGraphLaunch", e))?;
-            ends[r].record(&ranks.streams[r]).map_err(|e| crate::error::driver("cuEventRecord", e))?;
-        }
-        for (r, s) in ranks.streams.iter().enumerate() {
-            driver::bind(&ranks.contexts[r])?;
-            driver::synchronize(s)?;
-        }
-        if i >= 3 {
-            samples.push(span_us(&starts, &ends)? / STEPS as f64);
-        }
-    }
+        Ok(())
+    })?;
+    let sync = || ranks.streams.iter().try_for_each(|s| driver::synchronize(s));
+    let mut samples: Vec<f64> =
+        time_graph_replays(&graphs, ranks, 3, 10, sync)?.into_iter().map(|us| us / STEPS as f64).collect();
     Ok(percentiles(&mut samples).0)
 }
 
@@ -914,54 +908,29 @@ pub fn verify_pass(c: &dyn Collective, ranks: &Ranks, selection: &str) -> Result
     c.issue_all(ranks, &bufs)?;
     sync_all(c, ranks)?;
     bufs.verify(ranks, c.roundings(BYTES, dtype), "verify pass")?;
-    let mut graphs = Vec::new();
-    for r in 0..world {
-        let s = &ranks.streams[r];
-        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| crate::error::driver("cuStreamBeginCapture", e))?;
-        let mut captured = Ok(());
+    let graphs = capture_per_rank(ranks, |r, s| {
         for _ in 0..ALLREDUCES {
             // in -> out (allreduce), out -> in (dependent layer: x/world).
             // SAFETY: both buffers hold `count` bf16 on rank r's context.
-            captured =
-                unsafe { c.all_reduce(r, bufs.inputs[r].ptr(), bufs.outputs[r].ptr(), count, dtype, s.cu_stream()) }
-                    .and_then(|_| unsafe {
-                        crate::elementwise::affine_raw(
-                            &ranks.contexts[r],
-                            s.cu_stream(),
-                            bufs.outputs[r].ptr(),
-                            bufs.inputs[r].ptr(),
-                            count,
-                            dtype,
-                            1.0 / world as f32,
-                            0.0,
-                        )
-                    });
-            if captured.is_err() {
-                break;
+            unsafe {
+                c.all_reduce(r, bufs.inputs[r].ptr(), bufs.outputs[r].ptr(), count, dtype, s.cu_stream())?;
+                crate::elementwise::affine_raw(
+                    &ranks.contexts[r],
+                    s.cu_stream(),
+                    bufs.outputs[r].ptr(),
+                    bufs.inputs[r].ptr(),
+                    count,
+                    dtype,
+                    1.0 / world as f32,
+                    0.0,
+                )?;
             }
         }
-        let g = s
-            .end_capture(sys::CUgraphInstantiate_flags(0))
-            .map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
-        captured?;
-        graphs.push(g.ok_or_else(|| Error::InvalidUsage("empty capture".into()))?);
-    }
+        Ok(())
+    })?;
     c.after_capture()?;
-    let starts: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
-    let ends: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
-    let mut samples = Vec::new();
-    for i in 0..23 {
-        for r in 0..world {
-            starts[r].record(&ranks.streams[r]).map_err(|e| crate::error::driver("cuEventRecord", e))?;
-            graphs[r].launch().map_err(|e| crate::error::driver("cuGraphLaunch", e))?;
-            ends[r].record(&ranks.streams[r]).map_err(|e| crate::error::driver("cuEventRecord", e))?;
-        }
-        sync_all(c, ranks)?;
-        if i >= 3 {
-            samples.push(span_us(&starts, &ends)? / 1e3);
-        }
-    }
+    let mut samples: Vec<f64> =
+        time_graph_replays(&graphs, ranks, 3, 20, || sync_all(c, ranks))?.into_iter().map(|us| us / 1e3).collect();
     let (median, p10, p90) = percentiles(&mut samples);
     Ok(report::VerifyPass {
         selection: selection.into(),
