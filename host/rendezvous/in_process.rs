@@ -15,6 +15,10 @@ use crate::error::{Error, Result};
 /// Dropping a rank's object makes the others' next (or current) call fail at
 /// once, naming it.
 pub fn in_process_group(world_size: usize, timeout: Duration) -> Vec<Box<dyn Rendezvous>> {
+    members(world_size, timeout).into_iter().map(|m| Box::new(m) as Box<dyn Rendezvous>).collect()
+}
+
+fn members(world_size: usize, timeout: Duration) -> Vec<Member> {
     let group = Arc::new(Group {
         world: world_size,
         timeout,
@@ -28,7 +32,7 @@ pub fn in_process_group(world_size: usize, timeout: Duration) -> Vec<Box<dyn Ren
         }),
         cv: Condvar::new(),
     });
-    (0..world_size).map(|rank| Box::new(Member { rank, group: group.clone() }) as Box<dyn Rendezvous>).collect()
+    (0..world_size).map(|rank| Member { rank, group: group.clone() }).collect()
 }
 
 struct Group {
@@ -102,10 +106,6 @@ impl Rendezvous for Member {
                 "rank {} called all_gather from two threads at once (collectives must be called in order)",
                 self.rank
             )));
-        }
-        if let Some(r) = self.missing_left(&s) {
-            let err = Error::Rendezvous(format!("rank {r} left the group (its rendezvous was dropped)"));
-            return Err(fail(g, &mut s, err));
         }
         let generation = s.generation;
         s.slots[self.rank] = Some(mine.to_vec());
@@ -211,14 +211,20 @@ mod tests {
         assert!(late.to_string().contains("did not call all_gather"), "{late}");
     }
 
+    /// Rank 2 is dropped while ranks 0 and 1 wait in a round: both fail
+    /// at once naming it, and so does any later call.
     #[test]
     fn in_process_dropped_rank_fails_the_others_fast() {
-        let mut rdvs = in_process_group(3, Duration::from_secs(30));
-        run_all(&rdvs, |r| r.barrier().unwrap());
-        let two = rdvs.pop().unwrap();
+        let mut ranks = members(3, Duration::from_secs(30));
+        let group = ranks[0].group.clone();
+        let two = ranks.pop().unwrap();
         let started = Instant::now();
         let errs = thread::scope(|s| {
-            let handles: Vec<_> = rdvs.iter().map(|r| s.spawn(|| r.all_gather(b"y").unwrap_err())).collect();
+            let handles: Vec<_> = ranks.iter().map(|r| s.spawn(|| r.all_gather(b"y").unwrap_err())).collect();
+            while group.state.lock().unwrap().arrived < 2 {
+                assert!(started.elapsed() < Duration::from_secs(5), "ranks 0 and 1 never arrived");
+                thread::yield_now();
+            }
             drop(two);
             handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
         });
@@ -226,5 +232,18 @@ mod tests {
         for e in errs {
             assert!(e.to_string().contains("rank 2 left"), "{e}");
         }
+        let later = ranks[0].all_gather(b"z").unwrap_err();
+        assert!(later.to_string().contains("rank 2 left"), "{later}");
+    }
+
+    #[test]
+    fn in_process_rank_dropped_between_rounds_fails_the_next_call() {
+        let mut rdvs = in_process_group(2, Duration::from_secs(30));
+        run_all(&rdvs, |r| r.barrier().unwrap());
+        drop(rdvs.pop());
+        let started = Instant::now();
+        let err = rdvs[0].all_gather(b"x").unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(err.to_string().contains("rank 1 left"), "{err}");
     }
 }

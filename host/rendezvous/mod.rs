@@ -89,8 +89,9 @@
 //! stops the good ranks from joining; no call blocks longer than its
 //! timeout (ranks 1..N-1 wait a short grace beyond it for rank 0's answer,
 //! so that they receive its diagnosis — "ranks [2, 5] did not join" —
-//! rather than only "rank 0 did not answer"). One round carries at most
-//! [`MAX_ROUND_BYTES`].
+//! rather than only "rank 0 did not answer"). The timeout therefore also
+//! bounds how far apart in time the ranks may reach the same call. One
+//! round carries at most [`MAX_ROUND_BYTES`].
 //!
 //! # Security
 //!
@@ -342,6 +343,8 @@ impl Limits {
 /// How often rank 0 polls its non-blocking listener during the join (std
 /// has no accept with a timeout; this runs only until everyone has joined).
 const ACCEPT_POLL: Duration = Duration::from_millis(2);
+/// Connections rank 0 accepts per poll of its listener.
+const ACCEPTS_PER_POLL: usize = 16;
 /// Bound on sending an ABORT (best effort; the peer may be gone or stuck).
 const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(250);
 /// Backoff cap of ranks 1.. while rank 0 is not listening yet.
@@ -421,7 +424,11 @@ impl Write for Timed<'_> {
         if let Some(left) = self.left()? {
             self.conn.set_write_timeout(Some(left))?;
         }
-        self.conn.write(buf)
+        // SO_SNDTIMEO expiring reads as EAGAIN; say what it means.
+        self.conn.write(buf).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock => io::Error::new(io::ErrorKind::TimedOut, "timed out: the peer is not reading"),
+            _ => e,
+        })
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
@@ -619,8 +626,9 @@ fn accept_hellos(link: &Link, listener: &dyn Listen, deadline: Instant) -> Resul
     let mut refusals = Refusals::default();
 
     while missing > 0 && Instant::now() < deadline {
-        // Take every connection that is waiting.
-        loop {
+        // Take the connections that are waiting (a bounded number per pass,
+        // so a flood of connections cannot keep this loop past the deadline).
+        for _ in 0..ACCEPTS_PER_POLL {
             match listener.accept() {
                 Ok(Some(conn)) => {
                     if pending.len() >= link.limits.max_pending {
@@ -1562,6 +1570,119 @@ mod tests {
                     assert_eq!(abort.header.kind, Kind::Abort, "{transport} {name}");
                 });
             }
+        }
+    }
+
+    /// Rank 1 against a fake rank 0 (the test, on a TCP port it holds)
+    /// that answers badly during the join or in round 1: rank 1 must fail
+    /// with an error naming rank 0 and saying what was wrong, within bound.
+    #[test]
+    fn member_refuses_a_bad_rank_0() {
+        #[derive(PartialEq)]
+        enum At {
+            Join,
+            Round,
+        }
+        let abort = |code, reason: &str| wire::encode_abort(&Abort { code, waited_ms: 700, reason: reason.into() });
+        let parts = |v: &[&[u8]]| wire::encode_result(&v.iter().map(|p| p.to_vec()).collect::<Vec<_>>());
+        // (name, when, what rank 0 sends (empty: it closes), expected text)
+        let cases: Vec<(&str, At, Box<dyn Fn(&[u8; 16]) -> Vec<u8>>, &str)> = vec![
+            ("closes", At::Join, Box::new(|_| vec![]), "rank 0 closed the connection while rank 1 was joining"),
+            (
+                "refuses",
+                At::Join,
+                Box::new(|j| raw_frame(Kind::Abort, j, 0, 0, &abort(AbortCode::Rejected, "rank 1 has already joined"))),
+                "rank 0 refused this rank: rank 1 has already joined",
+            ),
+            (
+                "wrong world",
+                At::Join,
+                Box::new(|j| raw_frame(Kind::Welcome, j, 0, 0, &wire::encode_world(3))),
+                "WELCOME for world size 3",
+            ),
+            (
+                "foreign job",
+                At::Join,
+                Box::new(|_| raw_frame(Kind::Welcome, &[3; 16], 0, 0, &wire::encode_world(2))),
+                "wrong job id",
+            ),
+            (
+                "wrong sender",
+                At::Join,
+                Box::new(|j| raw_frame(Kind::Welcome, j, 1, 0, &wire::encode_world(2))),
+                "claims sender rank 1",
+            ),
+            ("garbage", At::Join, Box::new(|_| vec![0xAB; 40]), "not a rendezvous frame"),
+            ("closes in round", At::Round, Box::new(|_| vec![]), "rank 0 closed the connection in round 1"),
+            (
+                "not my bytes",
+                At::Round,
+                Box::new(move |j| raw_frame(Kind::Result, j, 0, 1, &parts(&[b"zero", b"forged"]))),
+                "own contribution",
+            ),
+            (
+                "old round",
+                At::Round,
+                Box::new(move |j| raw_frame(Kind::Result, j, 0, 2, &parts(&[b"zero", b"mine"]))),
+                "round 2, expected round 1",
+            ),
+            (
+                "wrong count",
+                At::Round,
+                Box::new(move |j| raw_frame(Kind::Result, j, 0, 1, &parts(&[b"zero", b"mine", b"extra"]))),
+                "holds 3 contributions",
+            ),
+            (
+                "huge length",
+                At::Round,
+                Box::new(|j| {
+                    let mut b = raw_frame(Kind::Result, j, 0, 1, b"");
+                    b[36..40].copy_from_slice(&u32::MAX.to_le_bytes());
+                    b
+                }),
+                "exceeds the limit",
+            ),
+            (
+                "relayed timeout",
+                At::Round,
+                Box::new(|j| raw_frame(Kind::Abort, j, 0, 1, &abort(AbortCode::Timeout, "ranks [5] did not send"))),
+                "rank 0 reports: ranks [5] did not send",
+            ),
+        ];
+        for (name, at, reply, text) in &cases {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let id = Id::new_tcp(listener.local_addr().unwrap());
+            let job = id.job_id();
+            let started = Instant::now();
+            let err = thread::scope(|s| {
+                let member = s.spawn(|| connect(&id, 1, 2, Duration::from_secs(3))?.all_gather(b"mine"));
+                let (stream, _) = listener.accept().unwrap();
+                let conn: Arc<dyn Conn> = Arc::new(stream);
+                let hello = read_frame(&*conn, Some(Instant::now() + LONG), 64).unwrap();
+                assert_eq!((hello.header.kind, hello.header.sender), (Kind::Hello, 1));
+                if *at == At::Round {
+                    write_frame(
+                        &*conn,
+                        Instant::now() + LONG,
+                        &raw_frame(Kind::Welcome, &job, 0, 0, &wire::encode_world(2)),
+                    )
+                    .unwrap();
+                    let gather = read_frame(&*conn, Some(Instant::now() + LONG), 64).unwrap();
+                    assert_eq!((gather.header.kind, gather.payload.as_slice()), (Kind::Gather, &b"mine"[..]));
+                }
+                let bytes = reply(&job);
+                if bytes.is_empty() {
+                    conn.disconnect();
+                } else {
+                    write_frame(&*conn, Instant::now() + LONG, &bytes).unwrap();
+                }
+                let err = member.join().unwrap().expect_err(name);
+                drop(conn);
+                err
+            });
+            assert!(started.elapsed() < Duration::from_secs(2), "{name}: {:?}", started.elapsed());
+            let msg = err.to_string();
+            assert!(msg.contains(text) && msg.contains("rank 0"), "{name}: {msg}");
         }
     }
 

@@ -118,7 +118,7 @@ pub(crate) fn bind(socket: &Path) -> Result<Listening> {
         Error::io(
             format!(
                 "rank 0 cannot use the rendezvous directory {} (the id must come from Id::new_unix() on this \
-                 host, and rank 0 must run on that host)",
+                 host, and it serves one rendezvous: rank 0 removes the directory when its join ends)",
                 dir.display()
             ),
             e,
