@@ -725,8 +725,11 @@ fn read_hello(link: &Link, conn: &dyn Conn) -> std::result::Result<usize, String
         if h.job != link.job {
             return Err("HELLO with a wrong job id (a process of another job?)".into());
         }
-        if h.kind != Kind::Hello || h.round != 0 {
-            return Err(format!("a connection opened with {} round {} instead of HELLO", h.kind.name(), h.round));
+        if h.kind != Kind::Hello {
+            return Err(format!("a connection opened with {} instead of HELLO", h.kind.name()));
+        }
+        if h.round != 0 {
+            return Err(format!("HELLO for round {}, expected round 0", h.round));
         }
         let rank = h.sender as usize;
         if rank == 0 || rank >= link.world {
@@ -1519,6 +1522,71 @@ mod tests {
         }
     }
 
+    const CHILD_ID_VAR: &str = "TPAR_RDV_TEST_CHILD_ID";
+
+    /// Not a test by itself: the child process of
+    /// `sigkilled_process_fails_the_next_round_naming_it` (this test binary
+    /// run again with the id in the environment). Joins as rank 2 of 3, does
+    /// one round, then waits to be killed.
+    #[test]
+    #[ignore = "child process of sigkilled_process_fails_the_next_round_naming_it"]
+    fn child_rank_2_of_3() {
+        let Ok(id) = std::env::var(CHILD_ID_VAR) else { return };
+        let rdv = connect(&id.parse().unwrap(), 2, 3, LONG).unwrap();
+        rdv.all_gather(b"child").unwrap();
+        thread::sleep(LONG);
+    }
+
+    /// Rank 2 is another process, joined through the id string, and is
+    /// SIGKILLed after a round: ranks 0 and 1 fail their next round at once,
+    /// naming rank 2.
+    #[test]
+    fn sigkilled_process_fails_the_next_round_naming_it() {
+        use std::process::{Command, Stdio};
+        use std::sync::Barrier;
+        let id = unix_id();
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "rendezvous::tests::child_rank_2_of_3", "--ignored", "--test-threads=1"])
+            .env(CHILD_ID_VAR, id.to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let killed = Barrier::new(3);
+        let errs = thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (id, killed) = (&id, &killed);
+                    s.spawn(move || {
+                        let rdv = connect(id, rank, 3, LONG);
+                        let first = rdv
+                            .as_ref()
+                            .map_err(|e| e.to_string())
+                            .and_then(|r| r.all_gather(format!("thread {rank}").as_bytes()).map_err(|e| e.to_string()));
+                        killed.wait(); // round 1 done on both threads
+                        killed.wait(); // rank 2 killed
+                        let first = first.unwrap();
+                        assert_eq!(first[2], b"child");
+                        let started = Instant::now();
+                        let err = rdv.unwrap().all_gather(b"after").expect_err("round without rank 2");
+                        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+                        err
+                    })
+                })
+                .collect();
+            killed.wait();
+            child.kill().unwrap(); // SIGKILL
+            let status = child.wait().unwrap();
+            killed.wait();
+            let errs: Vec<Error> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+            assert!(!status.success());
+            errs
+        });
+        for err in errs {
+            assert!(err.to_string().contains("rank 2 closed its connection"), "{err}");
+        }
+    }
+
     /// A joined rank (played by a raw socket) breaks the protocol in round 1:
     /// rank 0 fails naming it and rank 2 fails at once with the reason.
     #[test]
@@ -1586,7 +1654,8 @@ mod tests {
         let abort = |code, reason: &str| wire::encode_abort(&Abort { code, waited_ms: 700, reason: reason.into() });
         let parts = |v: &[&[u8]]| wire::encode_result(&v.iter().map(|p| p.to_vec()).collect::<Vec<_>>());
         // (name, when, what rank 0 sends (empty: it closes), expected text)
-        let cases: Vec<(&str, At, Box<dyn Fn(&[u8; 16]) -> Vec<u8>>, &str)> = vec![
+        type Reply<'a> = Box<dyn Fn(&[u8; 16]) -> Vec<u8> + 'a>;
+        let cases: Vec<(&str, At, Reply<'_>, &str)> = vec![
             ("closes", At::Join, Box::new(|_| vec![]), "rank 0 closed the connection while rank 1 was joining"),
             (
                 "refuses",
