@@ -88,10 +88,10 @@ impl DeviceMemory {
         Ok(DeviceMemory { ctx: ctx.clone(), ptr, bytes })
     }
 
-    /// Allocates and zero-fills (synchronously).
+    /// Allocates and zero-fills; returns once the zeros are in memory.
     pub fn alloc_zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
         let m = Self::alloc(ctx, bytes)?;
-        cu!(cuMemsetD8_v2(m.ptr, 0, m.bytes.max(1)))?;
+        memset_d8(m.ptr, 0, m.bytes.max(1))?;
         Ok(m)
     }
 
@@ -288,10 +288,24 @@ pub unsafe fn is_capturing(stream: sys::CUstream) -> Result<bool> {
     }
 }
 
+/// The synchronous helpers below queue their work on the legacy default
+/// stream of the current context and wait for that stream only. Waiting
+/// matters: `cuMemset*` on device memory and pageable `cuMemcpyHtoD` may
+/// return before the memory is written, and the library's streams (like
+/// cudarc's) are non-blocking, so nothing else would order the write before
+/// kernels on them. Waiting for the whole context instead could block on
+/// another in-process rank's collective that waits for this thread.
+const LEGACY_STREAM: sys::CUstream = std::ptr::null_mut();
+
+/// Copies `src` to device memory; returns once it is there.
 pub fn memcpy_htod(dst: sys::CUdeviceptr, src: &[u8]) -> Result<()> {
-    cu!(cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()))
+    cu!(cuMemcpyHtoDAsync_v2(dst, src.as_ptr() as *const c_void, src.len(), LEGACY_STREAM))?;
+    cu!(cuStreamSynchronize(LEGACY_STREAM))
 }
 
+/// Copies device memory to `dst` (synchronous for pageable memory; like
+/// every copy it is not ordered after work on non-blocking streams, so
+/// synchronise the producing stream first).
 pub fn memcpy_dtoh(dst: &mut [u8], src: sys::CUdeviceptr) -> Result<()> {
     cu!(cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len()))
 }
@@ -308,8 +322,10 @@ pub unsafe fn memcpy_dtod_async(
     cu!(cuMemcpyDtoDAsync_v2(dst, src, bytes, stream))
 }
 
+/// Fills device memory; returns once it is written.
 pub fn memset_d8(dst: sys::CUdeviceptr, value: u8, bytes: usize) -> Result<()> {
-    cu!(cuMemsetD8_v2(dst, value, bytes))
+    cu!(cuMemsetD8Async(dst, value, bytes, LEGACY_STREAM))?;
+    cu!(cuStreamSynchronize(LEGACY_STREAM))
 }
 
 /// # Safety
