@@ -5,6 +5,7 @@
 //! expected sum before it is timed. NCCL runs in the same process on the
 //! same buffers as the baseline when its ranks are on distinct GPUs.
 
+pub mod processes;
 pub mod report;
 
 use std::sync::Arc;
@@ -655,7 +656,7 @@ pub fn utc_now() -> String {
     format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, (rem / 60) % 60, rem % 60)
 }
 
-fn driver_version() -> String {
+pub(crate) fn driver_version() -> String {
     let mut v: i32 = 0;
     match driver::cu!(cuDriverGetVersion(&mut v)) {
         Ok(()) => format!("CUDA {}.{}", v / 1000, (v % 1000) / 10),

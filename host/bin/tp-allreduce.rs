@@ -49,6 +49,9 @@ enum Command {
         #[arg(long)]
         compare: Option<PathBuf>,
     },
+    /// One rank of `bench --processes` (started by the launcher).
+    #[command(hide = true)]
+    BenchRank(BenchArgs),
     /// Cross-process rendezvous check of a launched rank (no GPU needed).
     #[command(hide = true)]
     ProbeRendezvous {
@@ -138,7 +141,7 @@ struct SelftestArgs {
     island_size: Option<usize>,
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct BenchArgs {
     /// Message sizes, e.g. `1K,42K,8M` (`default`: 1 KB .. 64 MB doubling + 42 KB).
     #[arg(long, default_value = "default")]
@@ -181,6 +184,10 @@ struct BenchArgs {
     /// Islands for the hierarchical algorithm (ranks per island).
     #[arg(long)]
     island_size: Option<usize>,
+    /// One process per rank through the launcher (the deployment shape;
+    /// NCCL rows are then graph-captured too). Ranks sharing a GPU need MPS.
+    #[arg(long)]
+    processes: bool,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -288,12 +295,7 @@ fn tune(args: TuneArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn bench(args: BenchArgs) -> Result<(), String> {
-    let command_line = std::env::args().collect::<Vec<_>>().join(" ");
-    if tp_allreduce::driver::device_count() == 0 {
-        println!("no CUDA device: nothing to measure here; the plan for the default topology instead (`tp-allreduce plan`):\n");
-        return plan(PlanArgs { topology: None, world: None, dtype: args.dtype.clone(), list: false });
-    }
+fn bench_options(args: &BenchArgs) -> Result<(Options, Scenarios), String> {
     let sizes = if args.sizes == "default" {
         bench::default_sizes()
     } else {
@@ -337,21 +339,70 @@ fn bench(args: BenchArgs) -> Result<(), String> {
         ranks_per_gpu: args.ranks_per_gpu.max(1),
         config,
     };
-    let scenarios = Scenarios { verify_pass: !args.no_verify_pass, efficiency: args.efficiency, launch_floor: true };
-    let rep = bench::run(&opts, &scenarios, &command_line).map_err(|e| e.to_string())?;
-    print!("{}", report::render_table(&rep));
-    let out =
-        args.out.unwrap_or_else(|| PathBuf::from("results").join(format!("bench-{}", rep.date_utc.replace(':', ""))));
+    // The launch floor and the efficiency scenario are in-process only.
+    let scenarios = Scenarios {
+        verify_pass: !args.no_verify_pass,
+        efficiency: args.efficiency && !args.processes,
+        launch_floor: !args.processes,
+    };
+    Ok((opts, scenarios))
+}
+
+fn write_outputs(rep: &report::Report, out: Option<PathBuf>, compare: Option<PathBuf>) -> Result<(), String> {
+    print!("{}", report::render_table(rep));
+    let out = out.unwrap_or_else(|| PathBuf::from("results").join(format!("bench-{}", rep.date_utc.replace(':', ""))));
     std::fs::create_dir_all(&out).map_err(|e| format!("creating {}: {e}", out.display()))?;
-    report::write_csv(&rep, &out.join("results.csv")).map_err(|e| e.to_string())?;
-    report::write_json(&rep, &out.join("results.json")).map_err(|e| e.to_string())?;
-    std::fs::write(out.join("latency.svg"), report::render_svg(&rep)).map_err(|e| e.to_string())?;
+    report::write_csv(rep, &out.join("results.csv")).map_err(|e| e.to_string())?;
+    report::write_json(rep, &out.join("results.json")).map_err(|e| e.to_string())?;
+    std::fs::write(out.join("latency.svg"), report::render_svg(rep)).map_err(|e| e.to_string())?;
     println!("results: {}/results.{{csv,json}}, {}/latency.svg", out.display(), out.display());
-    if let Some(old) = args.compare {
+    if let Some(old) = compare {
         let old = report::read_json(&old).map_err(|e| e.to_string())?;
-        print!("{}", report::render_compare(&old, &rep));
+        print!("{}", report::render_compare(&old, rep));
     }
     Ok(())
+}
+
+fn bench(args: BenchArgs) -> Result<(), String> {
+    let command_line = std::env::args().collect::<Vec<_>>().join(" ");
+    if tp_allreduce::driver::device_count() == 0 {
+        println!("no CUDA device: nothing to measure here; the plan for the default topology instead (`tp-allreduce plan`):\n");
+        return plan(PlanArgs { topology: None, world: None, dtype: args.dtype.clone(), list: false });
+    }
+    let (opts, scenarios) = bench_options(&args)?;
+    if args.processes {
+        // One process per rank: this command again as `bench-rank` workers.
+        let exe = std::env::current_exe().map_err(|e| format!("locating this executable: {e}"))?;
+        let mut worker: Vec<String> = vec![exe.display().to_string(), "bench-rank".into()];
+        worker.extend(std::env::args().skip(2).filter(|a| a != "--processes"));
+        let gpus: Vec<usize> = opts.gpus.iter().flat_map(|&g| std::iter::repeat_n(g, opts.ranks_per_gpu)).collect();
+        let launch = tp_allreduce::launch::LaunchOptions {
+            world_size: gpus.len(),
+            gpus,
+            grace: std::time::Duration::from_secs(30),
+            timeout: None,
+        };
+        let outcomes = tp_allreduce::launch::launch(&launch, &worker).map_err(|e| e.to_string())?;
+        return match outcomes.iter().find(|o| !o.success) {
+            None => Ok(()),
+            Some(o) => Err(format!("bench rank {} failed: {}", o.rank, o.status)),
+        };
+    }
+    let rep = bench::run(&opts, &scenarios, &command_line).map_err(|e| e.to_string())?;
+    write_outputs(&rep, args.out, args.compare)
+}
+
+fn bench_rank(args: BenchArgs) -> Result<(), String> {
+    let env = rank_env()?;
+    let command_line =
+        format!("tp-allreduce bench --processes {}", std::env::args().skip(2).collect::<Vec<_>>().join(" "));
+    let (opts, scenarios) = bench_options(&BenchArgs { processes: true, ..args.clone() })?;
+    match bench::processes::run_rank(&env, &opts, &scenarios, &command_line)
+        .map_err(|e| format!("rank {}: {e}", env.rank))?
+    {
+        Some(rep) => write_outputs(&rep, args.out, args.compare),
+        None => Ok(()),
+    }
 }
 
 fn inspect(args: InspectArgs) -> Result<(), String> {
@@ -472,6 +523,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(a) => bench(a),
+        Command::BenchRank(a) => bench_rank(a),
         Command::Inspect(a) => inspect(a),
         Command::Launch(a) => launch(a),
         Command::Selftest(a) => selftest(a),

@@ -145,6 +145,11 @@ impl Comm {
         &self.notes
     }
 
+    /// The NCCL communicator behind the `Nccl` algorithm, if one was created.
+    pub fn nccl(&self) -> Option<&crate::nccl::NcclComm> {
+        self.nccl.as_ref()
+    }
+
     /// Whether an NCCL communicator backs the `Nccl` algorithm.
     pub fn has_nccl(&self) -> bool {
         self.nccl.is_some()

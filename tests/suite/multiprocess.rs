@@ -195,3 +195,95 @@ fn sigkill_of_one_rank_fails_the_others_cleanly() {
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "rendezvous files left behind");
     let _ = std::fs::remove_dir(&dir);
 }
+
+#[test]
+fn multi_process_host_staged_transport() {
+    let _lock = common::gpu_lock();
+    if multi_process_gpu_unavailable("multi_process_host_staged_transport") {
+        return;
+    }
+    let exe = bin();
+    let gpus = gpu_list();
+    let dir = scratch_dir("staged");
+    let o = launch(
+        &[
+            "-n",
+            "2",
+            "--gpus",
+            &gpus,
+            "--grace",
+            "20",
+            "--timeout",
+            "200",
+            "--",
+            exe.to_str().unwrap(),
+            "selftest",
+            "--quick",
+            "--algorithms",
+            "one-shot-push,two-shot-push,ring",
+        ],
+        &[
+            ("XDG_RUNTIME_DIR", dir.to_str().unwrap()),
+            ("TP_ALLREDUCE_TRANSPORT", "host-staged"),
+            ("TP_ALLREDUCE_TIMEOUT_MS", "3000"),
+        ],
+    );
+    let out = text(&o);
+    eprintln!("{out}");
+    assert!(o.status.success(), "{out}");
+    for r in 0..2 {
+        assert!(
+            out.contains(&format!("[rank {r}] rank {r}/2: device")) && out.contains("transport host-staged"),
+            "{out}"
+        );
+        assert!(out.contains(&format!("[rank {r}] rank {r}: selftest passed")), "{out}");
+    }
+    // The shared-memory regions were unlinked once every rank had mapped them.
+    let leftovers: Vec<_> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("tpar-")).count())
+        .into_iter()
+        .collect();
+    assert_eq!(leftovers.iter().sum::<usize>(), 0, "shared memory left in /dev/shm");
+    let _ = std::fs::remove_dir(&dir);
+}
+
+#[test]
+fn bench_with_one_process_per_rank() {
+    let _lock = common::gpu_lock();
+    if multi_process_gpu_unavailable("bench_with_one_process_per_rank") {
+        return;
+    }
+    let exe = bin();
+    let dir = scratch_dir("bench");
+    let out_dir = dir.join("out");
+    let o = Command::new(&exe)
+        .args([
+            "bench",
+            "--processes",
+            "--ranks-per-gpu",
+            "2",
+            "--sizes",
+            "4K,42K",
+            "--algorithms",
+            "auto,one-shot-pull,two-shot-push",
+            "--repeats",
+            "3",
+            "--iterations",
+            "10",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ])
+        .env("CUDA_DEVICE_MAX_CONNECTIONS", "2")
+        .env("XDG_RUNTIME_DIR", dir.to_str().unwrap())
+        .output()
+        .expect("bench runs");
+    let out = text(&o);
+    eprintln!("{out}");
+    assert!(o.status.success(), "{out}");
+    let rep = tp_allreduce::bench::report::read_json(&out_dir.join("results.json")).expect("results.json");
+    assert_eq!(rep.world, 2);
+    assert_eq!(rep.measurements.len(), 6, "2 sizes x 3 selections");
+    assert!(rep.measurements.iter().all(|m| m.median_us > 0.0 && m.median_us.is_finite()));
+    assert_eq!(rep.verify_pass.len(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
