@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext};
 
 use crate::algorithm::Algorithm;
-use crate::bench::{decode, random_bits};
+use crate::bench::{decode, random_bits, unit_roundoff};
 use crate::comm::{Comm, Config};
 use crate::driver::{self, DeviceMemory};
 use crate::error::{Error, Result};
@@ -39,14 +39,6 @@ fn fnv(bytes: &[u8]) -> u64 {
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     h
-}
-
-fn unit_roundoff(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 2f64.powi(-24),
-        DType::F16 => 2f64.powi(-11),
-        DType::Bf16 => 2f64.powi(-8),
-    }
 }
 
 fn case_seed(seed: u64, case: u64, rank: usize) -> u64 {

@@ -241,7 +241,8 @@ pub(crate) fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
     }
 }
 
-fn unit_roundoff(dtype: DType) -> f64 {
+/// Half an ulp at 1.0 of `dtype` (tolerances of the correctness checks).
+pub(crate) fn unit_roundoff(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 2f64.powi(-24),
         DType::F16 => 2f64.powi(-11),
@@ -767,7 +768,7 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
             let group = OurGroup { comms: &comms };
             let ran = group.describe(bufs.bytes(), opts.dtype);
             let mut samples = time_collective(&group, &ranks, &bufs, opts)?;
-            rows.push(measurement(&bufs, &sel.name(), &ran, world, opts, &mut samples));
+            rows.push(measurement((bufs.bytes(), bufs.dtype), &sel.name(), &ran, world, opts, &mut samples));
             settle();
         }
         if let Some(n) = &nccl {
@@ -778,7 +779,7 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
                 o.mode = Mode::Eager;
             }
             let mut samples = time_collective(&group, &ranks, &bufs, &o)?;
-            let nccl_row = measurement(&bufs, "nccl", "nccl", world, &o, &mut samples);
+            let nccl_row = measurement((bufs.bytes(), bufs.dtype), "nccl", "nccl", world, &o, &mut samples);
             for r in rows.iter_mut() {
                 r.speedup_vs_nccl = Some(nccl_row.median_us / r.median_us);
             }
@@ -869,8 +870,10 @@ pub fn launch_floor(ranks: &Ranks) -> Result<f64> {
     Ok(percentiles(&mut samples).0)
 }
 
-fn measurement(
-    bufs: &Buffers,
+/// One table row from per-allreduce samples (microseconds) of a message of
+/// `bytes` bytes of `dtype`.
+pub(crate) fn measurement(
+    (bytes, dtype): (usize, DType),
     selection: &str,
     ran: &str,
     world: usize,
@@ -878,10 +881,10 @@ fn measurement(
     samples: &mut [f64],
 ) -> Measurement {
     let (median, p10, p90) = percentiles(samples);
-    let algbw = bufs.bytes() as f64 / (median * 1e-6) / 1e9;
+    let algbw = bytes as f64 / (median * 1e-6) / 1e9;
     Measurement {
-        bytes: bufs.bytes(),
-        dtype: bufs.dtype.name().into(),
+        bytes,
+        dtype: dtype.name().into(),
         selection: selection.into(),
         algorithm: ran.into(),
         world,

@@ -8,7 +8,7 @@
 use cudarc::driver::{sys, CudaContext, CudaEvent};
 
 use super::report::{self, Report};
-use super::{decode, percentiles, random_bits, Mode, Options, Scenarios, Selection};
+use super::{decode, measurement, percentiles, random_bits, unit_roundoff, Mode, Options, Scenarios, Selection};
 use crate::algorithm::Algorithm;
 use crate::comm::Comm;
 use crate::driver::{self, DeviceMemory};
@@ -32,14 +32,6 @@ impl Runner<'_> {
             Runner::Ours(c) => c.all_reduce_raw(send, recv, count, dtype, stream),
             Runner::Nccl(n) => n.all_reduce(send, recv, count, dtype, stream),
         }
-    }
-}
-
-fn unit_roundoff(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 2f64.powi(-24),
-        DType::F16 => 2f64.powi(-11),
-        DType::Bf16 => 2f64.powi(-8),
     }
 }
 
@@ -308,14 +300,21 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
             let what = format!("{} {}", report::human_bytes(bytes), sel.name());
             let mut samples =
                 time_row(&comm, &ctx, Runner::Ours(&comm), &bufs, opts, &what, algorithm.max_roundings(world))?;
-            rows.push(measurement_for(&bufs, &sel.name(), algorithm.name(), world, opts, &mut samples));
+            rows.push(measurement(
+                (bufs.bytes(), bufs.dtype),
+                &sel.name(),
+                algorithm.name(),
+                world,
+                opts,
+                &mut samples,
+            ));
         }
         comm.set_algorithm(None)?;
         if with_nccl {
             let nccl = comm.nccl().expect("checked above");
             let what = format!("{} nccl", report::human_bytes(bytes));
             let mut samples = time_row(&comm, &ctx, Runner::Nccl(nccl), &bufs, opts, &what, world)?;
-            let nccl_row = measurement_for(&bufs, "nccl", "nccl", world, opts, &mut samples);
+            let nccl_row = measurement((bufs.bytes(), bufs.dtype), "nccl", "nccl", world, opts, &mut samples);
             for r in rows.iter_mut() {
                 r.speedup_vs_nccl = Some(nccl_row.median_us / r.median_us);
             }
@@ -353,30 +352,4 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
         efficiency: Vec::new(),
         launch_floor_us: None,
     }))
-}
-
-fn measurement_for(
-    bufs: &RankBuffers,
-    selection: &str,
-    ran: &str,
-    world: usize,
-    opts: &Options,
-    samples: &mut [f64],
-) -> super::Measurement {
-    let (median, p10, p90) = percentiles(samples);
-    let algbw = bufs.bytes() as f64 / (median * 1e-6) / 1e9;
-    super::Measurement {
-        bytes: bufs.bytes(),
-        dtype: bufs.dtype.name().into(),
-        selection: selection.into(),
-        algorithm: ran.into(),
-        world,
-        mode: format!("{:?}", opts.mode).to_lowercase(),
-        median_us: median,
-        p10_us: p10,
-        p90_us: p90,
-        algbw_gbs: algbw,
-        busbw_gbs: super::busbw(algbw, world),
-        speedup_vs_nccl: None,
-    }
 }
