@@ -341,6 +341,23 @@ pub fn synchronize(stream: &cudarc::driver::CudaStream) -> Result<()> {
     cu!(cuStreamSynchronize(stream.cu_stream()))
 }
 
+/// Captures the work `body` queues on `stream` into a graph. The capture is
+/// always ended, also when `body` fails (its error is returned then), so the
+/// stream never stays in capture mode.
+pub fn capture(
+    stream: &Arc<cudarc::driver::CudaStream>,
+    mode: sys::CUstreamCaptureMode,
+    body: impl FnOnce() -> Result<()>,
+) -> Result<cudarc::driver::CudaGraph> {
+    stream.begin_capture(mode).map_err(|e| crate::error::driver("cuStreamBeginCapture", e))?;
+    let captured = body();
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
+    captured?;
+    graph.ok_or_else(|| Error::InvalidUsage("empty capture".into()))
+}
+
 /// Waits for all work queued on a raw stream handle.
 ///
 /// # Safety

@@ -192,14 +192,11 @@ fn graph_check(
     let x: Vec<DeviceMemory> = (0..=layers).map(|_| DeviceMemory::alloc(ctx, n * 4)).collect::<Result<_>>()?;
     let y: Vec<DeviceMemory> = (0..layers).map(|_| DeviceMemory::alloc(ctx, n * 4)).collect::<Result<_>>()?;
     let scale = 1.0 / world as f32;
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
-        .map_err(|e| crate::error::driver("cuStreamBeginCapture", e))?;
-    let mut captured = Ok(());
-    for l in 0..layers {
-        // SAFETY: x[l], y[l], x[l+1] hold n f32.
-        captured = unsafe { comm.all_reduce_raw(x[l].ptr(), y[l].ptr(), n, DType::F32, stream.cu_stream()) }.and_then(
-            |_| unsafe {
+    let graph = driver::capture(&stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL, || {
+        for l in 0..layers {
+            // SAFETY: x[l], y[l], x[l+1] hold n f32.
+            unsafe {
+                comm.all_reduce_raw(x[l].ptr(), y[l].ptr(), n, DType::F32, stream.cu_stream())?;
                 crate::elementwise::affine_raw(
                     ctx,
                     stream.cu_stream(),
@@ -209,18 +206,11 @@ fn graph_check(
                     DType::F32,
                     scale,
                     0.25,
-                )
-            },
-        );
-        if captured.is_err() {
-            break;
+                )?;
+            }
         }
-    }
-    let graph = stream
-        .end_capture(sys::CUgraphInstantiate_flags(0))
-        .map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
-    captured?;
-    let graph = graph.ok_or_else(|| Error::InvalidUsage("empty capture".into()))?;
+        Ok(())
+    })?;
     let registered = comm.register_graph_buffers()?;
     if algorithm.reads_peer_inputs() && registered != layers {
         return Err(Error::InvalidUsage(format!("{algorithm}: {registered} of {layers} captured inputs registered")));

@@ -469,15 +469,7 @@ fn sync_all(c: &dyn Collective, ranks: &Ranks) -> Result<()> {
 fn capture_per_rank(ranks: &Ranks, mut body: impl FnMut(usize, &CudaStream) -> Result<()>) -> Result<Vec<CudaGraph>> {
     let mut graphs = Vec::with_capacity(ranks.world());
     for (r, s) in ranks.streams.iter().enumerate() {
-        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| crate::error::driver("cuStreamBeginCapture", e))?;
-        // Always end the capture, even when the body failed.
-        let captured = body(r, s);
-        let graph = s
-            .end_capture(sys::CUgraphInstantiate_flags(0))
-            .map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
-        captured?;
-        graphs.push(graph.ok_or_else(|| Error::InvalidUsage("empty capture".into()))?);
+        graphs.push(driver::capture(s, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, || body(r, s))?);
     }
     Ok(graphs)
 }

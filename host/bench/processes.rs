@@ -158,22 +158,14 @@ fn time_row(
     bufs.verify(comm, roundings, what)?;
     let samples = match opts.mode {
         Mode::Graph => {
-            stream
-                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(|e| crate::error::driver("cuStreamBeginCapture", e))?;
-            let mut captured = Ok(());
-            for _ in 0..opts.iterations {
-                // SAFETY: as above.
-                captured = unsafe { runner.call(bufs.input.ptr(), bufs.output.ptr(), bufs.count, bufs.dtype, cu) };
-                if captured.is_err() {
-                    break;
-                }
-            }
-            let graph = stream
-                .end_capture(sys::CUgraphInstantiate_flags(0))
-                .map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
-            captured?;
-            let graph = graph.ok_or_else(|| Error::InvalidUsage("empty capture".into()))?;
+            let graph =
+                driver::capture(&stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, || {
+                    for _ in 0..opts.iterations {
+                        // SAFETY: as above.
+                        unsafe { runner.call(bufs.input.ptr(), bufs.output.ptr(), bufs.count, bufs.dtype, cu)? };
+                    }
+                    Ok(())
+                })?;
             comm.register_graph_buffers()?;
             graph.upload().map_err(|e| crate::error::driver("cuGraphUpload", e))?;
             let s = timed(comm, ctx, opts.warmup, opts.repeats, || {
@@ -208,14 +200,11 @@ fn verify_pass(
     let bufs = RankBuffers::new(ctx, env, BYTES, dtype, 999)?;
     let stream = comm.stream();
     let cu = stream.cu_stream();
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(|e| crate::error::driver("cuStreamBeginCapture", e))?;
-    let mut captured = Ok(());
-    for _ in 0..ALLREDUCES {
-        // SAFETY: both buffers hold `count` bf16 on this rank's context.
-        captured =
-            unsafe { runner.call(bufs.input.ptr(), bufs.output.ptr(), bufs.count, dtype, cu) }.and_then(|_| unsafe {
+    let graph = driver::capture(&stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, || {
+        for _ in 0..ALLREDUCES {
+            // SAFETY: both buffers hold `count` bf16 on this rank's context.
+            unsafe {
+                runner.call(bufs.input.ptr(), bufs.output.ptr(), bufs.count, dtype, cu)?;
                 crate::elementwise::affine_raw(
                     ctx,
                     cu,
@@ -225,17 +214,11 @@ fn verify_pass(
                     dtype,
                     1.0 / env.world_size as f32,
                     0.0,
-                )
-            });
-        if captured.is_err() {
-            break;
+                )?;
+            }
         }
-    }
-    let graph = stream
-        .end_capture(sys::CUgraphInstantiate_flags(0))
-        .map_err(|e| crate::error::driver("cuStreamEndCapture", e))?;
-    captured?;
-    let graph = graph.ok_or_else(|| Error::InvalidUsage("empty capture".into()))?;
+        Ok(())
+    })?;
     comm.register_graph_buffers()?;
     let mut samples = timed(comm, ctx, 3, 20, || graph.launch().map_err(|e| crate::error::driver("cuGraphLaunch", e)))?;
     for s in samples.iter_mut() {
