@@ -16,8 +16,6 @@
 //! at capture time and goes through the staging copy instead (captured as a
 //! memcpy node), so capture never produces an unregistrable graph.
 
-use std::collections::HashMap;
-
 use cudarc::driver::sys;
 use tp_allreduce_kernels::layout::{PeerPointers, MAX_RANKS};
 
@@ -47,7 +45,6 @@ pub(crate) struct Registry {
     next_entry: usize,
     registered: Vec<Registered>,
     pending_graph: Vec<(u64, usize)>,
-    exported: HashMap<u64, [u8; 64]>,
 }
 
 impl Registry {
@@ -153,17 +150,10 @@ impl Comm {
         for &(ptr, _) in buffers {
             let desc = if needs_ipc {
                 let (base, _) = driver::allocation_range(ptr)?;
-                let handle = {
-                    let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
-                    match reg.exported.get(&base) {
-                        Some(h) => *h,
-                        None => {
-                            let h = driver::ipc_export(&self.ctx, base)?;
-                            reg.exported.insert(base, h);
-                            h
-                        }
-                    }
-                };
+                // Exported afresh every time, never cached by address: a
+                // freed buffer's address is reused by later allocations, and
+                // a cached handle would make peers read the freed one.
+                let handle = driver::ipc_export(&self.ctx, base)?;
                 BufferDescriptor::Ipc { handle: handle.to_vec(), offset: ptr - base }
             } else {
                 BufferDescriptor::Local { addr: ptr }

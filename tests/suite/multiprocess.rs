@@ -263,7 +263,7 @@ fn bench_with_one_process_per_rank() {
             "--ranks-per-gpu",
             "2",
             "--sizes",
-            "4K,42K",
+            "4K,42K,16M,32M",
             "--algorithms",
             "auto,one-shot-pull,two-shot-push",
             "--repeats",
