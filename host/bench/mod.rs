@@ -195,8 +195,16 @@ pub struct Buffers {
 
 /// `n` pseudo-random values in [-1, 1) of `dtype`: their bytes and values.
 pub(crate) fn random_bits(dtype: DType, n: usize, seed: u64) -> (Vec<u8>, Vec<f64>) {
-    // A small xorshift: fresh values per rank and size, no dependency.
-    let mut x = seed | 1;
+    // A small xorshift: fresh values per rank and size, no dependency. The
+    // seed goes through the splitmix64 finalizer first: seeds differing in a
+    // few bits (rank, size index) must not give near-equal first values, or
+    // a kernel reading another call's stale data could still pass the check.
+    let mut x = {
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        (z ^ (z >> 31)) | 1
+    };
     let mut next = || {
         x ^= x << 13;
         x ^= x >> 7;
@@ -257,7 +265,7 @@ impl Buffers {
         let mut outputs = Vec::new();
         let mut host_inputs = Vec::new();
         for (r, ctx) in ranks.contexts.iter().enumerate() {
-            let (raw, values) = random_bits(dtype, count, seed ^ ((r as u64 + 1) * 0x9E37_79B9_7F4A_7C15));
+            let (raw, values) = random_bits(dtype, count, seed ^ (r as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let input = DeviceMemory::alloc(ctx, raw.len())?;
             driver::memcpy_htod(input.ptr(), &raw)?;
             let output = DeviceMemory::alloc(ctx, raw.len())?;

@@ -45,7 +45,7 @@ struct RankBuffers {
 }
 
 fn seed(size_index: usize, rank: usize) -> u64 {
-    0x5EED ^ ((size_index as u64) << 20) ^ ((rank as u64 + 1) * 0x9E37_79B9_7F4A_7C15)
+    0x5EED ^ ((size_index as u64) << 20) ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 impl RankBuffers {
@@ -155,7 +155,7 @@ fn time_row(
     // SAFETY: this rank's buffers hold `count` elements.
     unsafe { runner.call(bufs.input.ptr(), bufs.output.ptr(), bufs.count, bufs.dtype, cu)? };
     comm.synchronize()?;
-    bufs.verify(comm, roundings, what)?;
+    bufs.verify(comm, roundings, &format!("{what}, eager call"))?;
     let samples = match opts.mode {
         Mode::Graph => {
             let graph =
@@ -171,7 +171,7 @@ fn time_row(
             let s = timed(comm, ctx, opts.warmup, opts.repeats, || {
                 graph.launch().map_err(|e| crate::error::driver("cuGraphLaunch", e))
             })?;
-            bufs.verify(comm, roundings, what)?;
+            bufs.verify(comm, roundings, &format!("{what}, after the graph replays"))?;
             s
         }
         Mode::Eager => timed(comm, ctx, opts.warmup, opts.repeats, || {
@@ -280,7 +280,7 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
             if env.rank == 0 {
                 eprintln!("[{}/{}] {} {}", i + 1, opts.sizes.len(), report::human_bytes(bytes), sel.name());
             }
-            let what = format!("{} {}", report::human_bytes(bytes), sel.name());
+            let what = format!("{} {} (ran {algorithm})", report::human_bytes(bytes), sel.name());
             let mut samples =
                 time_row(&comm, &ctx, Runner::Ours(&comm), &bufs, opts, &what, algorithm.max_roundings(world))?;
             rows.push(measurement(
@@ -335,4 +335,26 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
         efficiency: Vec::new(),
         launch_floor_us: None,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Stale data from the previous size must not pass for fresh data: the
+    /// first value of each rank's input changes from one size to the next
+    /// (a weak seed mix once left it equal across 8 consecutive sizes).
+    #[test]
+    fn first_input_value_changes_between_sizes() {
+        let first = |size_index, rank| random_bits(DType::Bf16, 1, seed(size_index, rank)).1[0];
+        let mut same = Vec::new();
+        for rank in 0..8 {
+            for size_index in 1..18 {
+                if first(size_index, rank) == first(size_index - 1, rank) {
+                    same.push((size_index, rank));
+                }
+            }
+        }
+        assert!(same.len() <= 2, "first input value unchanged from the previous size at (size index, rank) {same:?}");
+    }
 }
