@@ -182,11 +182,19 @@ impl IpcMapping {
         }
         let mut ptr: sys::CUdeviceptr = 0;
         cu!(cuIpcOpenMemHandle_v2(&mut ptr, raw, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32))
-            .map_err(|e| {
-                Error::Ipc(format!(
-                    "opening a peer's memory handle failed ({e}); if ranks run in containers, they need a shared IPC \
-                 namespace (--ipc=host) and the same GPU visibility"
-                ))
+            .map_err(|e| match &e {
+                // Measured on an H200 (driver 580): a peer freed a buffer this
+                // process still maps and a new allocation took its address.
+                Error::Driver { code, .. } if code.contains("ALREADY_MAPPED") => Error::Ipc(format!(
+                    "opening a peer's memory handle failed ({e}): this process still maps an earlier buffer of \
+                     that peer at the same place, so the peer freed a registered buffer without \
+                     deregister_buffers() first; call deregister_buffers() on every rank before freeing \
+                     registered buffers (CUDA leaves freeing memory that peers still map undefined)"
+                )),
+                _ => Error::Ipc(format!(
+                    "opening a peer's memory handle failed ({e}); if ranks run in containers, they need a shared \
+                     IPC namespace (--ipc=host) and the same GPU visibility"
+                )),
             })?;
         Ok(IpcMapping { ctx: ctx.clone(), ptr })
     }
@@ -246,6 +254,25 @@ pub fn is_pool_memory(ptr: sys::CUdeviceptr) -> bool {
         )
     };
     status == sys::CUresult::CUDA_SUCCESS && !pool.is_null()
+}
+
+/// The driver's id of the allocation holding `ptr`
+/// (`CU_POINTER_ATTRIBUTE_BUFFER_ID`): unique for the life of the process,
+/// so a freed address that a new allocation reuses gets a new id.
+pub fn buffer_id(ptr: sys::CUdeviceptr) -> Result<u64> {
+    let mut id: u64 = 0;
+    // SAFETY: writes one unsigned long long attribute into `id`.
+    cu!(cuPointerGetAttribute(
+        &mut id as *mut u64 as *mut c_void,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+        ptr
+    ))?;
+    Ok(id)
+}
+
+/// Waits for all work of the current context (every stream).
+pub fn context_synchronize() -> Result<()> {
+    cu!(cuCtxSynchronize())
 }
 
 /// The context owning device pointer `ptr`, if it is one.

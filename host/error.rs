@@ -166,8 +166,9 @@ impl fmt::Display for DeviceFailure {
             ),
             Some(DeviceErrorCode::UnregisteredBuffer) => write!(
                 f,
-                "rank {}: {} ran on a graph-captured buffer that was never registered; call \
-                 register_graph_buffers() on every rank after capture and before replay",
+                "rank {}: {} ran on a graph-captured buffer that is not registered (never registered, or \
+                 released by deregister_buffers()); call register_graph_buffers() on every rank after capture \
+                 and before replay, and do not replay graphs captured before deregister_buffers()",
                 self.rank, algo
             ),
             Some(DeviceErrorCode::BadLaunch) => write!(

@@ -75,6 +75,10 @@ fn agree(comm: &Comm, bytes: &[u8], what: &str) -> Result<()> {
 pub struct Summary {
     pub eager_cases: usize,
     pub graph_replays: usize,
+    /// Register -> use -> deregister -> free rounds run, and in how many
+    /// the new buffers reused the previous round's addresses.
+    pub registration_rounds: usize,
+    pub reused_addresses: usize,
     pub elapsed: Duration,
 }
 
@@ -104,7 +108,13 @@ pub fn run(env: &RankEnv, opts: &SelftestOptions) -> Result<Summary> {
             // The dead rank shows up as a kernel timeout or as a broken
             // rendezvous, whichever this rank reached first.
             println!("rank {}: survived the fault: {e}", env.rank);
-            return Ok(Summary { eager_cases, graph_replays: 0, elapsed: started.elapsed() });
+            return Ok(Summary {
+                eager_cases,
+                graph_replays: 0,
+                registration_rounds: 0,
+                reused_addresses: 0,
+                elapsed: started.elapsed(),
+            });
         }
         return Err(e);
     }
@@ -125,8 +135,93 @@ pub fn run(env: &RankEnv, opts: &SelftestOptions) -> Result<Summary> {
         }
         graph_replays += graph_check(&ctx, &comm, env, opts, algorithm)?;
     }
+    let (registration_rounds, reused_addresses) = registration_lifetime_check(&ctx, &mut comm, env, opts)?;
     comm.set_algorithm(None)?;
-    Ok(Summary { eager_cases, graph_replays, elapsed: started.elapsed() })
+    Ok(Summary { eager_cases, graph_replays, registration_rounds, reused_addresses, elapsed: started.elapsed() })
+}
+
+/// Rounds of: allocate, register (one buffer with `register_buffer`, one
+/// through a captured graph), run every pull algorithm on them, deregister,
+/// free. The allocator tends to hand the next round the same addresses, so
+/// a registration that outlived its buffer (a stale peer mapping or table
+/// entry) shows up as the previous round's sum. Returns (rounds, rounds
+/// whose buffers reused the previous round's addresses).
+fn registration_lifetime_check(
+    ctx: &std::sync::Arc<CudaContext>,
+    comm: &mut Comm,
+    env: &RankEnv,
+    opts: &SelftestOptions,
+) -> Result<(usize, usize)> {
+    const ROUNDS: u64 = 3;
+    // Above the 2 MiB granule, so each buffer is an allocation of its own.
+    const COUNT: usize = 786_434;
+    let world = env.world_size;
+    let dtype = DType::F32;
+    let nbytes = COUNT * dtype.size_bytes();
+    let pulls: Vec<Algorithm> = opts
+        .algorithms
+        .iter()
+        .copied()
+        .filter(|a| a.reads_peer_inputs() && comm.set_algorithm(Some(*a)).is_ok())
+        .collect();
+    let Some(&graph_algorithm) = pulls.first() else {
+        return Ok((0, 0));
+    };
+    let stream = comm.stream();
+    let cu = stream.cu_stream();
+    let mut previous: Option<(u64, u64)> = None;
+    let mut reused = 0;
+    for round in 0..ROUNDS {
+        let seed = case_seed(opts.seed, 2_000_000 + round, 0);
+        let inputs: Vec<Vec<f64>> = (0..world).map(|r| random_bits(dtype, COUNT, seed ^ r as u64).1).collect();
+        let (raw, _) = random_bits(dtype, COUNT, seed ^ env.rank as u64);
+        let registered = DeviceMemory::alloc(ctx, nbytes)?;
+        let captured = DeviceMemory::alloc(ctx, nbytes)?;
+        let output = DeviceMemory::alloc(ctx, nbytes)?;
+        if previous == Some((registered.ptr(), captured.ptr())) {
+            reused += 1;
+        }
+        previous = Some((registered.ptr(), captured.ptr()));
+        driver::memcpy_htod(registered.ptr(), &raw)?;
+        driver::memcpy_htod(captured.ptr(), &raw)?;
+        let verify = |comm: &Comm, what: &str| -> Result<()> {
+            let mut out = vec![0u8; nbytes];
+            driver::memcpy_dtoh(&mut out, output.ptr())?;
+            check(dtype, &inputs, &out, world)
+                .map_err(|e| Error::InvalidUsage(format!("registration round {round}, {what}: {e}")))?;
+            agree(comm, &out, &format!("registration round {round}, {what}"))
+        };
+        comm.register_buffer(registered.ptr(), nbytes)?;
+        for &algorithm in &pulls {
+            comm.set_algorithm(Some(algorithm))?;
+            driver::memset_d8(output.ptr(), 0x7F, nbytes)?;
+            // SAFETY: both buffers hold COUNT f32 on this rank's context.
+            unsafe { comm.all_reduce_raw(registered.ptr(), output.ptr(), COUNT, dtype, cu)? };
+            comm.synchronize()?;
+            verify(comm, &format!("{algorithm} on a register_buffer input"))?;
+        }
+        comm.set_algorithm(Some(graph_algorithm))?;
+        let graph = driver::capture(&stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL, || {
+            for _ in 0..2 {
+                // SAFETY: as above.
+                unsafe { comm.all_reduce_raw(captured.ptr(), output.ptr(), COUNT, dtype, cu)? };
+            }
+            Ok(())
+        })?;
+        let distinct = comm.register_graph_buffers()?;
+        if distinct != 1 {
+            return Err(Error::InvalidUsage(format!(
+                "registration round {round}: 2 captured calls on one input registered {distinct} inputs, want 1"
+            )));
+        }
+        driver::memset_d8(output.ptr(), 0x7F, nbytes)?;
+        graph.launch().map_err(|e| crate::error::driver("cuGraphLaunch", e))?;
+        comm.synchronize()?;
+        verify(comm, &format!("{graph_algorithm} graph replay on a captured input"))?;
+        comm.deregister_buffers()?;
+        // The buffers are freed here, after every peer closed its mappings.
+    }
+    Ok((ROUNDS as usize, reused))
 }
 
 fn eager_checks(
@@ -241,5 +336,7 @@ fn graph_check(
         }
         agree(comm, &out, &format!("{algorithm} graph replay {rep}"))?;
     }
+    // x and y are freed on return: peers must close their mappings first.
+    comm.deregister_buffers()?;
     Ok(opts.graph_replays)
 }

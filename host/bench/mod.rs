@@ -360,6 +360,10 @@ pub trait Collective: Sync {
     fn after_capture(&self) -> Result<()> {
         Ok(())
     }
+    /// Collective step before the benchmark frees buffers it registered.
+    fn release_buffers(&self) -> Result<()> {
+        Ok(())
+    }
     /// Checks for asynchronous errors after synchronisation.
     fn check(&self) -> Result<()> {
         Ok(())
@@ -389,6 +393,9 @@ impl Collective for OurGroup<'_> {
     }
     fn after_capture(&self) -> Result<()> {
         Comm::register_graph_buffers_group(self.comms).map(|_| ())
+    }
+    fn release_buffers(&self) -> Result<()> {
+        Comm::deregister_buffers_group(self.comms).map(|_| ())
     }
     fn check(&self) -> Result<()> {
         self.comms.iter().try_for_each(|c| c.check())
@@ -545,6 +552,8 @@ pub fn time_collective(c: &dyn Collective, ranks: &Ranks, bufs: &Buffers, opts: 
             samples.extend(replays.into_iter().map(|us| us / opts.iterations as f64));
             // The replays ran on the same buffers: check the result again.
             bufs.verify(ranks, c.roundings(bufs.bytes(), bufs.dtype), &what)?;
+            // The buffers are freed after this size's rows.
+            c.release_buffers()?;
         }
         Mode::Eager => {
             let starts: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
@@ -935,6 +944,7 @@ pub fn verify_pass(c: &dyn Collective, ranks: &Ranks, selection: &str) -> Result
     c.after_capture()?;
     let mut samples: Vec<f64> =
         time_graph_replays(&graphs, ranks, 3, 20, || sync_all(c, ranks))?.into_iter().map(|us| us / 1e3).collect();
+    c.release_buffers()?;
     let (median, p10, p90) = percentiles(&mut samples);
     Ok(report::VerifyPass {
         selection: selection.into(),

@@ -172,6 +172,9 @@ fn time_row(
                 graph.launch().map_err(|e| crate::error::driver("cuGraphLaunch", e))
             })?;
             bufs.verify(comm, roundings, &format!("{what}, after the graph replays"))?;
+            // Peers close their mappings of this size's buffers before the
+            // buffers are freed (CUDA leaves the other order undefined).
+            comm.deregister_buffers()?;
             s
         }
         Mode::Eager => timed(comm, ctx, opts.warmup, opts.repeats, || {
@@ -221,6 +224,7 @@ fn verify_pass(
     })?;
     comm.register_graph_buffers()?;
     let mut samples = timed(comm, ctx, 3, 20, || graph.launch().map_err(|e| crate::error::driver("cuGraphLaunch", e)))?;
+    comm.deregister_buffers()?;
     for s in samples.iter_mut() {
         *s /= 1e3;
     }

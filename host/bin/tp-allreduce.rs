@@ -478,10 +478,13 @@ fn selftest(args: SelftestArgs) -> Result<(), String> {
     println!("rank {}: seed {seed}", env.rank);
     let summary = tp_allreduce::selftest::run(&env, &opts).map_err(|e| format!("rank {}: {e}", env.rank))?;
     println!(
-        "rank {}: selftest passed: {} eager cases, {} graph replays ({:.1} s)",
+        "rank {}: selftest passed: {} eager cases, {} graph replays, {} registration rounds \
+         ({} reused the previous round's addresses) ({:.1} s)",
         env.rank,
         summary.eager_cases,
         summary.graph_replays,
+        summary.registration_rounds,
+        summary.reused_addresses,
         summary.elapsed.as_secs_f64()
     );
     Ok(())

@@ -145,6 +145,12 @@ impl Comm {
         Ok(Self::group_call(comms, |c| c.register_graph_buffers())?.first().copied().unwrap_or(0))
     }
 
+    /// [`deregister_buffers`](Self::deregister_buffers) on every rank of an
+    /// in-process group; returns rank 0's count.
+    pub fn deregister_buffers_group(comms: &[Comm]) -> Result<usize> {
+        Ok(Self::group_call(comms, |c| c.deregister_buffers())?.first().copied().unwrap_or(0))
+    }
+
     /// [`register_buffer`](Self::register_buffer) on every rank of an
     /// in-process group; `buffers[r]` is rank r's buffer.
     pub fn register_buffer_group(comms: &[Comm], buffers: &[(sys::CUdeviceptr, usize)]) -> Result<()> {

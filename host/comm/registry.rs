@@ -33,18 +33,34 @@ pub(super) enum InputSource {
     Table(usize),
 }
 
+/// A buffer registered with `register_buffer`.
 #[derive(Clone, Debug)]
 struct Registered {
     ptr: u64,
     bytes: usize,
     entry: usize,
+    /// The driver's id of the allocation (`CU_POINTER_ATTRIBUTE_BUFFER_ID`,
+    /// never reused in a process): tells a freed-and-reallocated address
+    /// from the buffer that was registered.
+    buffer_id: u64,
 }
 
+/// Table bookkeeping of one rank. Entries are handed out once and never
+/// reused (not even after [`Comm::deregister_buffers`]), so a graph captured
+/// earlier can only ever find its own entry, filled or zeroed.
 #[derive(Default)]
 pub(crate) struct Registry {
     next_entry: usize,
     registered: Vec<Registered>,
+    /// Inputs captured since the last `register_graph_buffers`: (pointer,
+    /// entry), one per distinct pointer.
     pending_graph: Vec<(u64, usize)>,
+    /// For each pull call captured since the last registration, the index
+    /// of its input in `pending_graph`. Ranks must agree on this pattern:
+    /// call k reads the table entry of its rank's own k-th input.
+    pending_calls: Vec<u32>,
+    /// Entries below this were zeroed by `deregister_buffers`.
+    first_live_entry: usize,
 }
 
 impl Registry {
@@ -54,12 +70,37 @@ impl Registry {
         }
         if self.next_entry >= capacity {
             return Err(Error::invalid(format!(
-                "more than {capacity} registered buffers / captured pull calls; raise Config::max_registered_buffers"
+                "more than {capacity} registered buffers / captured pull inputs over this communicator's life; \
+                 raise Config::max_registered_buffers"
             )));
         }
         let e = self.next_entry;
         self.next_entry += 1;
         Ok(e)
+    }
+
+    /// The entry for a pull call captured on `ptr`: calls on the same input
+    /// within one capture share an entry (one registration each).
+    fn capture_entry(&mut self, ptr: u64, capacity: usize) -> Result<usize> {
+        if let Some(index) = self.pending_graph.iter().position(|(p, _)| *p == ptr) {
+            self.pending_calls.push(index as u32);
+            return Ok(self.pending_graph[index].1);
+        }
+        let entry = self.alloc_entry(capacity)?;
+        self.pending_calls.push(self.pending_graph.len() as u32);
+        self.pending_graph.push((ptr, entry));
+        Ok(entry)
+    }
+
+    /// Forgets every registration; returns the entries to zero (handed out
+    /// since the last release).
+    fn release_all(&mut self) -> std::ops::Range<usize> {
+        self.registered.clear();
+        self.pending_graph.clear();
+        self.pending_calls.clear();
+        let live = self.first_live_entry.max(1)..self.next_entry.max(1);
+        self.first_live_entry = live.end;
+        live
     }
 }
 
@@ -82,6 +123,13 @@ impl Comm {
                     r.bytes
                 )));
             }
+            if driver::buffer_id(send)? != r.buffer_id {
+                return Err(Error::invalid(format!(
+                    "all_reduce: the buffer registered at {send:#x} was freed and the address now belongs to \
+                     another allocation; peers would read the freed one. Call deregister_buffers() (collective) \
+                     before freeing registered buffers, then register the new one"
+                )));
+            }
             return Ok(InputSource::Table(r.entry));
         }
         if !capturing {
@@ -90,12 +138,10 @@ impl Comm {
         if driver::is_pool_memory(send) {
             return Ok(InputSource::Staging);
         }
-        let entry = reg.alloc_entry(self.setup.table_capacity)?;
-        reg.pending_graph.push((send, entry));
-        Ok(InputSource::Table(entry))
+        Ok(InputSource::Table(reg.capture_entry(send, self.setup.table_capacity)?))
     }
 
-    /// Number of graph-captured pull calls whose inputs await
+    /// Number of distinct graph-captured pull inputs awaiting
     /// [`register_graph_buffers`](Self::register_graph_buffers).
     pub fn pending_graph_buffers(&self) -> usize {
         self.registry.lock().map(|r| r.pending_graph.len()).unwrap_or(0)
@@ -104,40 +150,88 @@ impl Comm {
     /// Collective (every rank, same order): makes the device buffer
     /// `ptr..ptr+bytes` readable by peers, so pull algorithms read it in
     /// place instead of staging it. Calls must pass exactly `ptr`.
+    ///
+    /// The buffer must stay allocated until [`deregister_buffers`](Self::deregister_buffers)
+    /// or the communicator's drop: peers keep it mapped, and CUDA leaves
+    /// freeing exported memory that peers still map undefined. A call on a
+    /// registered address whose buffer was freed and reallocated fails.
     pub fn register_buffer(&self, ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
         self.check()?;
         if ptr == 0 || bytes == 0 {
             return Err(Error::invalid("register_buffer: null pointer or empty range"));
         }
+        driver::bind(&self.ctx)?;
+        let buffer_id = driver::buffer_id(ptr)?;
         let entry = {
             let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
+            if reg.registered.iter().any(|r| r.ptr == ptr) {
+                return Err(Error::invalid(format!(
+                    "register_buffer: {ptr:#x} is already registered (deregister_buffers() releases registrations)"
+                )));
+            }
             reg.alloc_entry(self.setup.table_capacity)?
         };
         self.fill_entries(&[(ptr, entry)])?;
         let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
-        reg.registered.push(Registered { ptr, bytes, entry });
+        reg.registered.push(Registered { ptr, bytes, entry, buffer_id });
         Ok(())
     }
 
     /// Collective (every rank, after capturing the same graph): registers the
     /// inputs of every pull call captured since the last registration.
-    /// Returns how many were registered. Replaying the graph before this
-    /// fails with a clear error (no wrong data is read).
+    /// Returns how many distinct inputs were registered. Replaying the graph
+    /// before this fails with a clear error (no wrong data is read).
+    ///
+    /// The inputs must stay allocated until [`deregister_buffers`](Self::deregister_buffers)
+    /// or the communicator's drop (as for [`register_buffer`](Self::register_buffer)).
     pub fn register_graph_buffers(&self) -> Result<usize> {
         self.check()?;
-        let pending = {
+        let (pending, calls) = {
             let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
-            std::mem::take(&mut reg.pending_graph)
+            (std::mem::take(&mut reg.pending_graph), std::mem::take(&mut reg.pending_calls))
         };
-        let counts: Vec<usize> = gather_json(&*self.rendezvous, &pending.len())?;
-        if counts.iter().any(|&c| c != pending.len()) {
+        let patterns: Vec<Vec<u32>> = gather_json(&*self.rendezvous, &calls)?;
+        if let Some(why) = pattern_mismatch(&patterns) {
             return Err(Error::invalid(format!(
-                "register_graph_buffers: ranks captured different numbers of pull calls: {counts:?}; \
-                 every rank must capture the same sequence of allreduces"
+                "register_graph_buffers: {why}; every rank must capture the same sequence of allreduces, \
+                 reusing an input exactly where the other ranks reuse theirs"
             )));
         }
         self.fill_entries(&pending)?;
         Ok(pending.len())
+    }
+
+    /// Collective (every rank): releases every registration — buffers from
+    /// [`register_buffer`](Self::register_buffer) and inputs of captured
+    /// graphs. Waits for all work on this rank's context, closes the peers'
+    /// buffers this rank mapped, zeroes their table entries and returns once
+    /// every rank has done the same; afterwards this rank may free the
+    /// buffers it had registered. Replaying a graph captured before fails
+    /// with "unregistered buffer" on every rank (entries are never reused).
+    /// Returns how many table entries were released.
+    ///
+    /// Must not run while a stream of this context is capturing.
+    pub fn deregister_buffers(&self) -> Result<usize> {
+        self.check()?;
+        driver::bind(&self.ctx)?;
+        // No kernel may still read a peer's buffer, nor a peer ours.
+        driver::context_synchronize()?;
+        self.check()?;
+        self.rendezvous.all_gather(&[])?;
+        let released = {
+            let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
+            let released = reg.release_all();
+            // Closes the IPC handles this rank opened for registrations.
+            self.setup.registered_mappings.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?.clear();
+            released
+        };
+        if !released.is_empty() {
+            let bytes = released.len() * std::mem::size_of::<PeerPointers>();
+            driver::memset_d8(self.setup.table_entry(released.start), 0, bytes)?;
+        }
+        // Every rank has closed its mappings of our buffers once this returns.
+        self.rendezvous.all_gather(&[])?;
+        Ok(released.len())
     }
 
     /// Exchanges this rank's buffers (in order) and writes, for each, the
@@ -193,5 +287,82 @@ impl Comm {
             .map_err(|_| Error::Broken("registry lock poisoned".into()))?
             .extend(mappings);
         Ok(())
+    }
+}
+
+/// Why the ranks' captured-call patterns differ, if they do. Entry `k` of a
+/// pattern is the index of call k's input among the rank's distinct inputs.
+fn pattern_mismatch(patterns: &[Vec<u32>]) -> Option<String> {
+    let first = patterns.first()?;
+    for (rank, p) in patterns.iter().enumerate().skip(1) {
+        if p.len() != first.len() {
+            return Some(format!("rank 0 captured {} pull calls, rank {rank} captured {}", first.len(), p.len()));
+        }
+        if let Some(k) = (0..p.len()).find(|&k| p[k] != first[k]) {
+            return Some(format!(
+                "captured pull call {k} reads the input of call {} on rank 0 but of call {} on rank {rank}",
+                first.iter().position(|&i| i == first[k]).unwrap_or(k),
+                p.iter().position(|&i| i == p[k]).unwrap_or(k)
+            ));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn captured_calls_on_one_input_share_an_entry() {
+        let mut reg = Registry::default();
+        let a = reg.capture_entry(0x1000, 16).unwrap();
+        let b = reg.capture_entry(0x2000, 16).unwrap();
+        assert_eq!((a, b), (1, 2), "entry 0 is the staging buffer");
+        assert_eq!(reg.capture_entry(0x1000, 16).unwrap(), a);
+        assert_eq!(reg.pending_graph.len(), 2);
+    }
+
+    #[test]
+    fn released_entries_are_never_handed_out_again() {
+        let mut reg = Registry::default();
+        assert_eq!(reg.release_all(), 1..1, "nothing to release yet");
+        reg.capture_entry(0x1000, 16).unwrap();
+        reg.alloc_entry(16).unwrap();
+        assert_eq!(reg.release_all(), 1..3);
+        assert!(reg.pending_graph.is_empty() && reg.registered.is_empty());
+        assert_eq!(reg.release_all(), 3..3, "a second release zeroes nothing");
+        // The same pointer captured again gets a new entry: a graph captured
+        // before the release keeps finding its zeroed one.
+        assert_eq!(reg.capture_entry(0x1000, 16).unwrap(), 3);
+        assert_eq!(reg.release_all(), 3..4);
+    }
+
+    #[test]
+    fn ranks_must_reuse_inputs_in_the_same_pattern() {
+        let mut a = Registry::default();
+        let mut b = Registry::default();
+        for p in [0x10, 0x10, 0x20] {
+            a.capture_entry(p, 16).unwrap();
+        }
+        for p in [0x30, 0x40, 0x40] {
+            b.capture_entry(p, 16).unwrap();
+        }
+        assert_eq!(a.pending_calls, [0, 0, 1]);
+        let why = pattern_mismatch(&[a.pending_calls.clone(), b.pending_calls.clone()]).unwrap();
+        assert!(why.contains("call 1 reads the input of call 0 on rank 0 but of call 1 on rank 1"), "{why}");
+        assert!(pattern_mismatch(&[a.pending_calls.clone(), a.pending_calls.clone()]).is_none());
+        let why = pattern_mismatch(&[vec![0, 1], vec![0]]).unwrap();
+        assert!(why.contains("rank 0 captured 2 pull calls, rank 1 captured 1"), "{why}");
+    }
+
+    #[test]
+    fn the_table_capacity_is_enforced() {
+        let mut reg = Registry::default();
+        for expected in 1..4 {
+            assert_eq!(reg.alloc_entry(4).unwrap(), expected);
+        }
+        let e = reg.capture_entry(0x1000, 4).unwrap_err().to_string();
+        assert!(e.contains("max_registered_buffers"), "{e}");
     }
 }

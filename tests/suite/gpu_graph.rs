@@ -189,3 +189,113 @@ fn unregistered_graph_replay_fails_cleanly() {
     }
     assert!(started.elapsed() < timeout, "failing must not wait for the timeout ({:?})", started.elapsed());
 }
+
+/// `deregister_buffers` releases every registration: a graph captured
+/// before it fails cleanly on replay (its entries are zeroed, never handed
+/// out again), and calls captured on one input share one registration.
+#[test]
+fn deregistered_graph_replay_fails_cleanly() {
+    let _lock = common::gpu_lock();
+    let Some(ctx) = common::gpu("deregistered_graph_replay_fails_cleanly") else { return };
+    let world = 2;
+    let n = 4_096;
+    let timeout = Duration::from_secs(3);
+    let mut comms = Comm::from_streams(common::streams(&ctx, world), Config { timeout, ..Config::default() }).unwrap();
+    for c in comms.iter_mut() {
+        c.set_algorithm(Some(Algorithm::TwoShotPull)).unwrap();
+    }
+    let inputs: Vec<DeviceMemory> = (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect();
+    let outputs: Vec<DeviceMemory> = (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect();
+    for (r, b) in inputs.iter().enumerate() {
+        tp_allreduce::driver::memcpy_htod(b.ptr(), bytemuck::cast_slice(&vec![r as f32 + 1.0; n])).unwrap();
+    }
+    let mut graphs = Vec::new();
+    for (r, c) in comms.iter().enumerate() {
+        let stream = c.stream();
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        for _ in 0..3 {
+            // SAFETY: live buffers of n f32 on this context.
+            unsafe { c.all_reduce_raw(inputs[r].ptr(), outputs[r].ptr(), n, DType::F32, stream.cu_stream()).unwrap() };
+        }
+        graphs.push(
+            stream
+                .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+                .unwrap()
+                .expect("a graph"),
+        );
+    }
+    assert_eq!(comms[0].pending_graph_buffers(), 1, "3 calls on one input share one entry");
+    assert_eq!(Comm::register_graph_buffers_group(&comms).unwrap(), 1);
+    for g in &graphs {
+        g.launch().unwrap();
+    }
+    let want = (1..=world).sum::<usize>() as f32;
+    for (r, c) in comms.iter().enumerate() {
+        c.synchronize().unwrap();
+        assert!(download(&outputs[r], n).iter().all(|&v| v == want), "rank {r}: registered replay is wrong");
+    }
+    assert_eq!(Comm::deregister_buffers_group(&comms).unwrap(), 1, "one entry released");
+    assert_eq!(Comm::deregister_buffers_group(&comms).unwrap(), 0, "nothing left to release");
+    let started = Instant::now();
+    for g in &graphs {
+        g.launch().unwrap();
+    }
+    for (r, c) in comms.iter().enumerate() {
+        let e = c.synchronize().expect_err("a replay after deregistration must fail");
+        let msg = e.to_string();
+        eprintln!("rank {r}: {msg}");
+        assert!(
+            msg.contains("deregister_buffers()") || matches!(e, tp_allreduce::Error::PeerAborted(_)),
+            "rank {r}: the error must name registration: {msg}"
+        );
+    }
+    assert!(started.elapsed() < timeout, "failing must not wait for the timeout ({:?})", started.elapsed());
+}
+
+/// A call on a registered address whose buffer was freed and reallocated
+/// fails on the host (before any kernel reads the peers' stale mapping).
+#[test]
+fn reallocated_registered_address_is_refused() {
+    let _lock = common::gpu_lock();
+    let Some(ctx) = common::gpu("reallocated_registered_address_is_refused") else { return };
+    let world = 2;
+    let n = 786_434; // 3 MiB of f32: an allocation of its own
+    let config = Config { timeout: Duration::from_secs(3), ..Config::default() };
+    let mut comms = Comm::from_streams(common::streams(&ctx, world), config).unwrap();
+    for c in comms.iter_mut() {
+        c.set_algorithm(Some(Algorithm::OneShotPull)).unwrap();
+    }
+    let outputs: Vec<DeviceMemory> = (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect();
+    let first: Vec<DeviceMemory> = (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect();
+    let addresses: Vec<u64> = first.iter().map(|b| b.ptr()).collect();
+    let regs: Vec<(u64, usize)> = first.iter().map(|b| (b.ptr(), n * 4)).collect();
+    Comm::register_buffer_group(&comms, &regs).unwrap();
+    // Same-process ranks exchange plain addresses: freeing without
+    // deregistering is the misuse under test, not undefined IPC behaviour.
+    drop(first);
+    let second: Vec<DeviceMemory> = (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect();
+    let reused: Vec<bool> = second.iter().zip(&addresses).map(|(b, &a)| b.ptr() == a).collect();
+    assert!(reused.iter().all(|&r| r), "the allocator did not hand out the freed addresses again ({reused:?})");
+    for (r, c) in comms.iter().enumerate() {
+        // SAFETY: live buffers of n f32 on this context.
+        let e = unsafe { c.all_reduce_raw(second[r].ptr(), outputs[r].ptr(), n, DType::F32, c.stream().cu_stream()) }
+            .expect_err("a reallocated registered address must be refused");
+        let msg = e.to_string();
+        assert!(msg.contains("was freed") && msg.contains("deregister_buffers"), "rank {r}: {msg}");
+    }
+    // The communicator is still usable: release, re-register, get fresh sums.
+    Comm::deregister_buffers_group(&comms).unwrap();
+    for (r, b) in second.iter().enumerate() {
+        tp_allreduce::driver::memcpy_htod(b.ptr(), bytemuck::cast_slice(&vec![(r + 2) as f32; n])).unwrap();
+    }
+    let regs: Vec<(u64, usize)> = second.iter().map(|b| (b.ptr(), n * 4)).collect();
+    Comm::register_buffer_group(&comms, &regs).unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        // SAFETY: as above.
+        unsafe { c.all_reduce_raw(second[r].ptr(), outputs[r].ptr(), n, DType::F32, c.stream().cu_stream()).unwrap() };
+    }
+    for (r, c) in comms.iter().enumerate() {
+        c.synchronize().unwrap();
+        assert!(download(&outputs[r], n).iter().all(|&v| v == 5.0), "rank {r}: re-registered buffer gave a wrong sum");
+    }
+}

@@ -142,6 +142,9 @@ fn multi_process_selftest_eager_and_graph() {
         let n: usize = n.parse().unwrap();
         for r in 0..n {
             assert!(out.contains(&format!("[rank {r}] rank {r}: selftest passed")), "rank {r} did not pass:\n{out}");
+            // Register -> use -> deregister -> free, three times, over IPC.
+            let passed = out.lines().find(|l| l.starts_with(&format!("[rank {r}] rank {r}: selftest passed"))).unwrap();
+            assert!(passed.contains(" 3 registration rounds"), "rank {r} ran no registration rounds: {passed}");
         }
         // Pull algorithms registered their captured inputs over IPC.
         assert!(!out.contains("skipped:"), "{out}");
@@ -282,7 +285,7 @@ fn bench_with_one_process_per_rank() {
     assert!(o.status.success(), "{out}");
     let rep = tp_allreduce::bench::report::read_json(&out_dir.join("results.json")).expect("results.json");
     assert_eq!(rep.world, 2);
-    assert_eq!(rep.measurements.len(), 6, "2 sizes x 3 selections");
+    assert_eq!(rep.measurements.len(), 12, "4 sizes x 3 selections");
     assert!(rep.measurements.iter().all(|m| m.median_us > 0.0 && m.median_us.is_finite()));
     assert_eq!(rep.verify_pass.len(), 1);
     let _ = std::fs::remove_dir_all(&dir);
