@@ -172,22 +172,29 @@ fn registration_lifetime_check(
     let mut previous: Option<(u64, u64)> = None;
     let mut reused = 0;
     for round in 0..ROUNDS {
+        // Different data in the two buffers: a call that read the other
+        // buffer's entry would not pass.
         let seed = case_seed(opts.seed, 2_000_000 + round, 0);
-        let inputs: Vec<Vec<f64>> = (0..world).map(|r| random_bits(dtype, COUNT, seed ^ r as u64).1).collect();
-        let (raw, _) = random_bits(dtype, COUNT, seed ^ env.rank as u64);
+        let data = |seed: u64| -> (Vec<u8>, Vec<Vec<f64>>) {
+            let all = (0..world).map(|r| random_bits(dtype, COUNT, seed ^ r as u64).1).collect();
+            (random_bits(dtype, COUNT, seed ^ env.rank as u64).0, all)
+        };
+        let (registered_raw, registered_inputs) = data(seed);
+        let (captured_raw, captured_inputs) = data(seed.rotate_left(17) ^ 0x00C0_FFEE);
         let registered = DeviceMemory::alloc(ctx, nbytes)?;
         let captured = DeviceMemory::alloc(ctx, nbytes)?;
         let output = DeviceMemory::alloc(ctx, nbytes)?;
+        let second_output = DeviceMemory::alloc(ctx, nbytes)?;
         if previous == Some((registered.ptr(), captured.ptr())) {
             reused += 1;
         }
         previous = Some((registered.ptr(), captured.ptr()));
-        driver::memcpy_htod(registered.ptr(), &raw)?;
-        driver::memcpy_htod(captured.ptr(), &raw)?;
-        let verify = |comm: &Comm, what: &str| -> Result<()> {
+        driver::memcpy_htod(registered.ptr(), &registered_raw)?;
+        driver::memcpy_htod(captured.ptr(), &captured_raw)?;
+        let verify = |comm: &Comm, output: u64, inputs: &[Vec<f64>], algorithm: Algorithm, what: &str| {
             let mut out = vec![0u8; nbytes];
-            driver::memcpy_dtoh(&mut out, output.ptr())?;
-            check(dtype, &inputs, &out, world)
+            driver::memcpy_dtoh(&mut out, output)?;
+            check(dtype, inputs, &out, algorithm.max_roundings(world))
                 .map_err(|e| Error::InvalidUsage(format!("registration round {round}, {what}: {e}")))?;
             agree(comm, &out, &format!("registration round {round}, {what}"))
         };
@@ -198,13 +205,18 @@ fn registration_lifetime_check(
             // SAFETY: both buffers hold COUNT f32 on this rank's context.
             unsafe { comm.all_reduce_raw(registered.ptr(), output.ptr(), COUNT, dtype, cu)? };
             comm.synchronize()?;
-            verify(comm, &format!("{algorithm} on a register_buffer input"))?;
+            let what = format!("{algorithm} on a register_buffer input");
+            verify(comm, output.ptr(), &registered_inputs, algorithm, &what)?;
         }
+        // The graph reads the registered buffer's entry once and the
+        // captured input's (shared by two calls) twice.
         comm.set_algorithm(Some(graph_algorithm))?;
         let graph = driver::capture(&stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL, || {
-            for _ in 0..2 {
-                // SAFETY: as above.
-                unsafe { comm.all_reduce_raw(captured.ptr(), output.ptr(), COUNT, dtype, cu)? };
+            // SAFETY: as above.
+            unsafe {
+                comm.all_reduce_raw(registered.ptr(), second_output.ptr(), COUNT, dtype, cu)?;
+                comm.all_reduce_raw(captured.ptr(), output.ptr(), COUNT, dtype, cu)?;
+                comm.all_reduce_raw(captured.ptr(), output.ptr(), COUNT, dtype, cu)?;
             }
             Ok(())
         })?;
@@ -215,9 +227,13 @@ fn registration_lifetime_check(
             )));
         }
         driver::memset_d8(output.ptr(), 0x7F, nbytes)?;
+        driver::memset_d8(second_output.ptr(), 0x7F, nbytes)?;
         graph.launch().map_err(|e| crate::error::driver("cuGraphLaunch", e))?;
         comm.synchronize()?;
-        verify(comm, &format!("{graph_algorithm} graph replay on a captured input"))?;
+        let what = format!("{graph_algorithm} graph replay, captured input");
+        verify(comm, output.ptr(), &captured_inputs, graph_algorithm, &what)?;
+        let what = format!("{graph_algorithm} graph replay, register_buffer input");
+        verify(comm, second_output.ptr(), &registered_inputs, graph_algorithm, &what)?;
         comm.deregister_buffers()?;
         // The buffers are freed here, after every peer closed its mappings.
     }

@@ -55,13 +55,21 @@ pub(crate) struct Registry {
     /// Inputs captured since the last `register_graph_buffers`: (pointer,
     /// entry), one per distinct pointer.
     pending_graph: Vec<(u64, usize)>,
-    /// For each pull call captured since the last registration, the index
-    /// of its input in `pending_graph`. Ranks must agree on this pattern:
-    /// call k reads the table entry of its rank's own k-th input.
+    /// For each pull call captured since the last registration, where its
+    /// input comes from: [`STAGED_CALL`], [`REGISTERED_CALL`] | index in
+    /// `registered` (the same on every rank: registration is collective), or
+    /// the index of its input in `pending_graph`. Ranks must agree on this
+    /// pattern, because call k on every rank reads the entry its own rank
+    /// chose for call k.
     pending_calls: Vec<u32>,
     /// Entries below this were zeroed by `deregister_buffers`.
     first_live_entry: usize,
 }
+
+/// Pattern tag of a captured call that reads the staging copy.
+const STAGED_CALL: u32 = u32::MAX;
+/// Pattern tag bit of a captured call on a `register_buffer` buffer.
+const REGISTERED_CALL: u32 = 1 << 31;
 
 impl Registry {
     fn alloc_entry(&mut self, capacity: usize) -> Result<usize> {
@@ -112,11 +120,16 @@ impl Comm {
         capturing: bool,
         must_stage: bool,
     ) -> Result<InputSource> {
-        if must_stage {
+        if must_stage && !capturing {
             return Ok(InputSource::Staging);
         }
         let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
-        if let Some(r) = reg.registered.iter().find(|r| r.ptr == send) {
+        if must_stage {
+            reg.pending_calls.push(STAGED_CALL);
+            return Ok(InputSource::Staging);
+        }
+        if let Some(index) = reg.registered.iter().position(|r| r.ptr == send) {
+            let r = &reg.registered[index];
             if bytes > r.bytes {
                 return Err(Error::invalid(format!(
                     "all_reduce: the input at registered buffer {send:#x} covers {bytes} bytes, but only {} were registered",
@@ -130,12 +143,17 @@ impl Comm {
                      before freeing registered buffers, then register the new one"
                 )));
             }
-            return Ok(InputSource::Table(r.entry));
+            let entry = r.entry;
+            if capturing {
+                reg.pending_calls.push(REGISTERED_CALL | index as u32);
+            }
+            return Ok(InputSource::Table(entry));
         }
         if !capturing {
             return Ok(InputSource::Staging);
         }
         if driver::is_pool_memory(send) {
+            reg.pending_calls.push(STAGED_CALL);
             return Ok(InputSource::Staging);
         }
         Ok(InputSource::Table(reg.capture_entry(send, self.setup.table_capacity)?))
@@ -151,26 +169,32 @@ impl Comm {
     /// `ptr..ptr+bytes` readable by peers, so pull algorithms read it in
     /// place instead of staging it. Calls must pass exactly `ptr`.
     ///
+    /// Every rank must then pass its registered buffer at the same calls
+    /// (a call is not checked against the other ranks).
+    ///
     /// The buffer must stay allocated until [`deregister_buffers`](Self::deregister_buffers)
-    /// or the communicator's drop: peers keep it mapped, and CUDA leaves
-    /// freeing exported memory that peers still map undefined. A call on a
-    /// registered address whose buffer was freed and reallocated fails.
+    /// returns, or until every rank's communicator is dropped: peers keep it
+    /// mapped, and CUDA leaves freeing exported memory that peers still map
+    /// undefined. A call on a registered address whose buffer was freed and
+    /// reallocated is refused on that rank (its peers then fail with a
+    /// timeout).
     pub fn register_buffer(&self, ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
-        self.check()?;
-        if ptr == 0 || bytes == 0 {
-            return Err(Error::invalid("register_buffer: null pointer or empty range"));
-        }
-        driver::bind(&self.ctx)?;
-        let buffer_id = driver::buffer_id(ptr)?;
-        let entry = {
+        let local = (|| {
+            self.check()?;
+            if ptr == 0 || bytes == 0 {
+                return Err(Error::invalid("register_buffer: null pointer or empty range"));
+            }
+            driver::bind(&self.ctx)?;
+            let buffer_id = driver::buffer_id(ptr)?;
             let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
             if reg.registered.iter().any(|r| r.ptr == ptr) {
                 return Err(Error::invalid(format!(
                     "register_buffer: {ptr:#x} is already registered (deregister_buffers() releases registrations)"
                 )));
             }
-            reg.alloc_entry(self.setup.table_capacity)?
-        };
+            Ok((buffer_id, reg.alloc_entry(self.setup.table_capacity)?))
+        })();
+        let (buffer_id, entry) = self.all_ranks_ok("register_buffer", local)?;
         self.fill_entries(&[(ptr, entry)])?;
         let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
         reg.registered.push(Registered { ptr, bytes, entry, buffer_id });
@@ -183,13 +207,14 @@ impl Comm {
     /// before this fails with a clear error (no wrong data is read).
     ///
     /// The inputs must stay allocated until [`deregister_buffers`](Self::deregister_buffers)
-    /// or the communicator's drop (as for [`register_buffer`](Self::register_buffer)).
+    /// returns, or until every rank's communicator is dropped (as for
+    /// [`register_buffer`](Self::register_buffer)).
     pub fn register_graph_buffers(&self) -> Result<usize> {
-        self.check()?;
         let (pending, calls) = {
             let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
             (std::mem::take(&mut reg.pending_graph), std::mem::take(&mut reg.pending_calls))
         };
+        let calls = self.all_ranks_ok("register_graph_buffers", self.check().map(|()| calls))?;
         let patterns: Vec<Vec<u32>> = gather_json(&*self.rendezvous, &calls)?;
         if let Some(why) = pattern_mismatch(&patterns) {
             return Err(Error::invalid(format!(
@@ -203,106 +228,149 @@ impl Comm {
 
     /// Collective (every rank): releases every registration — buffers from
     /// [`register_buffer`](Self::register_buffer) and inputs of captured
-    /// graphs. Waits for all work on this rank's context, closes the peers'
-    /// buffers this rank mapped, zeroes their table entries and returns once
+    /// graphs. Waits for all work on this rank's context, zeroes the table
+    /// entries, closes the peers' buffers this rank mapped and returns once
     /// every rank has done the same; afterwards this rank may free the
     /// buffers it had registered. Replaying a graph captured before fails
-    /// with "unregistered buffer" on every rank (entries are never reused).
-    /// Returns how many table entries were released.
+    /// with "unregistered buffer" on every rank. Returns how many table
+    /// entries were released.
     ///
-    /// Must not run while a stream of this context is capturing.
+    /// Entries are never handed out again, so the table
+    /// ([`Config::max_registered_buffers`](super::Config::max_registered_buffers),
+    /// 8192 by default) bounds the distinct registered buffers and captured
+    /// inputs over the communicator's life.
+    ///
+    /// It waits for every stream of this rank's context (`cuCtxSynchronize`):
+    /// call it when the collectives already issued there, on any
+    /// communicator, can complete, and not while a stream of the context is
+    /// capturing.
     pub fn deregister_buffers(&self) -> Result<usize> {
-        self.check()?;
-        driver::bind(&self.ctx)?;
         // No kernel may still read a peer's buffer, nor a peer ours.
-        driver::context_synchronize()?;
-        self.check()?;
-        self.rendezvous.all_gather(&[])?;
-        let released = {
-            let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
-            let released = reg.release_all();
-            // Closes the IPC handles this rank opened for registrations.
-            self.setup.registered_mappings.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?.clear();
-            released
-        };
-        if !released.is_empty() {
+        let idle = (|| {
+            self.check()?;
+            driver::bind(&self.ctx)?;
+            driver::context_synchronize()?;
+            self.check()
+        })();
+        self.all_ranks_ok("deregister_buffers", idle)?;
+        let released = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?.release_all();
+        // Zero the entries before closing the mappings they point into: a
+        // kernel launched in between fails cleanly instead of faulting.
+        let zeroed = if released.is_empty() {
+            Ok(())
+        } else {
             let bytes = released.len() * std::mem::size_of::<PeerPointers>();
-            driver::memset_d8(self.setup.table_entry(released.start), 0, bytes)?;
-        }
+            driver::memset_d8(self.setup.table_entry(released.start), 0, bytes)
+        };
+        // Closes the IPC handles this rank opened for registrations.
+        self.setup.registered_mappings.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?.clear();
         // Every rank has closed its mappings of our buffers once this returns.
-        self.rendezvous.all_gather(&[])?;
+        self.all_ranks_ok("deregister_buffers", zeroed)?;
         Ok(released.len())
+    }
+
+    /// Shares each rank's outcome of a collective step's local part, so
+    /// that all ranks fail together (none is left waiting in the next
+    /// exchange). Returns this rank's error, or names the first rank that
+    /// failed.
+    fn all_ranks_ok<T>(&self, step: &str, local: Result<T>) -> Result<T> {
+        let mine: Option<String> = local.as_ref().err().map(|e| e.to_string());
+        let all: Vec<Option<String>> = gather_json(&*self.rendezvous, &mine)?;
+        let value = local?;
+        match all.iter().enumerate().find_map(|(rank, e)| e.as_ref().map(|e| (rank, e))) {
+            Some((rank, e)) => Err(Error::invalid(format!("{step}: rank {rank} failed: {e}"))),
+            None => Ok(value),
+        }
     }
 
     /// Exchanges this rank's buffers (in order) and writes, for each, the
     /// table entry holding every rank's address of its i-th buffer.
     fn fill_entries(&self, buffers: &[(u64, usize)]) -> Result<()> {
         // Registration may run on any thread (group helpers spawn one per rank).
-        driver::bind(&self.ctx)?;
         let needs_ipc = self.setup.same_process.iter().any(|s| !s);
-        let mut descs = Vec::with_capacity(buffers.len());
-        for &(ptr, _) in buffers {
-            let desc = if needs_ipc {
-                let (base, _) = driver::allocation_range(ptr)?;
-                // Exported afresh every time, never cached by address: a
-                // freed buffer's address is reused by later allocations, and
-                // a cached handle would make peers read the freed one.
-                let handle = driver::ipc_export(&self.ctx, base)?;
-                BufferDescriptor::Ipc { handle: handle.to_vec(), offset: ptr - base }
-            } else {
-                BufferDescriptor::Local { addr: ptr }
-            };
-            descs.push((desc, ptr));
-        }
-        let all: Vec<Vec<(BufferDescriptor, u64)>> = gather_json(&*self.rendezvous, &descs)?;
-        let mut entries = vec![PeerPointers::default(); buffers.len()];
-        let mut mappings = Vec::new();
-        for (p, list) in all.iter().enumerate() {
-            if list.len() != buffers.len() {
-                return Err(Error::invalid(format!(
-                    "rank {p} registered {} buffers in this step, rank {} registered {}",
-                    list.len(),
-                    self.rank,
-                    buffers.len()
-                )));
-            }
-            for (i, (desc, addr)) in list.iter().enumerate() {
-                let address = if p == self.rank {
-                    *addr
+        let descs = (|| {
+            driver::bind(&self.ctx)?;
+            let mut descs = Vec::with_capacity(buffers.len());
+            for &(ptr, _) in buffers {
+                let desc = if needs_ipc {
+                    let (base, _) = driver::allocation_range(ptr)?;
+                    // Exported afresh every time, never cached by address: a
+                    // freed buffer's address is reused by later allocations,
+                    // and a cached handle would make peers read the freed one.
+                    let handle = driver::ipc_export(&self.ctx, base)?;
+                    BufferDescriptor::Ipc { handle: handle.to_vec(), offset: ptr - base }
                 } else {
-                    let (a, mapping) = import(&self.ctx, desc, *addr, self.setup.same_process[p], 0)?;
-                    mappings.push(mapping);
-                    a
+                    BufferDescriptor::Local { addr: ptr }
                 };
-                debug_assert!(p < MAX_RANKS);
-                entries[i].ptrs[p] = address;
+                descs.push((desc, ptr));
             }
+            Ok(descs)
+        })()
+        .map_err(|e: Error| e.to_string());
+        let all: Vec<std::result::Result<Vec<(BufferDescriptor, u64)>, String>> =
+            gather_json(&*self.rendezvous, &descs)?;
+        if let Some((p, e)) = all.iter().enumerate().find_map(|(p, d)| d.as_ref().err().map(|e| (p, e))) {
+            return Err(Error::invalid(format!("registering buffers: rank {p} failed: {e}")));
         }
-        for (entry, &(_, index)) in entries.iter().zip(buffers.iter()) {
-            driver::write_struct(self.setup.table_entry(index), entry)?;
-        }
-        self.setup
-            .registered_mappings
-            .lock()
-            .map_err(|_| Error::Broken("registry lock poisoned".into()))?
-            .extend(mappings);
-        Ok(())
+        let filled = (|| {
+            let mut entries = vec![PeerPointers::default(); buffers.len()];
+            let mut mappings = Vec::new();
+            for (p, list) in all.iter().enumerate() {
+                let list = list.as_ref().map_err(|e| Error::invalid(e.clone()))?;
+                if list.len() != buffers.len() {
+                    return Err(Error::invalid(format!(
+                        "rank {p} registered {} buffers in this step, rank {} registered {}",
+                        list.len(),
+                        self.rank,
+                        buffers.len()
+                    )));
+                }
+                for (i, (desc, addr)) in list.iter().enumerate() {
+                    let address = if p == self.rank {
+                        *addr
+                    } else {
+                        let (a, mapping) = import(&self.ctx, desc, *addr, self.setup.same_process[p], 0)?;
+                        mappings.push(mapping);
+                        a
+                    };
+                    debug_assert!(p < MAX_RANKS);
+                    entries[i].ptrs[p] = address;
+                }
+            }
+            for (entry, &(_, index)) in entries.iter().zip(buffers.iter()) {
+                driver::write_struct(self.setup.table_entry(index), entry)?;
+            }
+            self.setup
+                .registered_mappings
+                .lock()
+                .map_err(|_| Error::Broken("registry lock poisoned".into()))?
+                .extend(mappings);
+            Ok(())
+        })();
+        // A rank whose imports failed (its mappings are closed again on the
+        // way out) takes the others down with it: no rank replays alone.
+        self.all_ranks_ok("registering buffers", filled)
     }
 }
 
-/// Why the ranks' captured-call patterns differ, if they do. Entry `k` of a
-/// pattern is the index of call k's input among the rank's distinct inputs.
+/// Why the ranks' captured-call patterns differ, if they do (see
+/// `Registry::pending_calls`).
 fn pattern_mismatch(patterns: &[Vec<u32>]) -> Option<String> {
     let first = patterns.first()?;
+    let describe = |pattern: &[u32], k: usize| match pattern[k] {
+        STAGED_CALL => "a staged copy".to_string(),
+        tag if tag & REGISTERED_CALL != 0 => format!("registered buffer #{}", tag & !REGISTERED_CALL),
+        tag => format!("the input of call {}", pattern.iter().position(|&t| t == tag).unwrap_or(k)),
+    };
     for (rank, p) in patterns.iter().enumerate().skip(1) {
         if p.len() != first.len() {
             return Some(format!("rank 0 captured {} pull calls, rank {rank} captured {}", first.len(), p.len()));
         }
-        if let Some(k) = (0..p.len()).find(|&k| p[k] != first[k]) {
+        if let Some(k) = (0..p.len()).find(|&k| describe(p, k) != describe(first, k)) {
             return Some(format!(
-                "captured pull call {k} reads the input of call {} on rank 0 but of call {} on rank {rank}",
-                first.iter().position(|&i| i == first[k]).unwrap_or(k),
-                p.iter().position(|&i| i == p[k]).unwrap_or(k)
+                "captured pull call {k} reads {} on rank 0 but {} on rank {rank}",
+                describe(first, k),
+                describe(p, k)
             ));
         }
     }
@@ -350,10 +418,18 @@ mod tests {
         }
         assert_eq!(a.pending_calls, [0, 0, 1]);
         let why = pattern_mismatch(&[a.pending_calls.clone(), b.pending_calls.clone()]).unwrap();
-        assert!(why.contains("call 1 reads the input of call 0 on rank 0 but of call 1 on rank 1"), "{why}");
+        assert!(why.contains("call 1 reads the input of call 0 on rank 0 but the input of call 1 on rank 1"), "{why}");
         assert!(pattern_mismatch(&[a.pending_calls.clone(), a.pending_calls.clone()]).is_none());
         let why = pattern_mismatch(&[vec![0, 1], vec![0]]).unwrap();
         assert!(why.contains("rank 0 captured 2 pull calls, rank 1 captured 1"), "{why}");
+        // Registered and staged calls count too: the same distinct-input
+        // pattern with a registered buffer at another call must not pass.
+        let why = pattern_mismatch(&[vec![REGISTERED_CALL, 0], vec![0, REGISTERED_CALL]]).unwrap();
+        assert!(why.contains("call 0 reads registered buffer #0 on rank 0 but the input of call 0 on rank 1"), "{why}");
+        let why = pattern_mismatch(&[vec![STAGED_CALL], vec![REGISTERED_CALL | 1]]).unwrap();
+        assert!(why.contains("a staged copy on rank 0 but registered buffer #1 on rank 1"), "{why}");
+        // Distinct-input indices compare by first use, so equal patterns agree.
+        assert!(pattern_mismatch(&[vec![0, STAGED_CALL, 1, 0], vec![0, STAGED_CALL, 1, 0]]).is_none());
     }
 
     #[test]

@@ -299,3 +299,46 @@ fn reallocated_registered_address_is_refused() {
         assert!(download(&outputs[r], n).iter().all(|&v| v == 5.0), "rank {r}: re-registered buffer gave a wrong sum");
     }
 }
+
+/// Call k of a captured graph reads, on every rank, the entry its own rank
+/// chose for call k: ranks that use a registered buffer at different calls
+/// are refused at registration, not left to sum unrelated buffers.
+#[test]
+fn mismatched_capture_patterns_are_refused() {
+    let _lock = common::gpu_lock();
+    let Some(ctx) = common::gpu("mismatched_capture_patterns_are_refused") else { return };
+    let world = 2;
+    let n = 4_096;
+    let config = Config { timeout: Duration::from_secs(3), ..Config::default() };
+    let mut comms = Comm::from_streams(common::streams(&ctx, world), config).unwrap();
+    for c in comms.iter_mut() {
+        c.set_algorithm(Some(Algorithm::TwoShotPull)).unwrap();
+    }
+    let alloc = || (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect::<Vec<_>>();
+    let (registered, captured, outputs) = (alloc(), alloc(), alloc());
+    let regs: Vec<(u64, usize)> = registered.iter().map(|b| (b.ptr(), n * 4)).collect();
+    Comm::register_buffer_group(&comms, &regs).unwrap();
+    let mut graphs = Vec::new();
+    for (r, c) in comms.iter().enumerate() {
+        // Rank 0: registered, then captured; rank 1: the other way round.
+        let order = if r == 0 { [&registered[r], &captured[r]] } else { [&captured[r], &registered[r]] };
+        let stream = c.stream();
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        for input in order {
+            // SAFETY: live buffers of n f32 on this context.
+            unsafe { c.all_reduce_raw(input.ptr(), outputs[r].ptr(), n, DType::F32, stream.cu_stream()).unwrap() };
+        }
+        graphs.push(
+            stream
+                .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+                .unwrap()
+                .expect("a graph"),
+        );
+    }
+    let e = Comm::register_graph_buffers_group(&comms).expect_err("different patterns must be refused").to_string();
+    eprintln!("{e}");
+    assert!(
+        e.contains("captured pull call 0 reads registered buffer #0 on rank 0 but the input of call 0 on rank 1"),
+        "{e}"
+    );
+}

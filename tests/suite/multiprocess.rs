@@ -145,6 +145,15 @@ fn multi_process_selftest_eager_and_graph() {
             // Register -> use -> deregister -> free, three times, over IPC.
             let passed = out.lines().find(|l| l.starts_with(&format!("[rank {r}] rank {r}: selftest passed"))).unwrap();
             assert!(passed.contains(" 3 registration rounds"), "rank {r} ran no registration rounds: {passed}");
+            // The case that once read stale data: a new buffer at a freed
+            // registered address (the allocator reused them on the H200).
+            let reused: usize = passed
+                .split("registration rounds (")
+                .nth(1)
+                .and_then(|rest| rest.split(' ').next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("no reuse count in: {passed}"));
+            assert!(reused >= 1, "no round reused a freed address, so the stale case never ran: {passed}");
         }
         // Pull algorithms registered their captured inputs over IPC.
         assert!(!out.contains("skipped:"), "{out}");
