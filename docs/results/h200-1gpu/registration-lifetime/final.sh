@@ -1,6 +1,5 @@
 #!/bin/bash
-# Binaries: tp-allreduce and suite built from commit bb5cda5 (release, stripped).
-# Final check of commit bb5cda5+docs: process bench (2 and 4 processes, 1 KB .. 64 MB), in-process suite, multi-process suite.
+# Binaries: tp-allreduce and suite built from commit 5eb102e (release, stripped).
 L=$OUT/log.txt
 export TP_ALLREDUCE_TIMEOUT_MS=5000 XDG_RUNTIME_DIR=/tmp
 run() { t=$1; shift; echo "=== [$(date +%T)] $*" >> $L; timeout $t "$@" >> $L 2>&1; echo "exit $? [$(date +%T)]" >> $L; }
