@@ -244,30 +244,37 @@ pub fn allocation_range(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, usiz
 /// Whether `ptr` belongs to a stream-ordered memory pool (not exportable
 /// with legacy CUDA IPC).
 pub fn is_pool_memory(ptr: sys::CUdeviceptr) -> bool {
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let status = unsafe {
-        // SAFETY: writes one pointer-sized attribute into `pool`.
-        sys::cuPointerGetAttribute(
-            &mut pool as *mut _ as *mut c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+    // SAFETY: the mempool attribute is a CUmemoryPool.
+    let pool = unsafe {
+        pointer_attribute(
             ptr,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            std::ptr::null_mut::<sys::CUmemPoolHandle_st>(),
         )
     };
-    status == sys::CUresult::CUDA_SUCCESS && !pool.is_null()
+    matches!(pool, Ok(p) if !p.is_null())
 }
 
 /// The driver's id of the allocation holding `ptr`
 /// (`CU_POINTER_ATTRIBUTE_BUFFER_ID`): unique for the life of the process,
 /// so a freed address that a new allocation reuses gets a new id.
 pub fn buffer_id(ptr: sys::CUdeviceptr) -> Result<u64> {
-    let mut id: u64 = 0;
-    // SAFETY: writes one unsigned long long attribute into `id`.
-    cu!(cuPointerGetAttribute(
-        &mut id as *mut u64 as *mut c_void,
-        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
-        ptr
-    ))?;
-    Ok(id)
+    // SAFETY: the buffer id attribute is an unsigned long long.
+    unsafe { pointer_attribute(ptr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID, 0u64) }
+}
+
+/// One `cuPointerGetAttribute` value, starting from `init`.
+///
+/// # Safety
+/// `T` must be the C type the driver writes for `attribute`.
+pub(crate) unsafe fn pointer_attribute<T: Copy>(
+    ptr: sys::CUdeviceptr,
+    attribute: sys::CUpointer_attribute,
+    init: T,
+) -> Result<T> {
+    let mut value = init;
+    cu!(cuPointerGetAttribute(&mut value as *mut T as *mut c_void, attribute, ptr))?;
+    Ok(value)
 }
 
 /// Waits for all work of the current context (every stream).
@@ -277,16 +284,10 @@ pub fn context_synchronize() -> Result<()> {
 
 /// The context owning device pointer `ptr`, if it is one.
 pub fn pointer_context(ptr: sys::CUdeviceptr) -> Option<sys::CUcontext> {
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: writes one pointer-sized attribute into `ctx`.
-    let status = unsafe {
-        sys::cuPointerGetAttribute(
-            &mut ctx as *mut _ as *mut c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT,
-            ptr,
-        )
-    };
-    (status == sys::CUresult::CUDA_SUCCESS && !ctx.is_null()).then_some(ctx)
+    // SAFETY: the context attribute is a CUcontext.
+    let ctx =
+        unsafe { pointer_attribute(ptr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT, std::ptr::null_mut()) };
+    ctx.ok().filter(|c: &sys::CUcontext| !c.is_null())
 }
 
 /// The context of a stream.

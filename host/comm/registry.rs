@@ -19,6 +19,8 @@
 use cudarc::driver::sys;
 use tp_allreduce_kernels::layout::{PeerPointers, MAX_RANKS};
 
+use serde::{de::DeserializeOwned, Serialize};
+
 use super::setup::{gather_json, import, BufferDescriptor};
 use super::Comm;
 use crate::driver;
@@ -194,7 +196,10 @@ impl Comm {
             }
             Ok((buffer_id, reg.alloc_entry(self.setup.table_capacity)?))
         })();
-        let (buffer_id, entry) = self.all_ranks_ok("register_buffer", local)?;
+        let outcomes = self.gather_outcomes("register_buffer", local)?;
+        let (buffer_id, entry) = *outcomes
+            .get(self.rank)
+            .ok_or_else(|| Error::Broken("register_buffer: the rendezvous returned too few ranks".into()))?;
         self.fill_entries(&[(ptr, entry)])?;
         let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
         reg.registered.push(Registered { ptr, bytes, entry, buffer_id });
@@ -214,8 +219,7 @@ impl Comm {
             let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
             (std::mem::take(&mut reg.pending_graph), std::mem::take(&mut reg.pending_calls))
         };
-        let calls = self.all_ranks_ok("register_graph_buffers", self.check().map(|()| calls))?;
-        let patterns: Vec<Vec<u32>> = gather_json(&*self.rendezvous, &calls)?;
+        let patterns = self.gather_outcomes("register_graph_buffers", self.check().map(|()| calls))?;
         if let Some(why) = pattern_mismatch(&patterns) {
             return Err(Error::invalid(format!(
                 "register_graph_buffers: {why}; every rank must capture the same sequence of allreduces, \
@@ -252,7 +256,7 @@ impl Comm {
             driver::context_synchronize()?;
             self.check()
         })();
-        self.all_ranks_ok("deregister_buffers", idle)?;
+        self.gather_outcomes("deregister_buffers", idle)?;
         let released = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?.release_all();
         // Zero the entries before closing the mappings they point into: a
         // kernel launched in between fails cleanly instead of faulting.
@@ -265,22 +269,27 @@ impl Comm {
         // Closes the IPC handles this rank opened for registrations.
         self.setup.registered_mappings.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?.clear();
         // Every rank has closed its mappings of our buffers once this returns.
-        self.all_ranks_ok("deregister_buffers", zeroed)?;
+        self.gather_outcomes("deregister_buffers", zeroed)?;
         Ok(released.len())
     }
 
-    /// Shares each rank's outcome of a collective step's local part, so
-    /// that all ranks fail together (none is left waiting in the next
-    /// exchange). Returns this rank's error, or names the first rank that
-    /// failed.
-    fn all_ranks_ok<T>(&self, step: &str, local: Result<T>) -> Result<T> {
-        let mine: Option<String> = local.as_ref().err().map(|e| e.to_string());
-        let all: Vec<Option<String>> = gather_json(&*self.rendezvous, &mine)?;
-        let value = local?;
-        match all.iter().enumerate().find_map(|(rank, e)| e.as_ref().map(|e| (rank, e))) {
-            Some((rank, e)) => Err(Error::invalid(format!("{step}: rank {rank} failed: {e}"))),
-            None => Ok(value),
+    /// All-gathers each rank's outcome of a collective step's local part,
+    /// so that all ranks fail together (none is left waiting in the next
+    /// exchange). Returns every rank's value (indexed by rank), this rank's
+    /// own error, or an error naming the first rank that failed.
+    fn gather_outcomes<T: Serialize + DeserializeOwned>(&self, step: &str, local: Result<T>) -> Result<Vec<T>> {
+        let (shared, own_error) = match local {
+            Ok(value) => (Ok(value), None),
+            Err(e) => (Err(e.to_string()), Some(e)),
+        };
+        let all: Vec<std::result::Result<T, String>> = gather_json(&*self.rendezvous, &shared)?;
+        if let Some(e) = own_error {
+            return Err(e);
         }
+        all.into_iter()
+            .enumerate()
+            .map(|(rank, outcome)| outcome.map_err(|e| Error::invalid(format!("{step}: rank {rank} failed: {e}"))))
+            .collect()
     }
 
     /// Exchanges this rank's buffers (in order) and writes, for each, the
@@ -305,18 +314,12 @@ impl Comm {
                 descs.push((desc, ptr));
             }
             Ok(descs)
-        })()
-        .map_err(|e: Error| e.to_string());
-        let all: Vec<std::result::Result<Vec<(BufferDescriptor, u64)>, String>> =
-            gather_json(&*self.rendezvous, &descs)?;
-        if let Some((p, e)) = all.iter().enumerate().find_map(|(p, d)| d.as_ref().err().map(|e| (p, e))) {
-            return Err(Error::invalid(format!("registering buffers: rank {p} failed: {e}")));
-        }
+        })();
+        let all: Vec<Vec<(BufferDescriptor, u64)>> = self.gather_outcomes("registering buffers", descs)?;
         let filled = (|| {
             let mut entries = vec![PeerPointers::default(); buffers.len()];
             let mut mappings = Vec::new();
             for (p, list) in all.iter().enumerate() {
-                let list = list.as_ref().map_err(|e| Error::invalid(e.clone()))?;
                 if list.len() != buffers.len() {
                     return Err(Error::invalid(format!(
                         "rank {p} registered {} buffers in this step, rank {} registered {}",
@@ -349,7 +352,8 @@ impl Comm {
         })();
         // A rank whose imports failed (its mappings are closed again on the
         // way out) takes the others down with it: no rank replays alone.
-        self.all_ranks_ok("registering buffers", filled)
+        self.gather_outcomes("registering buffers", filled)?;
+        Ok(())
     }
 }
 

@@ -545,19 +545,15 @@ pub(crate) fn import(
 }
 
 fn enable_access_to(ctx: &Arc<CudaContext>, addr: u64) -> Result<()> {
-    let mut ordinal: i32 = -1;
-    let status = unsafe {
-        // SAFETY: writes one int attribute of a pointer of this process.
-        sys::cuPointerGetAttribute(
-            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            addr,
-        )
+    // SAFETY: the device ordinal attribute is an int.
+    let ordinal = unsafe {
+        driver::pointer_attribute(addr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, -1i32)
     };
-    if status != sys::CUresult::CUDA_SUCCESS || ordinal < 0 || ordinal as usize == ctx.ordinal() {
+    let ordinal = match ordinal {
+        Ok(o) if o >= 0 && o as usize != ctx.ordinal() => o,
         // Host memory, or memory of this GPU: nothing to enable.
-        return Ok(());
-    }
+        _ => return Ok(()),
+    };
     let peer = CudaContext::new(ordinal as usize).map_err(|e| crate::error::driver("cuDevicePrimaryCtxRetain", e))?;
     driver::enable_peer_access(ctx, &peer)
 }

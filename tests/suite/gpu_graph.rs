@@ -24,21 +24,50 @@ fn bias(layer: usize) -> f32 {
     ((layer % 7) as f32 - 3.0) * 0.125
 }
 
+/// Per-call timeout of the tests' communicators.
+const TIMEOUT: Duration = Duration::from_secs(3);
+
+/// An in-process group of `world` ranks on `ctx`, with `algorithm` forced
+/// (`None`: the selection).
+fn group(ctx: &Arc<CudaContext>, world: usize, algorithm: Option<Algorithm>) -> Vec<Comm> {
+    let config = Config { timeout: TIMEOUT, ..Config::default() };
+    let mut comms = Comm::from_streams(common::streams(ctx, world), config).unwrap();
+    for c in comms.iter_mut() {
+        c.set_algorithm(algorithm).unwrap();
+    }
+    comms
+}
+
+/// One graph per rank: `record(rank, comm, stream)` issues the work
+/// captured on the rank's stream.
+fn capture_each(comms: &[Comm], mut record: impl FnMut(usize, &Comm, sys::CUstream)) -> Vec<CudaGraph> {
+    comms
+        .iter()
+        .enumerate()
+        .map(|(r, c)| {
+            let stream = c.stream();
+            stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+            record(r, c, stream.cu_stream());
+            stream
+                .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+                .unwrap()
+                .expect("a graph")
+        })
+        .collect()
+}
+
 /// Captures the layer chain on every rank's stream.
 fn capture(ctx: &Arc<CudaContext>, comms: &[Comm], bufs: &[RankBuffers], n: usize) -> Vec<CudaGraph> {
     let world = comms.len();
-    let mut graphs = Vec::new();
-    for (r, c) in comms.iter().enumerate() {
-        let stream = c.stream();
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+    capture_each(comms, |r, c, stream| {
         for l in 0..LAYERS {
             // SAFETY: x[l], y[l], x[l+1] are live buffers of n f32.
             unsafe {
-                c.all_reduce_raw(bufs[r].x[l].ptr(), bufs[r].y[l].ptr(), n, DType::F32, stream.cu_stream())
+                c.all_reduce_raw(bufs[r].x[l].ptr(), bufs[r].y[l].ptr(), n, DType::F32, stream)
                     .unwrap_or_else(|e| panic!("capture rank {r} layer {l}: {e}"));
                 tp_allreduce::elementwise::affine_raw(
                     ctx,
-                    stream.cu_stream(),
+                    stream,
                     bufs[r].y[l].ptr(),
                     bufs[r].x[l + 1].ptr(),
                     n,
@@ -49,13 +78,7 @@ fn capture(ctx: &Arc<CudaContext>, comms: &[Comm], bufs: &[RankBuffers], n: usiz
                 .unwrap();
             }
         }
-        let graph = stream
-            .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-            .unwrap()
-            .expect("a graph");
-        graphs.push(graph);
-    }
-    graphs
+    })
 }
 
 fn download(buf: &DeviceMemory, n: usize) -> Vec<f32> {
@@ -68,11 +91,7 @@ fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: us
     let _lock = common::gpu_lock();
     let Some(ctx) = common::gpu(test) else { return };
     let mut rng = common::rng(test);
-    let config = Config { timeout: Duration::from_secs(3), ..Config::default() };
-    let mut comms = Comm::from_streams(common::streams(&ctx, world), config).unwrap();
-    for c in comms.iter_mut() {
-        c.set_algorithm(algorithm).unwrap();
-    }
+    let comms = group(&ctx, world, algorithm);
     let bufs: Vec<RankBuffers> = (0..world)
         .map(|_| RankBuffers {
             x: (0..=LAYERS).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect(),
@@ -159,11 +178,7 @@ fn unregistered_graph_replay_fails_cleanly() {
     let Some(ctx) = common::gpu("unregistered_graph_replay_fails_cleanly") else { return };
     let world = 4;
     let n = 4_096;
-    let timeout = Duration::from_secs(3);
-    let mut comms = Comm::from_streams(common::streams(&ctx, world), Config { timeout, ..Config::default() }).unwrap();
-    for c in comms.iter_mut() {
-        c.set_algorithm(Some(Algorithm::TwoShotPull)).unwrap();
-    }
+    let comms = group(&ctx, world, Some(Algorithm::TwoShotPull));
     let bufs: Vec<RankBuffers> = (0..world)
         .map(|_| RankBuffers {
             x: (0..=LAYERS).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect(),
@@ -187,7 +202,7 @@ fn unregistered_graph_replay_fails_cleanly() {
         // The communicator stays unusable afterwards.
         assert!(matches!(c.check(), Err(tp_allreduce::Error::Broken(_))));
     }
-    assert!(started.elapsed() < timeout, "failing must not wait for the timeout ({:?})", started.elapsed());
+    assert!(started.elapsed() < TIMEOUT, "failing must not wait for the timeout ({:?})", started.elapsed());
 }
 
 /// `deregister_buffers` releases every registration: a graph captured
@@ -199,31 +214,18 @@ fn deregistered_graph_replay_fails_cleanly() {
     let Some(ctx) = common::gpu("deregistered_graph_replay_fails_cleanly") else { return };
     let world = 2;
     let n = 4_096;
-    let timeout = Duration::from_secs(3);
-    let mut comms = Comm::from_streams(common::streams(&ctx, world), Config { timeout, ..Config::default() }).unwrap();
-    for c in comms.iter_mut() {
-        c.set_algorithm(Some(Algorithm::TwoShotPull)).unwrap();
-    }
+    let comms = group(&ctx, world, Some(Algorithm::TwoShotPull));
     let inputs: Vec<DeviceMemory> = (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect();
     let outputs: Vec<DeviceMemory> = (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect();
     for (r, b) in inputs.iter().enumerate() {
         tp_allreduce::driver::memcpy_htod(b.ptr(), bytemuck::cast_slice(&vec![r as f32 + 1.0; n])).unwrap();
     }
-    let mut graphs = Vec::new();
-    for (r, c) in comms.iter().enumerate() {
-        let stream = c.stream();
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+    let graphs = capture_each(&comms, |r, c, stream| {
         for _ in 0..3 {
             // SAFETY: live buffers of n f32 on this context.
-            unsafe { c.all_reduce_raw(inputs[r].ptr(), outputs[r].ptr(), n, DType::F32, stream.cu_stream()).unwrap() };
+            unsafe { c.all_reduce_raw(inputs[r].ptr(), outputs[r].ptr(), n, DType::F32, stream).unwrap() };
         }
-        graphs.push(
-            stream
-                .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-                .unwrap()
-                .expect("a graph"),
-        );
-    }
+    });
     assert_eq!(comms[0].pending_graph_buffers(), 1, "3 calls on one input share one entry");
     assert_eq!(Comm::register_graph_buffers_group(&comms).unwrap(), 1);
     for g in &graphs {
@@ -249,7 +251,7 @@ fn deregistered_graph_replay_fails_cleanly() {
             "rank {r}: the error must name registration: {msg}"
         );
     }
-    assert!(started.elapsed() < timeout, "failing must not wait for the timeout ({:?})", started.elapsed());
+    assert!(started.elapsed() < TIMEOUT, "failing must not wait for the timeout ({:?})", started.elapsed());
 }
 
 /// A call on a registered address whose buffer was freed and reallocated
@@ -260,11 +262,7 @@ fn reallocated_registered_address_is_refused() {
     let Some(ctx) = common::gpu("reallocated_registered_address_is_refused") else { return };
     let world = 2;
     let n = 786_434; // 3 MiB of f32: an allocation of its own
-    let config = Config { timeout: Duration::from_secs(3), ..Config::default() };
-    let mut comms = Comm::from_streams(common::streams(&ctx, world), config).unwrap();
-    for c in comms.iter_mut() {
-        c.set_algorithm(Some(Algorithm::OneShotPull)).unwrap();
-    }
+    let comms = group(&ctx, world, Some(Algorithm::OneShotPull));
     let outputs: Vec<DeviceMemory> = (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect();
     let first: Vec<DeviceMemory> = (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect();
     let addresses: Vec<u64> = first.iter().map(|b| b.ptr()).collect();
@@ -309,32 +307,19 @@ fn mismatched_capture_patterns_are_refused() {
     let Some(ctx) = common::gpu("mismatched_capture_patterns_are_refused") else { return };
     let world = 2;
     let n = 4_096;
-    let config = Config { timeout: Duration::from_secs(3), ..Config::default() };
-    let mut comms = Comm::from_streams(common::streams(&ctx, world), config).unwrap();
-    for c in comms.iter_mut() {
-        c.set_algorithm(Some(Algorithm::TwoShotPull)).unwrap();
-    }
+    let comms = group(&ctx, world, Some(Algorithm::TwoShotPull));
     let alloc = || (0..world).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect::<Vec<_>>();
     let (registered, captured, outputs) = (alloc(), alloc(), alloc());
     let regs: Vec<(u64, usize)> = registered.iter().map(|b| (b.ptr(), n * 4)).collect();
     Comm::register_buffer_group(&comms, &regs).unwrap();
-    let mut graphs = Vec::new();
-    for (r, c) in comms.iter().enumerate() {
+    let _graphs = capture_each(&comms, |r, c, stream| {
         // Rank 0: registered, then captured; rank 1: the other way round.
         let order = if r == 0 { [&registered[r], &captured[r]] } else { [&captured[r], &registered[r]] };
-        let stream = c.stream();
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
         for input in order {
             // SAFETY: live buffers of n f32 on this context.
-            unsafe { c.all_reduce_raw(input.ptr(), outputs[r].ptr(), n, DType::F32, stream.cu_stream()).unwrap() };
+            unsafe { c.all_reduce_raw(input.ptr(), outputs[r].ptr(), n, DType::F32, stream).unwrap() };
         }
-        graphs.push(
-            stream
-                .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-                .unwrap()
-                .expect("a graph"),
-        );
-    }
+    });
     let e = Comm::register_graph_buffers_group(&comms).expect_err("different patterns must be refused").to_string();
     eprintln!("{e}");
     assert!(
