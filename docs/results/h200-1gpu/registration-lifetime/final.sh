@@ -1,5 +1,5 @@
 #!/bin/bash
-# Binaries: tp-allreduce and suite built from commit 5eb102e (release, stripped).
+# Binaries: tp-allreduce and suite built from commit 61d0dc4 (release, stripped).
 L=$OUT/log.txt
 export TP_ALLREDUCE_TIMEOUT_MS=5000 XDG_RUNTIME_DIR=/tmp
 run() { t=$1; shift; echo "=== [$(date +%T)] $*" >> $L; timeout $t "$@" >> $L 2>&1; echo "exit $? [$(date +%T)]" >> $L; }
