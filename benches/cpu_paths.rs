@@ -6,13 +6,13 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use tp_allreduce::cost_model::{CostModel, CostParams};
 use tp_allreduce::rendezvous::{connect, Id};
-use tp_allreduce::selection::{Constraints, SelectionTable};
+use tp_allreduce::select::cost_model::{CostModel, CostParams};
+use tp_allreduce::select::selection::{Constraints, SelectionTable};
 use tp_allreduce::{Algorithm, DType, Transport};
 
 fn selection(c: &mut Criterion) {
-    let view = tp_allreduce::topology::embedded::default_topology();
+    let view = tp_allreduce::select::topology::embedded::default_topology();
     let model = CostModel::new(CostParams::default());
     let constraints = Constraints::for_topology(&view);
     c.bench_function("selection_table_build (init, 8x RTX PRO 6000)", |b| {
@@ -26,7 +26,7 @@ fn selection(c: &mut Criterion) {
             black_box(table.lookup(black_box(size), DType::Bf16, true).algorithm)
         })
     });
-    let opts = tp_allreduce::cost_model::Options::for_topology(&view);
+    let opts = tp_allreduce::select::cost_model::Options::for_topology(&view);
     c.bench_function("cost_model_predict (one algorithm, one size)", |b| {
         b.iter(|| {
             model.predict(&view, black_box(Algorithm::Hierarchical), Transport::PeerToPeer, black_box(43_008), &opts)

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use tp_allreduce::bench::{Buffers, OurGroup, Ranks};
+use tp_allreduce::tools::bench::{Buffers, OurGroup, Ranks};
 use tp_allreduce::{Algorithm, Comm, Config, DType};
 
 fn gpu(c: &mut Criterion) {
@@ -26,14 +26,14 @@ fn gpu(c: &mut Criterion) {
         let group = OurGroup { comms: &comms };
         c.bench_function(&format!("allreduce 2 ranks 42 KB bf16 {a} (eager, CUDA events)"), |b| {
             b.iter_custom(|iters| {
-                let opts = tp_allreduce::bench::Options {
+                let opts = tp_allreduce::tools::bench::Options {
                     iterations: iters as usize,
                     repeats: 1,
                     warmup: 0,
-                    mode: tp_allreduce::bench::Mode::Eager,
-                    ..tp_allreduce::bench::Options::default()
+                    mode: tp_allreduce::tools::bench::Mode::Eager,
+                    ..tp_allreduce::tools::bench::Options::default()
                 };
-                let samples = tp_allreduce::bench::time_collective(&group, &ranks, &bufs, &opts).expect("timed");
+                let samples = tp_allreduce::tools::bench::time_collective(&group, &ranks, &bufs, &opts).expect("timed");
                 Duration::from_secs_f64(samples[0] * 1e-6 * iters as f64)
             })
         });

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{sys, CudaContext};
 
 use crate::error::{Error, Result};
-use crate::ptx::EmbeddedPtx;
+use crate::kernels::EmbeddedPtx;
 
 /// Turns a driver status into a `Result`, naming the call.
 pub(crate) fn check(call: &'static str, status: sys::CUresult) -> Result<()> {
@@ -463,12 +463,12 @@ impl KernelModule {
             return Ok(m.clone());
         }
         let (major, minor) = ctx.compute_capability().map_err(|e| crate::error::driver("cuDeviceGetAttribute", e))?;
-        let ptx = crate::ptx::choose(major as u32, minor as u32).ok_or_else(|| {
+        let ptx = crate::kernels::choose(major as u32, minor as u32).ok_or_else(|| {
             Error::Unsupported(format!(
                 "device {} has compute capability {major}.{minor}; this build has PTX for {} (sm_80 or newer is supported; \
                  set TP_ALLREDUCE_PTX_ARCHS when building to add architectures)",
                 ctx.ordinal(),
-                crate::ptx::embedded().iter().map(|p| p.arch).collect::<Vec<_>>().join(", ")
+                crate::kernels::embedded().iter().map(|p| p.arch).collect::<Vec<_>>().join(", ")
             ))
         })?;
         let module = Arc::new(Self::load(ctx, ptx)?);
@@ -501,7 +501,7 @@ impl KernelModule {
             )));
         }
         let mut functions = HashMap::new();
-        for name in crate::ptx::expected_entries() {
+        for name in crate::kernels::expected_entries() {
             let cname = std::ffi::CString::new(name.clone()).expect("entry names have no NUL");
             let mut f: sys::CUfunction = std::ptr::null_mut();
             cu!(cuModuleGetFunction(&mut f, module, cname.as_ptr()))?;

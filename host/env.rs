@@ -1,20 +1,34 @@
-//! Every environment variable the library reads, declared in one place:
-//! [`VARS`] (name, meaning, default) is the table; the functions below are
-//! the only code that reads them.
+//! Every environment variable the project reads, declared in one place:
+//! [`VARS`] (name, meaning, default) is the table, and the typed getters
+//! below are the only library code that reads them. This module is a leaf:
+//! it knows names, values and parsing, nothing of the communicator (the
+//! [`Config`](crate::config::Config) reads it, never the other way round).
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
 //! | `TP_ALLREDUCE_ALGORITHM` | force an algorithm for every call: `one-shot-pull`, `two-shot-pull`, `one-shot-push`, `two-shot-push`, `ring`, `hierarchical`, `nccl`; `auto` = the selection | `auto` |
-//! | `TP_ALLREDUCE_TOPOLOGY` | model with this embedded topology instead of discovering the machine (`plan`, modelling) | discovery |
-//! | `TP_ALLREDUCE_TUNING_FILE` | tuning table to load (TOML, see `tuning`) | `$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml` |
+//! | `TP_ALLREDUCE_TOPOLOGY` | model with this embedded topology instead of discovering the machine (communicators and `plan`) | discovery |
+//! | `TP_ALLREDUCE_TUNING_FILE` | tuning table to load (TOML, see `select::tuning`) | `$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml` |
 //! | `TP_ALLREDUCE_TRANSPORT` | force the transport: `p2p` or `host-staged` | auto (P2P if every pair passes the check) |
 //! | `TP_ALLREDUCE_TIMEOUT_MS` | bound of every device-side wait on a peer, in ms | `5000` |
 //! | `TP_ALLREDUCE_ISLAND_SIZE` | ranks per island for `hierarchical` (consecutive ranks) | from the topology |
 //! | `TP_ALLREDUCE_PUSH_BLOCKS` | most blocks per push-kernel launch | `16` |
+//! | `TP_ALLREDUCE_RANK` | rank of a process started by `tp-allreduce launch` | set by the launcher |
+//! | `TP_ALLREDUCE_WORLD_SIZE` | world size of a launched process | set by the launcher |
+//! | `TP_ALLREDUCE_ID` | rendezvous id of a launched process | set by the launcher |
+//! | `TP_ALLREDUCE_DEVICE` | CUDA ordinal a launched process should use | `0` |
+//! | `TP_ALLREDUCE_PTXAS` | path of `ptxas` for `inspect` and the PTX tests | `.cache/cuda-tools/bin`, then `PATH` |
+//! | `TP_ALLREDUCE_NVDISASM` | path of `nvdisasm` for `inspect` | as above |
+//! | `TP_ALLREDUCE_CUOBJDUMP` | path of `cuobjdump` for `inspect` | as above |
+//! | `TP_ALLREDUCE_TEST_SEED` | seed of the randomized tests and `selftest` | fresh per run |
+//! | `TP_ALLREDUCE_BUILD_PTX` | build time: `1` forces building PTX from source (fails without nightly) | source if possible, else committed PTX |
+//! | `TP_ALLREDUCE_PTX_ARCHS` | build time: architectures to build | `sm_120,sm_90,sm_89,sm_80` |
+//! | `TP_ALLREDUCE_WRITE_PTX` | build time: also write the built PTX to this folder | unset |
 
 use std::path::PathBuf;
+use std::time::Duration;
 
-use crate::algorithm::Algorithm;
+use crate::algorithm::{Algorithm, Transport};
 use crate::error::{Error, Result};
 
 /// One declared environment variable.
@@ -32,6 +46,11 @@ pub const TRANSPORT: &str = "TP_ALLREDUCE_TRANSPORT";
 pub const TIMEOUT_MS: &str = "TP_ALLREDUCE_TIMEOUT_MS";
 pub const ISLAND_SIZE: &str = "TP_ALLREDUCE_ISLAND_SIZE";
 pub const PUSH_BLOCKS: &str = "TP_ALLREDUCE_PUSH_BLOCKS";
+pub const RANK: &str = "TP_ALLREDUCE_RANK";
+pub const WORLD_SIZE: &str = "TP_ALLREDUCE_WORLD_SIZE";
+pub const ID: &str = "TP_ALLREDUCE_ID";
+pub const DEVICE: &str = "TP_ALLREDUCE_DEVICE";
+pub const TEST_SEED: &str = "TP_ALLREDUCE_TEST_SEED";
 
 /// The table of every variable (the module docs render the same table).
 pub const VARS: &[EnvVar] = &[
@@ -54,10 +73,38 @@ pub const VARS: &[EnvVar] = &[
     EnvVar { name: TIMEOUT_MS, meaning: "bound of every device-side wait on a peer, in ms", default: "5000" },
     EnvVar { name: ISLAND_SIZE, meaning: "ranks per island for hierarchical", default: "from the topology" },
     EnvVar { name: PUSH_BLOCKS, meaning: "most blocks per push-kernel launch", default: "16" },
+    EnvVar { name: RANK, meaning: "rank of a process started by `tp-allreduce launch`", default: "set by the launcher" },
+    EnvVar { name: WORLD_SIZE, meaning: "world size of a launched process", default: "set by the launcher" },
+    EnvVar { name: ID, meaning: "rendezvous id of a launched process", default: "set by the launcher" },
+    EnvVar { name: DEVICE, meaning: "CUDA ordinal a launched process should use", default: "0" },
+    EnvVar {
+        name: "TP_ALLREDUCE_PTXAS",
+        meaning: "path of ptxas for inspect and the PTX tests",
+        default: ".cache/cuda-tools/bin, then PATH",
+    },
+    EnvVar { name: "TP_ALLREDUCE_NVDISASM", meaning: "path of nvdisasm for inspect", default: "as above" },
+    EnvVar { name: "TP_ALLREDUCE_CUOBJDUMP", meaning: "path of cuobjdump for inspect", default: "as above" },
+    EnvVar { name: TEST_SEED, meaning: "seed of the randomized tests and selftest", default: "fresh per run" },
+    EnvVar {
+        name: "TP_ALLREDUCE_BUILD_PTX",
+        meaning: "build time: 1 forces building PTX from source",
+        default: "source if possible, else committed PTX",
+    },
+    EnvVar {
+        name: "TP_ALLREDUCE_PTX_ARCHS",
+        meaning: "build time: architectures to build",
+        default: "sm_120,sm_90,sm_89,sm_80",
+    },
+    EnvVar { name: "TP_ALLREDUCE_WRITE_PTX", meaning: "build time: also write the built PTX here", default: "unset" },
 ];
 
-fn var(name: &str) -> Option<String> {
+/// The value of `name`, `None` when unset or blank.
+pub fn var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn parse<T: std::str::FromStr>(name: &str, value: &str) -> Result<T> {
+    value.trim().parse().map_err(|_| Error::Config(format!("{name}={value}: not a valid value")))
 }
 
 /// Parses a `TP_ALLREDUCE_ALGORITHM` value: `None` for `auto` (or empty).
@@ -70,15 +117,44 @@ pub fn parse_algorithm(value: &str) -> Result<Option<Algorithm>> {
 }
 
 /// The algorithm forced by `TP_ALLREDUCE_ALGORITHM`, if any.
-pub fn algorithm_override() -> Result<Option<Algorithm>> {
+pub fn algorithm() -> Result<Option<Algorithm>> {
     var(ALGORITHM).map_or(Ok(None), |v| parse_algorithm(&v))
 }
 
-/// The embedded topology named by `TP_ALLREDUCE_TOPOLOGY`, if any.
-pub fn topology_override() -> Result<Option<crate::topology::Topology>> {
+/// The embedded topology name given by `TP_ALLREDUCE_TOPOLOGY`, if any
+/// (resolved and validated by `select::topology::embedded::by_name`).
+pub fn topology_name() -> Option<String> {
     var(TOPOLOGY)
-        .map(|name| crate::topology::embedded::by_name(&name).map_err(|e| Error::Config(format!("{TOPOLOGY}: {e}"))))
-        .transpose()
+}
+
+/// The transport forced by `TP_ALLREDUCE_TRANSPORT`, if any.
+pub fn transport() -> Result<Option<Transport>> {
+    var(TRANSPORT).map(|v| v.parse().map_err(|e: Error| Error::Config(format!("{TRANSPORT}: {e}")))).transpose()
+}
+
+/// `TP_ALLREDUCE_TIMEOUT_MS`, if set.
+pub fn timeout() -> Result<Option<Duration>> {
+    var(TIMEOUT_MS).map(|v| parse(TIMEOUT_MS, &v).map(Duration::from_millis)).transpose()
+}
+
+/// `TP_ALLREDUCE_ISLAND_SIZE`, if set.
+pub fn island_size() -> Result<Option<usize>> {
+    var(ISLAND_SIZE).map(|v| parse(ISLAND_SIZE, &v)).transpose()
+}
+
+/// `TP_ALLREDUCE_PUSH_BLOCKS`, if set.
+pub fn push_blocks() -> Result<Option<u32>> {
+    var(PUSH_BLOCKS).map(|v| parse(PUSH_BLOCKS, &v)).transpose()
+}
+
+/// `TP_ALLREDUCE_TEST_SEED`, if set to a number.
+pub fn test_seed() -> Option<u64> {
+    var(TEST_SEED).and_then(|s| s.trim().parse().ok())
+}
+
+/// A number from the launcher's contract (`TP_ALLREDUCE_RANK` ...).
+pub fn launched_number(name: &str) -> Result<Option<usize>> {
+    var(name).map(|v| parse(name, &v)).transpose()
 }
 
 /// Where to look for the tuning table of a rank view with this
@@ -90,32 +166,6 @@ pub fn tuning_file(fingerprint: &str, world: usize) -> Option<PathBuf> {
     let base =
         var("XDG_CACHE_HOME").map(PathBuf::from).or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
     Some(base.join("tp-allreduce").join(format!("tuning-{fingerprint}-w{world}.toml")))
-}
-
-fn parse<T: std::str::FromStr>(name: &str, value: &str) -> Result<T> {
-    value.trim().parse().map_err(|_| Error::Config(format!("{name}={value}: not a valid value")))
-}
-
-/// Applies the knobs that shape a communicator to `config`.
-pub fn apply(config: &mut crate::comm::Config) -> Result<()> {
-    if let Some(a) = algorithm_override()? {
-        config.algorithm = Some(a);
-    }
-    if let Some(v) = var(TRANSPORT) {
-        config.transport = crate::comm::TransportPreference::Force(
-            v.parse().map_err(|e: Error| Error::Config(format!("{TRANSPORT}: {e}")))?,
-        );
-    }
-    if let Some(v) = var(TIMEOUT_MS) {
-        config.timeout = std::time::Duration::from_millis(parse(TIMEOUT_MS, &v)?);
-    }
-    if let Some(v) = var(ISLAND_SIZE) {
-        config.island_size = Some(parse(ISLAND_SIZE, &v)?);
-    }
-    if let Some(v) = var(PUSH_BLOCKS) {
-        config.push_blocks = parse(PUSH_BLOCKS, &v)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -7,25 +7,24 @@
 //! See README.md for the overview and ARCHITECTURE.md for the design.
 
 pub mod algorithm;
-pub mod bench;
 pub mod comm;
-pub mod cost_model;
+pub mod config;
 pub mod driver;
-pub mod elementwise;
 pub mod env;
 pub mod error;
-pub mod inspect;
-pub mod launch;
+pub mod kernels;
 pub mod nccl;
-pub mod plan;
-pub mod ptx;
+pub mod rank_env;
 pub mod rendezvous;
-pub mod selection;
-pub mod selftest;
-pub mod topology;
-pub mod tuning;
+pub mod select;
+
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod tools;
 
 pub use algorithm::{Algorithm, Transport};
-pub use comm::{CallPlan, Comm, Config, Element, ReduceOp, TransportPreference};
+pub use comm::{CallPlan, Comm, Element, ReduceOp};
+pub use config::{Config, TransportPreference};
 pub use error::{Error, Result};
+pub use rank_env::RankEnv;
 pub use tp_allreduce_kernels::ids::DType;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use tp_allreduce::bench::{self, report, Mode, Options, Scenarios, Selection};
+use tp_allreduce::tools::bench::{self, report, Mode, Options, Scenarios, Selection};
 use tp_allreduce::{Algorithm, Config, DType};
 
 #[derive(Parser)]
@@ -214,22 +214,22 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 
 fn plan(args: PlanArgs) -> Result<(), String> {
     if args.list {
-        for name in tp_allreduce::topology::embedded::names() {
+        for name in tp_allreduce::select::topology::embedded::names() {
             println!("{name}");
         }
         return Ok(());
     }
     let topology = match &args.topology {
-        Some(name) => tp_allreduce::topology::embedded::by_name(name).map_err(|e| e.to_string())?,
-        None => tp_allreduce::topology::embedded::default_topology(),
+        Some(name) => tp_allreduce::select::topology::embedded::by_name(name).map_err(|e| e.to_string())?,
+        None => tp_allreduce::select::topology::embedded::default_topology(),
     };
     let dtype = parse_dtype(&args.dtype)?;
-    print!("{}", tp_allreduce::plan::plan_report(&topology, args.world, dtype));
+    print!("{}", tp_allreduce::tools::plan::plan_report(&topology, args.world, dtype));
     Ok(())
 }
 
 fn topo(json: bool) -> Result<(), String> {
-    let t = tp_allreduce::topology::discover::discover().map_err(|e| e.to_string())?;
+    let t = tp_allreduce::select::topology::discover::discover().map_err(|e| e.to_string())?;
     if json {
         println!("{}", t.to_json().map_err(|e| e.to_string())?);
     } else {
@@ -251,7 +251,7 @@ fn tune(args: TuneArgs) -> Result<(), String> {
     }
     config.algorithm = None;
     let opts = Options {
-        sizes: tp_allreduce::tuning::default_buckets(),
+        sizes: tp_allreduce::select::tuning::default_buckets(),
         dtype: parse_dtype(&args.dtype)?,
         selections: Vec::new(),
         include_nccl: true,
@@ -376,13 +376,13 @@ fn bench(args: BenchArgs) -> Result<(), String> {
         let mut worker: Vec<String> = vec![exe.display().to_string(), "bench-rank".into()];
         worker.extend(std::env::args().skip(2).filter(|a| a != "--processes"));
         let gpus: Vec<usize> = opts.gpus.iter().flat_map(|&g| std::iter::repeat_n(g, opts.ranks_per_gpu)).collect();
-        let launch = tp_allreduce::launch::LaunchOptions {
+        let launch = tp_allreduce::tools::launcher::LaunchOptions {
             world_size: gpus.len(),
             gpus,
             grace: std::time::Duration::from_secs(30),
             timeout: None,
         };
-        let outcomes = tp_allreduce::launch::launch(&launch, &worker).map_err(|e| e.to_string())?;
+        let outcomes = tp_allreduce::tools::launcher::launch(&launch, &worker).map_err(|e| e.to_string())?;
         return match outcomes.iter().find(|o| !o.success) {
             None => Ok(()),
             Some(o) => Err(format!("bench rank {} failed: {}", o.rank, o.status)),
@@ -406,20 +406,20 @@ fn bench_rank(args: BenchArgs) -> Result<(), String> {
 }
 
 fn inspect(args: InspectArgs) -> Result<(), String> {
-    let report = tp_allreduce::inspect::inspect(&args.arch, &args.out).map_err(|e| e.to_string())?;
-    print!("{}", tp_allreduce::inspect::render(&report));
+    let report = tp_allreduce::tools::inspect::inspect(&args.arch, &args.out).map_err(|e| e.to_string())?;
+    print!("{}", tp_allreduce::tools::inspect::render(&report));
     println!("files: {}", args.out.display());
     Ok(())
 }
 
 fn launch(args: LaunchArgs) -> Result<(), String> {
-    let opts = tp_allreduce::launch::LaunchOptions {
+    let opts = tp_allreduce::tools::launcher::LaunchOptions {
         world_size: args.ranks,
         gpus: args.gpus,
         grace: std::time::Duration::from_secs(args.grace),
         timeout: (args.timeout > 0).then(|| std::time::Duration::from_secs(args.timeout)),
     };
-    let outcomes = tp_allreduce::launch::launch(&opts, &args.command).map_err(|e| e.to_string())?;
+    let outcomes = tp_allreduce::tools::launcher::launch(&opts, &args.command).map_err(|e| e.to_string())?;
     let failed: Vec<_> = outcomes.iter().filter(|o| !o.success).collect();
     for o in &outcomes {
         eprintln!("launch: rank {}: {}", o.rank, o.status);
@@ -431,8 +431,8 @@ fn launch(args: LaunchArgs) -> Result<(), String> {
     }
 }
 
-fn rank_env() -> Result<tp_allreduce::launch::RankEnv, String> {
-    tp_allreduce::launch::RankEnv::from_env()
+fn rank_env() -> Result<tp_allreduce::RankEnv, String> {
+    tp_allreduce::RankEnv::from_env()
         .map_err(|e| e.to_string())?
         .ok_or_else(|| "not started by `tp-allreduce launch` (TP_ALLREDUCE_RANK is not set)".to_string())
 }
@@ -454,7 +454,7 @@ fn selftest(args: SelftestArgs) -> Result<(), String> {
     };
     let seed = args
         .seed
-        .or_else(|| std::env::var("TP_ALLREDUCE_TEST_SEED").ok().and_then(|s| s.parse().ok()))
+        .or_else(|| tp_allreduce::env::test_seed())
         .unwrap_or_else(|| u64::from_le_bytes(env.id.job_id()[..8].try_into().unwrap()));
     let mut config = Config::from_env().map_err(|e| e.to_string())?;
     if args.island_size.is_some() {
@@ -465,7 +465,7 @@ fn selftest(args: SelftestArgs) -> Result<(), String> {
     } else {
         vec![2, 6, 18, 34, 1_000, 4_096, 16_386, 43_008, 65_538, 262_142, 1_048_578, 8_388_608]
     };
-    let opts = tp_allreduce::selftest::SelftestOptions {
+    let opts = tp_allreduce::tools::selftest::SelftestOptions {
         sizes,
         dtypes: DType::ALL.to_vec(),
         algorithms,
@@ -476,7 +476,7 @@ fn selftest(args: SelftestArgs) -> Result<(), String> {
         config,
     };
     println!("rank {}: seed {seed}", env.rank);
-    let summary = tp_allreduce::selftest::run(&env, &opts).map_err(|e| format!("rank {}: {e}", env.rank))?;
+    let summary = tp_allreduce::tools::selftest::run(&env, &opts).map_err(|e| format!("rank {}: {e}", env.rank))?;
     println!(
         "rank {}: selftest passed: {} eager cases, {} graph replays, {} registration rounds \
          ({} reused the previous round's addresses) ({:.1} s)",

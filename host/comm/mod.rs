@@ -28,12 +28,11 @@
 //! graph each call records its input and `register_graph_buffers` (after
 //! capture, on every rank) makes the replays zero-copy. See ARCHITECTURE.md.
 
-mod config;
+mod call;
 mod group;
-mod launch;
 mod registry;
-mod selector;
-mod setup;
+mod selection_setup;
+pub(crate) mod setup;
 mod shm;
 
 use std::sync::{Arc, Mutex};
@@ -42,7 +41,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 pub use cudarc::nccl::ReduceOp;
 use tp_allreduce_kernels::layout::ErrorRecord;
 
-pub use config::{Config, TransportPreference};
+pub use crate::config::{Config, TransportPreference};
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::driver::{self, KernelModule};
@@ -77,8 +76,8 @@ pub struct Comm {
     broken: Mutex<Option<String>>,
     rendezvous: Box<dyn crate::rendezvous::Rendezvous>,
     nccl: Option<crate::nccl::NcclComm>,
-    selection: crate::selection::SelectionTable,
-    topology: crate::topology::Topology,
+    selection: crate::select::selection::SelectionTable,
+    topology: crate::select::topology::Topology,
     notes: Vec<String>,
 }
 
@@ -131,12 +130,12 @@ impl Comm {
     }
 
     /// The rank view of the machine the selection models.
-    pub fn topology(&self) -> &crate::topology::Topology {
+    pub fn topology(&self) -> &crate::select::topology::Topology {
         &self.topology
     }
 
     /// The precomputed algorithm choice per size bucket.
-    pub fn selection(&self) -> &crate::selection::SelectionTable {
+    pub fn selection(&self) -> &crate::select::selection::SelectionTable {
         &self.selection
     }
 
@@ -257,7 +256,7 @@ impl Comm {
         }
         // SAFETY: as above.
         let capturing = unsafe { driver::is_capturing(stream)? };
-        match launch::choose(self, bytes, dtype, capturing) {
+        match call::choose(self, bytes, dtype, capturing) {
             Algorithm::Nccl => self.nccl_all_reduce(send, recv, count, dtype, stream),
             a if a.reads_peer_inputs() => self.run_pull(a, send, recv, count, dtype, stream, capturing),
             a => self.run_push(a, send, recv, count, dtype, stream),
@@ -271,7 +270,7 @@ impl Comm {
 
     /// The plan for a call of `bytes` (what `all_reduce` would do).
     pub fn plan_call(&self, bytes: usize, dtype: DType, capturing: bool, in_place: bool) -> CallPlan {
-        launch::plan(self, bytes, dtype, capturing, in_place)
+        call::plan(self, bytes, dtype, capturing, in_place)
     }
 
     /// Checks the error record the kernels write (no synchronisation).

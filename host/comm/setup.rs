@@ -33,9 +33,9 @@ use tp_allreduce_kernels::layout::{
     SignalBlock, LAMPORT_EMPTY_WORD, MAX_RANKS, P2P_CHECK_WORDS, PACK_BYTES, THREADS_PER_BLOCK,
 };
 
-use super::config::{Config, TransportPreference};
 use super::shm::SharedHostRegion;
 use crate::algorithm::{Algorithm, Transport};
+use crate::config::{Config, TransportPreference};
 use crate::driver::{self, DeviceMemory, IpcMapping, KernelArgs, KernelModule, PinnedHostMemory};
 use crate::error::{Error, Result};
 use crate::rendezvous::Rendezvous;
@@ -201,7 +201,7 @@ pub(crate) fn build(
     // ---- Round 1: who is where, and the block limits.
     let sms = driver::device_attribute(&ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
     let mut blocks_per_sm = u32::MAX;
-    for name in crate::ptx::hot_entries() {
+    for name in crate::kernels::hot_entries() {
         blocks_per_sm = blocks_per_sm.min(module.max_blocks_per_sm(&name, THREADS_PER_BLOCK)?);
     }
     let salt: u32 = rand_u32();

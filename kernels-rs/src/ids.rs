@@ -22,11 +22,6 @@ impl DType {
         }
     }
 
-    /// Elements in one 16-byte pack (the unit of every vector load/store).
-    pub const fn elems_per_pack(self) -> usize {
-        crate::layout::PACK_BYTES / self.size_bytes()
-    }
-
     /// Name used in kernel entry points, bench ids and CLI flags.
     pub const fn name(self) -> &'static str {
         match self {

@@ -7,6 +7,7 @@
 //! indexed by rank is sized by it and every unrolled rank loop is bounded by it.
 
 use crate::ids::FLAG_PHASES;
+pub use crate::partition::PACK_BYTES;
 
 /// Largest world size a communicator supports.
 pub const MAX_RANKS: usize = 8;
@@ -14,8 +15,6 @@ pub const MAX_RANKS: usize = 8;
 pub const MAX_BLOCKS: usize = 128;
 /// Threads per block of every allreduce kernel.
 pub const THREADS_PER_BLOCK: u32 = 512;
-/// The unit of every vector access: one `ld/st .v4.b32`.
-pub const PACK_BYTES: usize = 16;
 /// Receive-buffer generations of the OneShotPush protocol (write one, read
 /// one, re-arm one; see `device/one_shot_push.rs`).
 pub const LAMPORT_SLOTS: usize = 3;

@@ -3,7 +3,15 @@
 //! tests), so both sides agree by construction.
 
 use crate::ids::DType;
-use crate::layout::PACK_BYTES;
+
+/// The unit of every vector access: one `ld/st .v4.b32`.
+pub const PACK_BYTES: usize = 16;
+
+/// Elements of `dtype` in one 16-byte pack.
+#[inline(always)]
+pub const fn elems_per_pack(dtype: DType) -> usize {
+    PACK_BYTES / dtype.size_bytes()
+}
 
 /// `ceil(a / b)`, 0 when `b == 0`.
 #[inline(always)]
@@ -19,7 +27,7 @@ pub const fn div_ceil(a: u64, b: u64) -> u64 {
 /// partial).
 #[inline(always)]
 pub const fn packs_for(count: u64, dtype: DType) -> u64 {
-    div_ceil(count, dtype.elems_per_pack() as u64)
+    div_ceil(count, elems_per_pack(dtype) as u64)
 }
 
 /// Bytes of `count` elements.

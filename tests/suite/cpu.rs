@@ -170,7 +170,7 @@ fn config_validation_names_the_field() {
 
 #[test]
 fn ptx_choice_follows_compute_capability() {
-    let pick = |ma, mi| tp_allreduce::ptx::choose(ma, mi).map(|p| p.arch);
+    let pick = |ma, mi| tp_allreduce::kernels::choose(ma, mi).map(|p| p.arch);
     assert_eq!(pick(12, 0), Some("sm_120"));
     assert_eq!(pick(12, 1), Some("sm_120"));
     assert_eq!(pick(10, 0), Some("sm_90"), "Blackwell datacenter JIT-compiles the sm_90 PTX");
@@ -178,7 +178,7 @@ fn ptx_choice_follows_compute_capability() {
     assert_eq!(pick(8, 9), Some("sm_89"));
     assert_eq!(pick(8, 6), Some("sm_80"));
     assert_eq!(pick(7, 5), None);
-    let entries = tp_allreduce::ptx::expected_entries();
+    let entries = tp_allreduce::kernels::expected_entries();
     assert_eq!(entries.len(), 6 * 3 + 2 * 3 + 1);
 }
 

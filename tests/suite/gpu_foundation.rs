@@ -12,10 +12,10 @@ fn embedded_ptx_for_this_device_loads() {
     let Some(ctx) = common::gpu("embedded_ptx_for_this_device_loads") else { return };
     let (major, minor) = ctx.compute_capability().unwrap();
     let module = tp_allreduce::driver::KernelModule::for_context(&ctx).expect("PTX loads");
-    let chosen = tp_allreduce::ptx::choose(major as u32, minor as u32).unwrap();
+    let chosen = tp_allreduce::kernels::choose(major as u32, minor as u32).unwrap();
     assert_eq!(module.arch, chosen.arch);
-    eprintln!("device cc {major}.{minor}: loaded {} PTX ({})", module.arch, tp_allreduce::ptx::PTX_ORIGIN);
-    for name in tp_allreduce::ptx::expected_entries() {
+    eprintln!("device cc {major}.{minor}: loaded {} PTX ({})", module.arch, tp_allreduce::kernels::PTX_ORIGIN);
+    for name in tp_allreduce::kernels::expected_entries() {
         module.function(&name).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
@@ -53,7 +53,8 @@ fn sum_case<T: TestElem>(
     let ptrs: Vec<u64> = bufs.iter().map(|b| common::ptr_of(&stream, b, offset)).collect();
     let out_view = out_ptr + (offset * std::mem::size_of::<T>()) as u64;
     // SAFETY: every pointer covers n elements inside a live buffer.
-    unsafe { tp_allreduce::elementwise::sum_raw(&stream, &ptrs, out_view, n, T::DTYPE) }.map_err(|e| e.to_string())?;
+    unsafe { tp_allreduce::tools::elementwise::sum_raw(&stream, &ptrs, out_view, n, T::DTYPE) }
+        .map_err(|e| e.to_string())?;
     let host = stream.clone_dtoh(&out).unwrap();
     if host[..offset].iter().any(|x| x.to_bits32() != common::poison_bits::<T>()) {
         return Err("wrote before the output view".into());
@@ -99,7 +100,7 @@ fn affine_case<T: TestElem>(
     let d_in = stream.clone_htod(&input).unwrap();
     let mut d_out = stream.alloc_zeros::<T>(n).unwrap();
     let (scale, bias) = (0.75f32, -0.125f32);
-    tp_allreduce::elementwise::affine(&stream, &d_in, &mut d_out, scale, bias).map_err(|e| e.to_string())?;
+    tp_allreduce::tools::elementwise::affine(&stream, &d_in, &mut d_out, scale, bias).map_err(|e| e.to_string())?;
     let out = stream.clone_dtoh(&d_out).unwrap();
     for i in 0..n {
         let want = input[i].to_f64() * scale as f64 + bias as f64;

@@ -65,7 +65,7 @@ fn capture(ctx: &Arc<CudaContext>, comms: &[Comm], bufs: &[RankBuffers], n: usiz
             unsafe {
                 c.all_reduce_raw(bufs[r].x[l].ptr(), bufs[r].y[l].ptr(), n, DType::F32, stream)
                     .unwrap_or_else(|e| panic!("capture rank {r} layer {l}: {e}"));
-                tp_allreduce::elementwise::affine_raw(
+                tp_allreduce::tools::elementwise::affine_raw(
                     ctx,
                     stream,
                     bufs[r].y[l].ptr(),

@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::thread;
 
-use tp_allreduce::inspect::{self, Assembly};
-use tp_allreduce::ptx;
+use tp_allreduce::kernels;
+use tp_allreduce::tools::inspect::{self, Assembly};
 
 const REQUIRE_PTXAS: &str = "TP_ALLREDUCE_REQUIRE_PTXAS";
 const REQUIRE_PTX_BUILD: &str = "TP_ALLREDUCE_REQUIRE_PTX_BUILD";
@@ -48,7 +48,7 @@ fn assemblies(ptxas: &Path) -> &'static BTreeMap<&'static str, Result<Assembly, 
     CACHE.get_or_init(|| {
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ptx-checks");
         fs::create_dir_all(&dir).expect("creating the test's temporary folder");
-        let jobs: Vec<_> = ptx::embedded()
+        let jobs: Vec<_> = kernels::embedded()
             .into_iter()
             .map(|p| {
                 let (dir, ptxas) = (dir.clone(), ptxas.to_path_buf());
@@ -77,14 +77,14 @@ fn every_ptx_assembles_for_its_arch() {
             Err(e) => failures.push(format!("{arch}: {e}")),
         }
     }
-    assert!(!ptx::embedded().is_empty(), "no PTX embedded at all");
+    assert!(!kernels::embedded().is_empty(), "no PTX embedded at all");
     assert!(failures.is_empty(), "ptxas ({}) rejected embedded PTX:\n{}", ptxas.display(), failures.join("\n\n"));
 }
 
 #[test]
 fn no_extern_functions() {
     let mut offenders = Vec::new();
-    for p in ptx::embedded() {
+    for p in kernels::embedded() {
         if p.text.contains(".extern .func") {
             offenders.push(format!("embedded {} PTX", p.arch));
         }
@@ -104,10 +104,10 @@ fn no_extern_functions() {
 
 #[test]
 fn every_expected_entry_in_every_ptx() {
-    let expected = ptx::expected_entries();
+    let expected = kernels::expected_entries();
     assert!(!expected.is_empty());
     let mut missing = Vec::new();
-    for p in ptx::embedded() {
+    for p in kernels::embedded() {
         let present: BTreeSet<String> = inspect::entry_names(p.text).into_iter().collect();
         let absent: Vec<&str> = expected.iter().filter(|e| !present.contains(*e)).map(String::as_str).collect();
         if !absent.is_empty() {
@@ -125,8 +125,8 @@ fn every_expected_entry_in_every_ptx() {
 fn hot_kernels_use_no_local_memory() {
     let Some(ptxas) = ptxas() else { return };
     let results = assemblies(&ptxas);
-    let hot: BTreeSet<String> = ptx::hot_entries().into_iter().collect();
-    let archs: Vec<&str> = ptx::embedded().iter().map(|p| p.arch).collect();
+    let hot: BTreeSet<String> = kernels::hot_entries().into_iter().collect();
+    let archs: Vec<&str> = kernels::embedded().iter().map(|p| p.arch).collect();
     let mut failures = Vec::new();
 
     // Table: registers per kernel and arch; local memory as +stack/spill-st/spill-ld bytes.
@@ -135,7 +135,7 @@ fn hot_kernels_use_no_local_memory() {
         table += &format!(" {arch:>14}");
     }
     table.push('\n');
-    for name in ptx::expected_entries() {
+    for name in kernels::expected_entries() {
         let is_hot = hot.contains(&name);
         table += &format!("{:<22}", format!("{name}{}", if is_hot { "*" } else { "" }));
         for arch in &archs {
@@ -195,7 +195,7 @@ fn committed_dir() -> PathBuf {
 
 /// `kernels-rs/ptx/<arch>.ptx` for every embedded architecture.
 fn committed_ptx_files() -> Vec<(&'static str, PathBuf)> {
-    ptx::embedded().into_iter().map(|p| (p.arch, committed_dir().join(format!("{}.ptx", p.arch)))).collect()
+    kernels::embedded().into_iter().map(|p| (p.arch, committed_dir().join(format!("{}.ptx", p.arch)))).collect()
 }
 
 /// `key = "value"` pairs of `kernels-rs/ptx/MANIFEST`, or a failure message.
@@ -217,15 +217,15 @@ fn committed_ptx_matches_kernel_sources() {
     let committed = manifest.get("sources_hash").map(String::as_str).unwrap_or("(none)");
     assert_eq!(
         committed,
-        ptx::KERNEL_SOURCES_HASH,
+        kernels::KERNEL_SOURCES_HASH,
         "committed PTX is stale: {REGEN} (kernels-rs/ptx/MANIFEST sources_hash = {committed}, kernels-rs sources hash = {})",
-        ptx::KERNEL_SOURCES_HASH
+        kernels::KERNEL_SOURCES_HASH
     );
 }
 
 #[test]
 fn committed_ptx_is_identical_to_built_ptx() {
-    if ptx::PTX_ORIGIN != "built" {
+    if kernels::PTX_ORIGIN != "built" {
         skip(
             "PTX not built from source in this build (committed PTX embedded; building needs the nightly toolchain with rust-src: bash .ci/tools.sh)",
             REQUIRE_PTX_BUILD,
@@ -234,7 +234,7 @@ fn committed_ptx_is_identical_to_built_ptx() {
     }
     let manifest = manifest().unwrap_or_else(|e| panic!("{e}"));
     let mut differences = Vec::new();
-    for p in ptx::embedded() {
+    for p in kernels::embedded() {
         let file = committed_dir().join(format!("{}.ptx", p.arch));
         match fs::read_to_string(&file) {
             Err(e) => differences.push(format!("{}: {e}", file.display())),
@@ -253,10 +253,10 @@ fn committed_ptx_is_identical_to_built_ptx() {
         return;
     }
     let committed_rustc = manifest.get("rustc").map(String::as_str).unwrap_or("(unknown)");
-    let rustc_note = if committed_rustc != ptx::PTX_RUSTC_VERSION {
+    let rustc_note = if committed_rustc != kernels::PTX_RUSTC_VERSION {
         format!(
             "\nnote: the committed PTX was built by `{committed_rustc}`, this build by `{}`; a different compiler emits different PTX, so regenerate with the toolchain CI uses",
-            ptx::PTX_RUSTC_VERSION
+            kernels::PTX_RUSTC_VERSION
         )
     } else {
         String::new()

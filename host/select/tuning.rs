@@ -59,7 +59,7 @@
 //! ```
 //! At init, a communicator calls [`TuningTable::load_for`] with its rank
 //! view and passes the usable table to
-//! [`SelectionTable::build`](crate::selection::SelectionTable::build).
+//! [`SelectionTable::build`](crate::select::selection::SelectionTable::build).
 
 use std::path::{Path, PathBuf};
 
@@ -68,7 +68,7 @@ use tp_allreduce_kernels::ids::DType;
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::error::{Error, Result};
-use crate::topology::Topology;
+use crate::select::topology::Topology;
 
 /// The only file format this build reads and writes.
 pub const FORMAT: u32 = 1;
@@ -473,7 +473,7 @@ impl TuningTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::embedded;
+    use crate::select::topology::embedded;
 
     fn meta() -> TuningMeta {
         TuningMeta::for_topology(&embedded::default_topology(), "test")

@@ -1,7 +1,7 @@
 //! What the GPUs of one host are and how they are connected: the input of
-//! the cost model ([`crate::cost_model`]), the selection
-//! ([`crate::selection`]) and the key of the tuning table
-//! ([`crate::tuning`]).
+//! the cost model ([`crate::select::cost_model`]), the selection
+//! ([`crate::select::selection`]) and the key of the tuning table
+//! ([`crate::select::tuning`]).
 //!
 //! A [`Topology`] comes from [`discover()`] (NVML + the CUDA driver + sysfs)
 //! or from a named embedded description ([`embedded::by_name`]) for

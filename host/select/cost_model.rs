@@ -51,7 +51,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Algorithm, Transport};
-use crate::topology::{components, LinkKind, PcieRelation, Topology};
+use crate::select::topology::{components, LinkKind, PcieRelation, Topology};
 
 /// Every number the model uses. `CostParams::default()` is the calibrated
 /// set; [`CostParams::table`] lists each with its unit and source.
@@ -1171,7 +1171,8 @@ pub fn residuals(model: &CostModel) -> Vec<Residual> {
     calibration_points()
         .into_iter()
         .map(|point| {
-            let topo = crate::topology::embedded::by_name(point.topology).expect("calibration topology is embedded");
+            let topo =
+                crate::select::topology::embedded::by_name(point.topology).expect("calibration topology is embedded");
             let view = topo.for_world(point.world).expect("calibration world fits");
             let opts = Options { nccl: point.nccl, ..Options::for_topology(&view) };
             let predict = |subject: Subject| -> f64 {
@@ -1226,7 +1227,7 @@ pub fn residual_table(model: &CostModel) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::embedded;
+    use crate::select::topology::embedded;
 
     fn sizes() -> Vec<usize> {
         let mut v: Vec<usize> = (0..=24).map(|k| 1usize << k).collect();
@@ -1366,7 +1367,7 @@ mod tests {
         let json = serde_json::to_value(&p).unwrap();
         let fields = json.as_object().unwrap();
         assert_eq!(rows.len(), fields.len(), "every field has a table row");
-        let doc = include_str!("../docs/COST-MODEL.md");
+        let doc = include_str!("../../docs/COST-MODEL.md");
         assert!(
             doc.contains(&p.markdown_table()),
             "docs/COST-MODEL.md: parameter table out of date:\n{}",

@@ -859,7 +859,7 @@ pub fn launch_floor(ranks: &Ranks) -> Result<f64> {
         for _ in 0..STEPS {
             // SAFETY: 16 f32 in place in a 64-byte buffer.
             unsafe {
-                crate::elementwise::affine_raw(
+                crate::tools::elementwise::affine_raw(
                     &ranks.contexts[r],
                     s.cu_stream(),
                     bufs[r].ptr(),
@@ -927,7 +927,7 @@ pub fn verify_pass(c: &dyn Collective, ranks: &Ranks, selection: &str) -> Result
             // SAFETY: both buffers hold `count` bf16 on rank r's context.
             unsafe {
                 c.all_reduce(r, bufs.inputs[r].ptr(), bufs.outputs[r].ptr(), count, dtype, s.cu_stream())?;
-                crate::elementwise::affine_raw(
+                crate::tools::elementwise::affine_raw(
                     &ranks.contexts[r],
                     s.cu_stream(),
                     bufs.outputs[r].ptr(),
@@ -999,7 +999,7 @@ pub fn large_message_efficiency(
 
 /// What `tune` produced.
 pub struct TuneOutcome {
-    pub table: crate::tuning::TuningTable,
+    pub table: crate::select::tuning::TuningTable,
     pub path: std::path::PathBuf,
     pub measured: usize,
     pub seconds: f64,
@@ -1009,7 +1009,7 @@ pub struct TuneOutcome {
 /// run) per size bucket on this machine, graph replay, medians; writes the
 /// tuning table the communicators of this machine and world size load.
 pub fn tune(opts: &Options, out: Option<std::path::PathBuf>) -> Result<TuneOutcome> {
-    use crate::tuning::{Measurement as TuneMeasurement, TuningMeta, TuningTable};
+    use crate::select::tuning::{Measurement as TuneMeasurement, TuningMeta, TuningTable};
     let started = std::time::Instant::now();
     let ranks = Ranks::new(&opts.gpus, opts.ranks_per_gpu)?;
     let world = ranks.world();

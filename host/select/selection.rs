@@ -35,10 +35,10 @@ use std::fmt;
 use tp_allreduce_kernels::ids::DType;
 
 use crate::algorithm::{Algorithm, Transport};
-use crate::cost_model::{CostModel, NcclTuning, Options};
 use crate::error::Result;
-use crate::topology::Topology;
-use crate::tuning::TuningTable;
+use crate::select::cost_model::{CostModel, NcclTuning, Options};
+use crate::select::topology::Topology;
+use crate::select::tuning::TuningTable;
 
 /// Ours must be predicted this much faster than NCCL when a model
 /// prediction is involved.
@@ -86,7 +86,7 @@ impl Constraints {
 
     /// Sets `env_override` from `TP_ALLREDUCE_ALGORITHM`.
     pub fn with_env(mut self) -> Result<Constraints> {
-        self.env_override = crate::env::algorithm_override()?;
+        self.env_override = crate::env::algorithm()?;
         Ok(self)
     }
 
@@ -475,8 +475,8 @@ pub fn human_bytes(b: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::embedded;
-    use crate::tuning::{Measurement, TuningMeta};
+    use crate::select::topology::embedded;
+    use crate::select::tuning::{Measurement, TuningMeta};
 
     fn sizes() -> Vec<usize> {
         let mut v: Vec<usize> = (8..=25).map(|k| 1usize << k).collect();

@@ -69,7 +69,7 @@ fn grid_for(comm: &Comm, algorithm: Algorithm, packs: u64) -> u32 {
 /// Splits `count` elements into launches of at most `cap_packs` packs each
 /// (chunk boundaries on pack boundaries keep 16-byte alignment).
 fn chunks(count: usize, dtype: DType, cap_packs: u64) -> impl Iterator<Item = (usize, usize)> {
-    let per_pack = dtype.elems_per_pack();
+    let per_pack = tp_allreduce_kernels::partition::elems_per_pack(dtype);
     let cap_elems = (cap_packs.min((usize::MAX / PACK_BYTES) as u64) as usize).saturating_mul(per_pack).max(per_pack);
     (0..count).step_by(cap_elems).map(move |start| (start, cap_elems.min(count - start)))
 }
@@ -77,7 +77,7 @@ fn chunks(count: usize, dtype: DType, cap_packs: u64) -> impl Iterator<Item = (u
 impl Comm {
     fn kernel(&self, algorithm: Algorithm, dtype: DType) -> Result<sys::CUfunction> {
         let id = algorithm.kernel().ok_or_else(|| Error::invalid("NCCL has no kernel of ours"))?;
-        self.module.function(&crate::ptx::entry_name(id, dtype))
+        self.module.function(&crate::kernels::entry_name(id, dtype))
     }
 
     pub(super) fn run_push(

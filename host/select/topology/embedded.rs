@@ -5,7 +5,7 @@
 //! the *structure* (GPU model, PCIe generation and width, which pairs share
 //! a switch, a root complex or only the socket link, P2P support); the
 //! bandwidth and latency *per link class* live in one place, the cost
-//! model's parameter table ([`crate::cost_model::CostParams`]). Bus ids are
+//! model's parameter table ([`crate::select::cost_model::CostParams`]). Bus ids are
 //! synthetic (they are not part of the fingerprint).
 //!
 //! | name | GPUs | structure | source / assumption |
@@ -52,6 +52,14 @@ pub fn by_name(name: &str) -> Result<Topology> {
     };
     debug_assert!(t.validate().is_ok(), "embedded topology {name} is invalid");
     Ok(t)
+}
+
+/// The embedded topology named by `TP_ALLREDUCE_TOPOLOGY`, if set; an
+/// unknown name is an error that lists the embedded ones.
+pub fn from_env() -> Result<Option<Topology>> {
+    crate::env::topology_name()
+        .map(|name| by_name(&name).map_err(|e| Error::Config(format!("{}: {e}", crate::env::TOPOLOGY))))
+        .transpose()
 }
 
 /// The motivating machine ([`DEFAULT`]).

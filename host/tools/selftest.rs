@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext};
 
 use crate::algorithm::Algorithm;
-use crate::bench::{decode, random_bits, unit_roundoff};
 use crate::comm::{Comm, Config};
 use crate::driver::{self, DeviceMemory};
 use crate::error::{Error, Result};
-use crate::launch::RankEnv;
+use crate::tools::bench::{decode, random_bits, unit_roundoff};
 use crate::DType;
+use crate::RankEnv;
 
 #[derive(Clone, Debug)]
 pub struct SelftestOptions {
@@ -308,7 +308,7 @@ fn graph_check(
             // SAFETY: x[l], y[l], x[l+1] hold n f32.
             unsafe {
                 comm.all_reduce_raw(x[l].ptr(), y[l].ptr(), n, DType::F32, stream.cu_stream())?;
-                crate::elementwise::affine_raw(
+                crate::tools::elementwise::affine_raw(
                     ctx,
                     stream.cu_stream(),
                     y[l].ptr(),

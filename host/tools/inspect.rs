@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::error::{Error, Result};
-use crate::ptx;
+use crate::kernels;
 
 /// The architecture `inspect` looks at when none is given.
 pub const DEFAULT_ARCH: &str = "sm_120";
@@ -896,7 +896,7 @@ fn count_atomic(s: &mut PtxStats, parts: &[&str]) {
 #[derive(Clone, Debug)]
 pub struct KernelReport {
     pub name: String,
-    /// On the latency-critical path ([`crate::ptx::hot_entries`]).
+    /// On the latency-critical path ([`crate::kernels::hot_entries`]).
     pub hot: bool,
     /// `None` when ptxas did not report the function.
     pub resources: Option<Resources>,
@@ -907,7 +907,7 @@ pub struct KernelReport {
 #[derive(Clone, Debug)]
 pub struct Report {
     pub arch: String,
-    /// `built` or `committed` ([`crate::ptx::PTX_ORIGIN`]).
+    /// `built` or `committed` ([`crate::kernels::PTX_ORIGIN`]).
     pub ptx_origin: &'static str,
     pub ptxas: PathBuf,
     pub ptxas_version: Option<String>,
@@ -926,8 +926,8 @@ pub struct Report {
 /// a disassembler is found `<arch>.sass` plus `sass-<arch>/<kernel>.sass`
 /// (both removed first, so no stale SASS survives a run without one).
 pub fn inspect(arch: &str, out_dir: &Path) -> Result<Report> {
-    let embedded = ptx::for_arch(arch).ok_or_else(|| {
-        let built: Vec<&str> = ptx::embedded().iter().map(|p| p.arch).collect();
+    let embedded = kernels::for_arch(arch).ok_or_else(|| {
+        let built: Vec<&str> = kernels::embedded().iter().map(|p| p.arch).collect();
         Error::invalid(format!("no embedded PTX for `{arch}`; this build has {}", built.join(", ")))
     })?;
     let ptxas = require_ptxas()?;
@@ -968,7 +968,7 @@ pub fn inspect(arch: &str, out_dir: &Path) -> Result<Report> {
         )),
     }
 
-    let hot: BTreeSet<String> = ptx::hot_entries().into_iter().collect();
+    let hot: BTreeSet<String> = kernels::hot_entries().into_iter().collect();
     let kernels: Vec<KernelReport> = analyze_ptx(embedded.text)
         .into_iter()
         .map(|stats| KernelReport {
@@ -983,7 +983,7 @@ pub fn inspect(arch: &str, out_dir: &Path) -> Result<Report> {
     }
     Ok(Report {
         arch: arch.to_string(),
-        ptx_origin: ptx::PTX_ORIGIN,
+        ptx_origin: kernels::PTX_ORIGIN,
         ptxas_version: tool_version(&ptxas),
         ptxas,
         disassembler,

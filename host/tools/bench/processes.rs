@@ -13,9 +13,9 @@ use crate::algorithm::Algorithm;
 use crate::comm::Comm;
 use crate::driver::{self, DeviceMemory};
 use crate::error::{Error, Result};
-use crate::launch::RankEnv;
 use crate::nccl::NcclComm;
 use crate::DType;
+use crate::RankEnv;
 
 /// Who runs a row on this rank.
 #[derive(Clone, Copy)]
@@ -208,7 +208,7 @@ fn verify_pass(
             // SAFETY: both buffers hold `count` bf16 on this rank's context.
             unsafe {
                 runner.call(bufs.input.ptr(), bufs.output.ptr(), bufs.count, dtype, cu)?;
-                crate::elementwise::affine_raw(
+                crate::tools::elementwise::affine_raw(
                     ctx,
                     cu,
                     bufs.output.ptr(),

@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Algorithm, Transport};
+use crate::env;
 
 /// Which transport to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -20,7 +21,7 @@ pub enum TransportPreference {
 
 /// Tunables of a communicator. `Config::default()` suits small-message
 /// tensor-parallel inference; `Config::from_env()` applies the environment
-/// knobs declared in `crate::env`.
+/// knobs declared in [`crate::env`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     /// Bound of every device-side wait on a peer. After it, the kernel
@@ -138,7 +139,21 @@ impl Config {
     /// table in `crate::env`).
     pub fn from_env() -> crate::Result<Config> {
         let mut c = Config::default();
-        crate::env::apply(&mut c)?;
+        if let Some(a) = env::algorithm()? {
+            c.algorithm = Some(a);
+        }
+        if let Some(t) = env::transport()? {
+            c.transport = TransportPreference::Force(t);
+        }
+        if let Some(t) = env::timeout()? {
+            c.timeout = t;
+        }
+        if let Some(n) = env::island_size()? {
+            c.island_size = Some(n);
+        }
+        if let Some(n) = env::push_blocks()? {
+            c.push_blocks = n;
+        }
         c.validate()?;
         Ok(c)
     }

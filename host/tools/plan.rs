@@ -8,9 +8,9 @@ use std::fmt::Write as _;
 use tp_allreduce_kernels::ids::DType;
 
 use crate::algorithm::Algorithm;
-use crate::cost_model::{CostModel, Options};
-use crate::selection::{human_bytes, select_with, Constraints};
-use crate::topology::Topology;
+use crate::select::cost_model::{CostModel, Options};
+use crate::select::selection::{human_bytes, select_with, Constraints};
+use crate::select::topology::Topology;
 
 /// The verify pass of CONTEXT.md: a 61-layer model, two allreduces per
 /// layer, ~42 KB each (3 tokens x hidden 7168 x bf16).
@@ -146,7 +146,7 @@ pub fn plan_report(topology: &Topology, world: Option<usize>, dtype: DType) -> S
     let _ = writeln!(
         s,
         "  - ours is chosen only when predicted >= {:.0}% faster than tuned NCCL; measure with `tp-allreduce tune` to replace the model",
-        crate::selection::MODEL_MARGIN * 100.0
+        crate::select::selection::MODEL_MARGIN * 100.0
     );
     s
 }
@@ -154,7 +154,7 @@ pub fn plan_report(topology: &Topology, world: Option<usize>, dtype: DType) -> S
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::embedded;
+    use crate::select::topology::embedded;
 
     #[test]
     fn report_for_every_embedded_topology() {

@@ -12,47 +12,11 @@
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::CudaStream;
-
-use crate::comm::{Comm, Config};
+use crate::env;
 use crate::error::{Error, Result};
 use crate::rendezvous::Id;
-
-/// The rank environment of a process started by the launcher.
-#[derive(Clone, Debug)]
-pub struct RankEnv {
-    pub rank: usize,
-    pub world_size: usize,
-    pub id: Id,
-    pub device: usize,
-}
-
-impl RankEnv {
-    /// `Ok(None)` when the process was not started by the launcher.
-    pub fn from_env() -> Result<Option<RankEnv>> {
-        let Ok(rank) = std::env::var("TP_ALLREDUCE_RANK") else {
-            return Ok(None);
-        };
-        let get = |name: &str| std::env::var(name).map_err(|_| Error::Config(format!("{name} is not set")));
-        let num = |name: &str, v: String| {
-            v.parse::<usize>().map_err(|_| Error::Config(format!("{name}={v} is not a number")))
-        };
-        Ok(Some(RankEnv {
-            rank: num("TP_ALLREDUCE_RANK", rank)?,
-            world_size: num("TP_ALLREDUCE_WORLD_SIZE", get("TP_ALLREDUCE_WORLD_SIZE")?)?,
-            id: get("TP_ALLREDUCE_ID")?.parse()?,
-            device: num("TP_ALLREDUCE_DEVICE", get("TP_ALLREDUCE_DEVICE").unwrap_or_else(|_| "0".into()))?,
-        }))
-    }
-
-    /// The communicator for this rank on `stream`.
-    pub fn comm(&self, stream: Arc<CudaStream>, config: Config) -> Result<Comm> {
-        Comm::from_rank_with_config(stream, self.rank, self.world_size, self.id.clone(), config)
-    }
-}
 
 /// How a rank ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,10 +74,10 @@ pub fn launch(opts: &LaunchOptions, command: &[String]) -> Result<Vec<RankOutcom
         let spawned = Command::new(&command[0])
             .args(&command[1..])
             .process_group(0)
-            .env("TP_ALLREDUCE_RANK", rank.to_string())
-            .env("TP_ALLREDUCE_WORLD_SIZE", opts.world_size.to_string())
-            .env("TP_ALLREDUCE_ID", id.to_string())
-            .env("TP_ALLREDUCE_DEVICE", device.to_string())
+            .env(env::RANK, rank.to_string())
+            .env(env::WORLD_SIZE, opts.world_size.to_string())
+            .env(env::ID, id.to_string())
+            .env(env::DEVICE, device.to_string())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn();

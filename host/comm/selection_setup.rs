@@ -8,15 +8,15 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use super::config::Config;
-use super::setup::Setup;
 use crate::algorithm::Transport;
-use crate::cost_model::{CostModel, CostParams};
+use super::setup::Setup;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::rendezvous::Rendezvous;
-use crate::selection::{Constraints, SelectionTable};
-use crate::topology::Topology;
-use crate::tuning::{Loaded, TuningTable};
+use crate::select::cost_model::{CostModel, CostParams};
+use crate::select::selection::{Constraints, SelectionTable};
+use crate::select::topology::Topology;
+use crate::select::tuning::{Loaded, TuningTable};
 
 /// The PCI bus id of the context's device, normalised.
 fn bus_id(ctx: &CudaContext) -> Result<String> {
@@ -24,7 +24,7 @@ fn bus_id(ctx: &CudaContext) -> Result<String> {
     crate::driver::cu!(cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, ctx.cu_device()))?;
     // SAFETY: the driver wrote a NUL-terminated string into `buf`.
     let raw = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
-    Ok(crate::topology::discover::normalize_bus_id(&raw))
+    Ok(crate::select::topology::discover::normalize_bus_id(&raw))
 }
 
 /// Collective: the rank view (rank r on its GPU of the machine topology).
@@ -41,12 +41,12 @@ pub(crate) fn rank_view(
     let ids = rdv.all_gather(mine.as_bytes())?;
     let mut notes = Vec::new();
     let payload = if rank == 0 {
-        let machine = match crate::env::topology_override()? {
+        let machine = match crate::select::topology::embedded::from_env()? {
             Some(t) => {
                 notes.push(format!("topology `{}` from {}", t.name, crate::env::TOPOLOGY));
                 t
             }
-            None => crate::topology::discover::discover()?,
+            None => crate::select::topology::discover::discover()?,
         };
         let wanted: Vec<String> = ids.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect();
         let devices: Option<Vec<usize>> =

@@ -1,0 +1,15 @@
+//! The command-line tools (`tp-allreduce bench | plan | tune | inspect |
+//! launch | selftest | report`) and the helpers the tests share with them.
+//!
+//! **Not part of the library API.** This module exists only with the
+//! default-on cargo feature `tools`, is hidden from the documentation, and
+//! may change in any release: it is public only so that the `tp-allreduce`
+//! binary and the integration tests can reach it. Library users depend on
+//! `tp-allreduce` with `default-features = false`.
+
+pub mod bench;
+pub mod elementwise;
+pub mod inspect;
+pub mod launcher;
+pub mod plan;
+pub mod selftest;
