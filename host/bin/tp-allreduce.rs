@@ -454,7 +454,7 @@ fn selftest(args: SelftestArgs) -> Result<(), String> {
     };
     let seed = args
         .seed
-        .or_else(|| tp_allreduce::env::test_seed())
+        .or_else(tp_allreduce::env::test_seed)
         .unwrap_or_else(|| u64::from_le_bytes(env.id.job_id()[..8].try_into().unwrap()));
     let mut config = Config::from_env().map_err(|e| e.to_string())?;
     if args.island_size.is_some() {
