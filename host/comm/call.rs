@@ -37,7 +37,7 @@ pub(super) fn plan(comm: &Comm, bytes: usize, dtype: DType, capturing: bool, in_
 fn launch_capacity_packs(comm: &Comm, algorithm: Algorithm) -> u64 {
     let layout = &comm.setup.layout;
     match algorithm {
-        Algorithm::OneShotPush => layout.oneshot_max_packs,
+        Algorithm::OneShotPush => layout.one_shot_push_max_packs,
         // Ring streams any size through its FIFOs.
         Algorithm::Ring => u64::MAX / 2,
         _ => layout.max_packs,
@@ -53,10 +53,12 @@ fn grid_for(comm: &Comm, algorithm: Algorithm, packs: u64) -> u32 {
     match algorithm {
         Algorithm::OneShotPull => div_ceil(packs, threads).clamp(1, s.pull_max_blocks as u64) as u32,
         Algorithm::TwoShotPull => div_ceil(div_ceil(packs, world), threads).clamp(1, s.pull_max_blocks as u64) as u32,
-        Algorithm::OneShotPush => push_grid(packs, threads, l.oneshot_stripe_packs, l.push_blocks),
-        Algorithm::TwoShotPush => push_grid(div_ceil(packs, world), threads, l.push2_stripe_packs, l.push_blocks),
+        Algorithm::OneShotPush => push_grid(packs, threads, l.one_shot_push_stripe_packs, l.push_blocks),
+        Algorithm::TwoShotPush => {
+            push_grid(div_ceil(packs, world), threads, l.two_shot_push_stripe_packs, l.push_blocks)
+        }
         Algorithm::Hierarchical => {
-            push_grid(div_ceil(packs, l.island_size.max(1) as u64), threads, l.hier_stripe_packs, l.push_blocks)
+            push_grid(div_ceil(packs, l.island_size.max(1) as u64), threads, l.hierarchical_stripe_packs, l.push_blocks)
         }
         Algorithm::Ring => {
             let per_block = l.ring_chunk_packs.max(1) * world;

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use crate::algorithm::Transport;
 use super::setup::Setup;
+use crate::algorithm::Transport;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::rendezvous::Rendezvous;
@@ -99,7 +99,7 @@ pub(crate) fn build_table(
     constraints.nccl_available = nccl_available;
     constraints.island_size = (setup.islands.island_count >= 2).then_some(setup.islands.island_size as usize);
     constraints.one_shot_push_max_bytes =
-        setup.layout.oneshot_max_packs as usize * tp_allreduce_kernels::layout::PACK_BYTES;
+        setup.layout.one_shot_push_max_packs as usize * tp_allreduce_kernels::layout::PACK_BYTES;
     constraints.communicator_override = config.algorithm;
     let mut notes = Vec::new();
     let tuning = match crate::env::tuning_file(&view.fingerprint(), world) {

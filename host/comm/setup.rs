@@ -145,7 +145,7 @@ impl Setup {
             Algorithm::Hierarchical if self.islands.island_count < 2 => {
                 Err("hierarchical needs islands (Config::island_size)".into())
             }
-            Algorithm::OneShotPush if self.layout.oneshot_max_packs == 0 => {
+            Algorithm::OneShotPush if self.layout.one_shot_push_max_packs == 0 => {
                 Err("one-shot-push is disabled (one_shot_push_max_bytes = 0)".into())
             }
             _ => Ok(()),
@@ -408,7 +408,7 @@ fn allocate_and_map(
     let layout = ScratchLayout::new(&ScratchConfig {
         world_size: world as u32,
         max_packs: config.max_chunk_bytes as u64 / pack,
-        oneshot_max_packs: config.one_shot_push_max_bytes as u64 / pack,
+        one_shot_push_max_packs: config.one_shot_push_max_bytes as u64 / pack,
         push_blocks,
         ring_blocks,
         ring_slots: config.ring_slots,
@@ -434,11 +434,11 @@ fn allocate_and_map(
     };
     let base = region.device_ptr();
     // OneShotPush receive buffers start out "empty".
-    let oneshot_bytes = (layout.push2_offset - layout.oneshot_offset) as usize;
-    if oneshot_bytes > 0 {
-        let start = base + offsets.scratch as u64 + layout.oneshot_offset;
+    let one_shot_push_bytes = (layout.two_shot_push_offset - layout.one_shot_push_offset) as usize;
+    if one_shot_push_bytes > 0 {
+        let start = base + offsets.scratch as u64 + layout.one_shot_push_offset;
         debug_assert_eq!(LAMPORT_EMPTY_WORD, 0xFFFF_FFFF);
-        driver::memset_d8(start, 0xFF, oneshot_bytes)?;
+        driver::memset_d8(start, 0xFF, one_shot_push_bytes)?;
     }
 
     let local_state = DeviceMemory::alloc_zeroed(ctx, size_of::<LocalState>())?;

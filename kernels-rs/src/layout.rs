@@ -60,14 +60,14 @@ pub struct LocalState {
     /// Per-block epoch of the barrier-based (pull) kernels.
     pub barrier_epoch: [u32; MAX_BLOCKS],
     /// Per-block epoch of OneShotPush.
-    pub lamport_epoch: [u32; MAX_BLOCKS],
-    /// `lamport_used[block][slot]`: packs per source this block wrote into
+    pub one_shot_push_epoch: [u32; MAX_BLOCKS],
+    /// `one_shot_push_used[block][slot]`: packs per source this block wrote into
     /// receive generation `slot`, i.e. what it must re-arm later.
-    pub lamport_used: [[u32; 4]; MAX_BLOCKS],
+    pub one_shot_push_used: [[u32; 4]; MAX_BLOCKS],
     /// Per-block epoch of TwoShotPush.
-    pub push_epoch: [u32; MAX_BLOCKS],
+    pub two_shot_push_epoch: [u32; MAX_BLOCKS],
     /// Per-block epoch of Hierarchical.
-    pub hier_epoch: [u32; MAX_BLOCKS],
+    pub hierarchical_epoch: [u32; MAX_BLOCKS],
     /// Per-block count of ring messages sent to the right neighbour.
     pub ring_sent: [u32; MAX_BLOCKS],
     /// Per-block count of ring messages received from the left neighbour.
@@ -137,7 +137,7 @@ pub struct ScratchConfig {
     /// kernel handles; the host splits longer messages.
     pub max_packs: u64,
     /// Largest message (in packs) of OneShotPush (0 disables it).
-    pub oneshot_max_packs: u64,
+    pub one_shot_push_max_packs: u64,
     /// Largest grid of the push kernels (their scratch is striped per block).
     pub push_blocks: u32,
     pub ring_blocks: u32,
@@ -157,21 +157,21 @@ pub struct ScratchConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ScratchLayout {
     pub max_packs: u64,
-    /// TwoShotPull: this rank's reduced slice, `pull_tmp_packs` packs.
-    pub pull_tmp_offset: u64,
-    pub pull_tmp_packs: u64,
-    /// OneShotPush: `[LAMPORT_SLOTS][world][push_blocks][oneshot_stripe_packs]`.
-    pub oneshot_offset: u64,
-    pub oneshot_max_packs: u64,
-    pub oneshot_stripe_packs: u64,
+    /// TwoShotPull: this rank's reduced slice, `two_shot_pull_packs` packs.
+    pub two_shot_pull_offset: u64,
+    pub two_shot_pull_packs: u64,
+    /// OneShotPush: `[LAMPORT_SLOTS][world][push_blocks][one_shot_push_stripe_packs]`.
+    pub one_shot_push_offset: u64,
+    pub one_shot_push_max_packs: u64,
+    pub one_shot_push_stripe_packs: u64,
     /// TwoShotPush: scatter `[2][push_blocks][world][stripe]`, then gather with
     /// the same shape.
-    pub push2_offset: u64,
-    pub push2_stripe_packs: u64,
+    pub two_shot_push_offset: u64,
+    pub two_shot_push_stripe_packs: u64,
     /// Hierarchical: scatter `[2][B][island_size][s]`, cross
     /// `[2][B][island_count][s]`, gather `[2][B][island_size][s]`.
-    pub hier_offset: u64,
-    pub hier_stripe_packs: u64,
+    pub hierarchical_offset: u64,
+    pub hierarchical_stripe_packs: u64,
     /// Ring: `[ring_blocks][ring_slots][ring_chunk_packs]`.
     pub ring_offset: u64,
     pub ring_chunk_packs: u64,
@@ -230,21 +230,22 @@ impl ScratchLayout {
         let push_blocks = if config.push_blocks == 0 { 1 } else { config.push_blocks as u64 };
         let mut offset = 0u64;
 
-        let pull_tmp_packs = if config.enable_two_shot_pull { div_ceil(config.max_packs, world) } else { 0 };
-        let pull_tmp_offset = offset;
-        offset = align_up(offset + pull_tmp_packs * pack, SCRATCH_REGION_ALIGN);
+        let two_shot_pull_packs = if config.enable_two_shot_pull { div_ceil(config.max_packs, world) } else { 0 };
+        let two_shot_pull_offset = offset;
+        offset = align_up(offset + two_shot_pull_packs * pack, SCRATCH_REGION_ALIGN);
 
-        let oneshot_stripe_packs = div_ceil(config.oneshot_max_packs, push_blocks);
-        let oneshot_offset = offset;
+        let one_shot_push_stripe_packs = div_ceil(config.one_shot_push_max_packs, push_blocks);
+        let one_shot_push_offset = offset;
         offset = align_up(
-            offset + LAMPORT_SLOTS as u64 * world * push_blocks * oneshot_stripe_packs * pack,
+            offset + LAMPORT_SLOTS as u64 * world * push_blocks * one_shot_push_stripe_packs * pack,
             SCRATCH_REGION_ALIGN,
         );
 
-        let push2_stripe_packs =
+        let two_shot_push_stripe_packs =
             if config.enable_two_shot_push { div_ceil(div_ceil(config.max_packs, world), push_blocks) } else { 0 };
-        let push2_offset = offset;
-        offset = align_up(offset + 2 * 2 * push_blocks * world * push2_stripe_packs * pack, SCRATCH_REGION_ALIGN);
+        let two_shot_push_offset = offset;
+        offset =
+            align_up(offset + 2 * 2 * push_blocks * world * two_shot_push_stripe_packs * pack, SCRATCH_REGION_ALIGN);
 
         let (island_size, island_count) = if config.island_size >= 2 && config.island_size < config.world_size {
             if config.world_size.is_multiple_of(config.island_size) {
@@ -255,11 +256,12 @@ impl ScratchLayout {
         } else {
             (0, 0)
         };
-        let hier_stripe_packs =
+        let hierarchical_stripe_packs =
             if island_size > 0 { div_ceil(div_ceil(config.max_packs, island_size as u64), push_blocks) } else { 0 };
-        let hier_offset = offset;
+        let hierarchical_offset = offset;
         offset = align_up(
-            offset + 2 * push_blocks * (2 * island_size as u64 + island_count as u64) * hier_stripe_packs * pack,
+            offset
+                + 2 * push_blocks * (2 * island_size as u64 + island_count as u64) * hierarchical_stripe_packs * pack,
             SCRATCH_REGION_ALIGN,
         );
 
@@ -274,15 +276,15 @@ impl ScratchLayout {
 
         ScratchLayout {
             max_packs: config.max_packs,
-            pull_tmp_offset,
-            pull_tmp_packs,
-            oneshot_offset,
-            oneshot_max_packs: config.oneshot_max_packs,
-            oneshot_stripe_packs,
-            push2_offset,
-            push2_stripe_packs,
-            hier_offset,
-            hier_stripe_packs,
+            two_shot_pull_offset,
+            two_shot_pull_packs,
+            one_shot_push_offset,
+            one_shot_push_max_packs: config.one_shot_push_max_packs,
+            one_shot_push_stripe_packs,
+            two_shot_push_offset,
+            two_shot_push_stripe_packs,
+            hierarchical_offset,
+            hierarchical_stripe_packs,
             ring_offset,
             ring_chunk_packs,
             push_blocks: push_blocks as u32,
@@ -297,17 +299,17 @@ impl ScratchLayout {
 
     /// Byte offset of OneShotPush pack `pack` of block `block` from `src` in
     /// receive generation `slot`.
-    pub const fn oneshot_pack_offset(&self, world: u32, slot: u32, src: u32, block: u32, pack: u64) -> u64 {
-        let stripe = self.oneshot_stripe_packs;
+    pub const fn one_shot_push_pack_offset(&self, world: u32, slot: u32, src: u32, block: u32, pack: u64) -> u64 {
+        let stripe = self.one_shot_push_stripe_packs;
         let blocks = self.push_blocks as u64;
-        self.oneshot_offset
+        self.one_shot_push_offset
             + ((((slot as u64 * world as u64 + src as u64) * blocks + block as u64) * stripe) + pack)
                 * PACK_BYTES as u64
     }
 
     /// Byte offset of TwoShotPush pack `pack` of (`gather`? gather : scatter)
     /// region, generation `parity`, block `block`, source `src`.
-    pub const fn push2_pack_offset(
+    pub const fn two_shot_push_pack_offset(
         &self,
         world: u32,
         gather: bool,
@@ -316,10 +318,10 @@ impl ScratchLayout {
         src: u32,
         pack: u64,
     ) -> u64 {
-        let stripe = self.push2_stripe_packs;
+        let stripe = self.two_shot_push_stripe_packs;
         let blocks = self.push_blocks as u64;
         let region =
-            self.push2_offset + if gather { 2 * blocks * world as u64 * stripe * PACK_BYTES as u64 } else { 0 };
+            self.two_shot_push_offset + if gather { 2 * blocks * world as u64 * stripe * PACK_BYTES as u64 } else { 0 };
         region
             + ((((parity as u64 * blocks + block as u64) * world as u64 + src as u64) * stripe) + pack)
                 * PACK_BYTES as u64
@@ -328,8 +330,8 @@ impl ScratchLayout {
     /// Byte offset of Hierarchical pack `pack` in `region` (0 scatter,
     /// 1 cross, 2 gather), generation `parity`, block `block`, source index
     /// `src` (island member index, or island index for the cross region).
-    pub const fn hier_pack_offset(&self, region: u32, parity: u32, block: u32, src: u32, pack: u64) -> u64 {
-        let stripe = self.hier_stripe_packs;
+    pub const fn hierarchical_pack_offset(&self, region: u32, parity: u32, block: u32, src: u32, pack: u64) -> u64 {
+        let stripe = self.hierarchical_stripe_packs;
         let blocks = self.push_blocks as u64;
         let m = self.island_size as u64;
         let i = self.island_count as u64;
@@ -338,7 +340,7 @@ impl ScratchLayout {
             1 => (2 * blocks * m * stripe, i),
             _ => (2 * blocks * (m + i) * stripe, m),
         };
-        self.hier_offset
+        self.hierarchical_offset
             + (base + (((parity as u64 * blocks + block as u64) * sources + src as u64) * stripe) + pack)
                 * PACK_BYTES as u64
     }

@@ -11,7 +11,7 @@ fn scratch_config(world: u32, island_size: u32) -> ScratchConfig {
     ScratchConfig {
         world_size: world,
         max_packs: (8 << 20) / 16,
-        oneshot_max_packs: (512 << 10) / 16,
+        one_shot_push_max_packs: (512 << 10) / 16,
         push_blocks: 4,
         ring_blocks: 4,
         ring_slots: 4,
@@ -30,10 +30,10 @@ fn scratch_regions_are_disjoint_aligned_and_cover_their_largest_index() {
             let cfg = scratch_config(world, island);
             let l = ScratchLayout::new(&cfg);
             let regions = [
-                ("pull", l.pull_tmp_offset, l.oneshot_offset),
-                ("oneshot", l.oneshot_offset, l.push2_offset),
-                ("push2", l.push2_offset, l.hier_offset),
-                ("hier", l.hier_offset, l.ring_offset),
+                ("pull", l.two_shot_pull_offset, l.one_shot_push_offset),
+                ("oneshot", l.one_shot_push_offset, l.two_shot_push_offset),
+                ("push2", l.two_shot_push_offset, l.hierarchical_offset),
+                ("hier", l.hierarchical_offset, l.ring_offset),
                 ("ring", l.ring_offset, l.total_bytes),
             ];
             for (name, start, end) in regions {
@@ -42,31 +42,48 @@ fn scratch_regions_are_disjoint_aligned_and_cover_their_largest_index() {
             }
             // The last pack of each region lies inside it.
             let pk = PACK_BYTES as u64;
-            let last_oneshot = l.oneshot_pack_offset(
+            let last_oneshot = l.one_shot_push_pack_offset(
                 world,
                 LAMPORT_SLOTS as u32 - 1,
                 world - 1,
                 l.push_blocks - 1,
-                l.oneshot_stripe_packs - 1,
+                l.one_shot_push_stripe_packs - 1,
             );
-            assert!(last_oneshot + pk <= l.push2_offset);
-            let last_push2 =
-                l.push2_pack_offset(world, true, 1, l.push_blocks - 1, world - 1, l.push2_stripe_packs - 1);
-            assert!(last_push2 + pk <= l.hier_offset);
+            assert!(last_oneshot + pk <= l.two_shot_push_offset);
+            let last_push2 = l.two_shot_push_pack_offset(
+                world,
+                true,
+                1,
+                l.push_blocks - 1,
+                world - 1,
+                l.two_shot_push_stripe_packs - 1,
+            );
+            assert!(last_push2 + pk <= l.hierarchical_offset);
             if l.island_count >= 2 {
-                let last_hier = l.hier_pack_offset(2, 1, l.push_blocks - 1, l.island_size - 1, l.hier_stripe_packs - 1);
+                let last_hier = l.hierarchical_pack_offset(
+                    2,
+                    1,
+                    l.push_blocks - 1,
+                    l.island_size - 1,
+                    l.hierarchical_stripe_packs - 1,
+                );
                 assert!(last_hier + pk <= l.ring_offset, "world {world} islands {island}");
-                let last_cross =
-                    l.hier_pack_offset(1, 1, l.push_blocks - 1, l.island_count - 1, l.hier_stripe_packs - 1);
-                assert!(last_cross < l.hier_pack_offset(2, 0, 0, 0, 0));
+                let last_cross = l.hierarchical_pack_offset(
+                    1,
+                    1,
+                    l.push_blocks - 1,
+                    l.island_count - 1,
+                    l.hierarchical_stripe_packs - 1,
+                );
+                assert!(last_cross < l.hierarchical_pack_offset(2, 0, 0, 0, 0));
             } else {
-                assert_eq!(l.hier_stripe_packs, 0);
+                assert_eq!(l.hierarchical_stripe_packs, 0);
             }
             let last_ring = l.ring_slot_offset(l.ring_blocks - 1, l.ring_slots - 1) + l.ring_chunk_packs * pk;
             assert!(last_ring <= l.total_bytes);
             // Stripes hold the largest per-block part of the largest message.
-            assert!(l.oneshot_stripe_packs * l.push_blocks as u64 >= cfg.oneshot_max_packs);
-            assert!(l.push2_stripe_packs * l.push_blocks as u64 * world as u64 >= cfg.max_packs);
+            assert!(l.one_shot_push_stripe_packs * l.push_blocks as u64 >= cfg.one_shot_push_max_packs);
+            assert!(l.two_shot_push_stripe_packs * l.push_blocks as u64 * world as u64 >= cfg.max_packs);
         }
     }
 }

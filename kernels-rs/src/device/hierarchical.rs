@@ -60,7 +60,7 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
         || n_islands != layout.island_count
         || m != layout.island_size
         || grid > layout.push_blocks
-        || largest_part > layout.hier_stripe_packs
+        || largest_part > layout.hierarchical_stripe_packs
     {
         if ctx.tid == 0 {
             ctx.bad_launch(packs as u32);
@@ -70,7 +70,7 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     let member = |island: u32, index: u32| islands.members[island as usize][index as usize] as u32;
     let local = ctx.local();
     let b = block as usize;
-    ctx.epoch = (*local).hier_epoch[b].wrapping_add(1);
+    ctx.epoch = (*local).hierarchical_epoch[b].wrapping_add(1);
     let parity = ctx.epoch % 2;
     let threads = ptx::block_dim_x() as u64;
     let tid = ctx.tid as u64;
@@ -109,7 +109,7 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
         for step in 0..m {
             let k = (i + 1 + step) % m;
             if j < pick_u32(&lens, k) as u64 {
-                let off = layout.hier_pack_offset(SCATTER, parity, block, i, j);
+                let off = layout.hierarchical_pack_offset(SCATTER, parity, block, i, j);
                 ptx::st_global_v4_u32(ctx.scratch(member(g, k)).add(off as usize) as *mut u32, pick_pack(&values, k));
             }
         }
@@ -125,12 +125,13 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     let my_len = pick_u32(&lens, i) as u64;
     let mut j = tid;
     while j < my_len {
-        let parts =
-            load_all(m, |k| mine.add(layout.hier_pack_offset(SCATTER, parity, block, k, j) as usize) as *const u8);
+        let parts = load_all(m, |k| {
+            mine.add(layout.hierarchical_pack_offset(SCATTER, parity, block, k, j) as usize) as *const u8
+        });
         let partial = sum_in_order::<E>(&parts, m);
         for step in 0..n_islands {
             let other = (g + 1 + step) % n_islands;
-            let off = layout.hier_pack_offset(CROSS, parity, block, g, j);
+            let off = layout.hierarchical_pack_offset(CROSS, parity, block, g, j);
             ptx::st_global_v4_u32(ctx.scratch(member(other, i)).add(off as usize) as *mut u32, partial);
         }
         j += threads;
@@ -143,12 +144,12 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     let mut j = tid;
     while j < my_len {
         let parts = load_all(n_islands, |o| {
-            mine.add(layout.hier_pack_offset(CROSS, parity, block, o, j) as usize) as *const u8
+            mine.add(layout.hierarchical_pack_offset(CROSS, parity, block, o, j) as usize) as *const u8
         });
         let total = sum_in_order::<E>(&parts, n_islands);
         for step in 1..m {
             let k = (i + step) % m;
-            let off = layout.hier_pack_offset(GATHER, parity, block, i, j);
+            let off = layout.hierarchical_pack_offset(GATHER, parity, block, i, j);
             ptx::st_global_v4_u32(ctx.scratch(member(g, k)).add(off as usize) as *mut u32, total);
         }
         let pack = my_first + j;
@@ -163,8 +164,9 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
     // 4. Copy the other members' shares (all loads in flight together).
     let mut j = tid;
     while j < longest {
-        let values =
-            load_all(m, |k| mine.add(layout.hier_pack_offset(GATHER, parity, block, k, j) as usize) as *const u8);
+        let values = load_all(m, |k| {
+            mine.add(layout.hierarchical_pack_offset(GATHER, parity, block, k, j) as usize) as *const u8
+        });
         for_each_rank!(P => {
             if (P as u32) < m && P as u32 != i && j < lens[P] as u64 {
                 let pack = firsts[P] as u64 + j;
@@ -175,7 +177,7 @@ unsafe fn hierarchical<E: Element>(handle: *const DeviceHandle, input: *const u8
         j += threads;
     }
     if ctx.tid == 0 {
-        (*local).hier_epoch[b] = ctx.epoch;
+        (*local).hierarchical_epoch[b] = ctx.epoch;
     }
 }
 

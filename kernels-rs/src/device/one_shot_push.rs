@@ -47,7 +47,7 @@ unsafe fn one_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     let grid = ptx::grid_dim_x();
     let block = ctx.block;
     let (start, len) = even_part(packs, grid as u64, block as u64);
-    if grid > layout.push_blocks || len > layout.oneshot_stripe_packs || packs > layout.oneshot_max_packs {
+    if grid > layout.push_blocks || len > layout.one_shot_push_stripe_packs || packs > layout.one_shot_push_max_packs {
         if ctx.tid == 0 {
             ctx.bad_launch(packs as u32);
         }
@@ -55,7 +55,7 @@ unsafe fn one_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     }
     let local = ctx.local();
     let b = block as usize;
-    ctx.epoch = (*local).lamport_epoch[b].wrapping_add(1);
+    ctx.epoch = (*local).one_shot_push_epoch[b].wrapping_add(1);
     let slot = ctx.epoch % LAMPORT_SLOTS as u32;
     let rearm_slot = (ctx.epoch + 2) % LAMPORT_SLOTS as u32;
     let world = ctx.world;
@@ -72,7 +72,7 @@ unsafe fn one_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
         let pack = start + j;
         let valid = elems_in_pack(count, lanes, pack);
         let v = E::canonicalise(load_pack::<E>(input, pack, valid, vector_in && valid == lanes));
-        let off = layout.oneshot_pack_offset(world, slot, rank, block, j);
+        let off = layout.one_shot_push_pack_offset(world, slot, rank, block, j);
         for i in 0..world {
             let dst = (rank + 1 + i) % world;
             ptx::st_relaxed_sys_v4_u32(ctx.scratch(dst).add(off as usize) as *mut u32, v);
@@ -81,12 +81,12 @@ unsafe fn one_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     }
 
     // 2. Re-arm generation e-1 (what this block received there last time).
-    let used = (*local).lamport_used[b][rearm_slot as usize] as u64;
+    let used = (*local).one_shot_push_used[b][rearm_slot as usize] as u64;
     let mine = ctx.scratch(rank);
     for src in 0..world {
         let mut j = tid;
         while j < used {
-            let off = layout.oneshot_pack_offset(world, rearm_slot, src, block, j);
+            let off = layout.one_shot_push_pack_offset(world, rearm_slot, src, block, j);
             ptx::st_global_v4_u32(mine.add(off as usize) as *mut u32, [LAMPORT_EMPTY_WORD; 4]);
             j += threads;
         }
@@ -107,7 +107,7 @@ unsafe fn one_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
         let polled = poll_all(
             &ctx,
             world,
-            |src| mine.add(layout.oneshot_pack_offset(world, slot, src, block, j) as usize) as *const u8,
+            |src| mine.add(layout.one_shot_push_pack_offset(world, slot, src, block, j) as usize) as *const u8,
             |src| src,
         );
         match polled {
@@ -125,8 +125,8 @@ unsafe fn one_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
         return;
     }
     if ctx.tid == 0 {
-        (*local).lamport_used[b][slot as usize] = len as u32;
-        (*local).lamport_epoch[b] = ctx.epoch;
+        (*local).one_shot_push_used[b][slot as usize] = len as u32;
+        (*local).one_shot_push_epoch[b] = ctx.epoch;
     }
 }
 

@@ -50,7 +50,7 @@ unsafe fn two_shot_pull<E: Element>(
     let lanes = E::LANES as u64;
     let packs = div_ceil(count, lanes);
     let world = ctx.world as u64;
-    if div_ceil(packs, world) > layout.pull_tmp_packs {
+    if div_ceil(packs, world) > layout.two_shot_pull_packs {
         if ctx.tid == 0 {
             ctx.bad_launch(packs as u32);
         }
@@ -70,7 +70,7 @@ unsafe fn two_shot_pull<E: Element>(
             inputs_aligned &= aligned16(ins[P]);
         }
     });
-    let tmp_offset = layout.pull_tmp_offset;
+    let tmp_offset = layout.two_shot_pull_offset;
     let my_tmp = ctx.scratch(ctx.rank).add(tmp_offset as usize);
     let (slice_start, slice_len) = even_part(packs, world, ctx.rank as u64);
     let (first, stride) = grid_stride();

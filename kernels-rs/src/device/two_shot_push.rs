@@ -49,7 +49,7 @@ unsafe fn two_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     let grid = ptx::grid_dim_x();
     let block = ctx.block;
     let largest_part = div_ceil(div_ceil(packs, world as u64), grid as u64);
-    if grid > layout.push_blocks || largest_part > layout.push2_stripe_packs {
+    if grid > layout.push_blocks || largest_part > layout.two_shot_push_stripe_packs {
         if ctx.tid == 0 {
             ctx.bad_launch(packs as u32);
         }
@@ -57,7 +57,7 @@ unsafe fn two_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     }
     let local = ctx.local();
     let b = block as usize;
-    ctx.epoch = (*local).push_epoch[b].wrapping_add(1);
+    ctx.epoch = (*local).two_shot_push_epoch[b].wrapping_add(1);
     let parity = ctx.epoch % 2;
     let threads = ptx::block_dim_x() as u64;
     let tid = ctx.tid as u64;
@@ -97,7 +97,7 @@ unsafe fn two_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
         for i in 0..world {
             let dst = (rank + 1 + i) % world;
             if j < pick_u32(&lens, dst) as u64 {
-                let off = layout.push2_pack_offset(world, false, parity, block, rank, j);
+                let off = layout.two_shot_push_pack_offset(world, false, parity, block, rank, j);
                 ptx::st_global_v4_u32(ctx.scratch(dst).add(off as usize) as *mut u32, pick_pack(&values, dst));
             }
         }
@@ -114,12 +114,12 @@ unsafe fn two_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     let mut j = tid;
     while j < my_len {
         let parts = load_all(world, |src| {
-            mine.add(layout.push2_pack_offset(world, false, parity, block, src, j) as usize) as *const u8
+            mine.add(layout.two_shot_push_pack_offset(world, false, parity, block, src, j) as usize) as *const u8
         });
         let v = sum_in_order::<E>(&parts, world);
         for i in 1..world {
             let dst = (rank + i) % world;
-            let off = layout.push2_pack_offset(world, true, parity, block, rank, j);
+            let off = layout.two_shot_push_pack_offset(world, true, parity, block, rank, j);
             ptx::st_global_v4_u32(ctx.scratch(dst).add(off as usize) as *mut u32, v);
         }
         let pack = my_first + j;
@@ -136,7 +136,7 @@ unsafe fn two_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
     let mut j = tid;
     while j < longest {
         let values = load_all(world, |src| {
-            mine.add(layout.push2_pack_offset(world, true, parity, block, src, j) as usize) as *const u8
+            mine.add(layout.two_shot_push_pack_offset(world, true, parity, block, src, j) as usize) as *const u8
         });
         for_each_rank!(P => {
             if (P as u32) < world && P as u32 != rank && j < lens[P] as u64 {
@@ -148,7 +148,7 @@ unsafe fn two_shot_push<E: Element>(handle: *const DeviceHandle, input: *const u
         j += threads;
     }
     if ctx.tid == 0 {
-        (*local).push_epoch[b] = ctx.epoch;
+        (*local).two_shot_push_epoch[b] = ctx.epoch;
     }
 }
 
