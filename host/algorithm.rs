@@ -60,39 +60,27 @@ impl Algorithm {
     }
 
     /// The kernel family, `None` for NCCL.
-    pub const fn kernel(self) -> Option<AlgorithmId> {
-        match self {
-            Algorithm::OneShotPull => Some(AlgorithmId::OneShotPull),
-            Algorithm::TwoShotPull => Some(AlgorithmId::TwoShotPull),
-            Algorithm::OneShotPush => Some(AlgorithmId::OneShotPush),
-            Algorithm::TwoShotPush => Some(AlgorithmId::TwoShotPush),
-            Algorithm::Ring => Some(AlgorithmId::Ring),
-            Algorithm::Hierarchical => Some(AlgorithmId::Hierarchical),
-            Algorithm::Nccl => None,
-        }
+    pub fn kernel(self) -> Option<AlgorithmId> {
+        crate::algorithms::host(self).map(|h| h.kernel())
     }
 
     /// Pull algorithms read peers' *input* buffers, which therefore must be
     /// peer-visible (registered or staged). Push algorithms only write into
     /// library-owned scratch and accept any input pointer.
-    pub const fn reads_peer_inputs(self) -> bool {
-        matches!(self, Algorithm::OneShotPull | Algorithm::TwoShotPull)
+    pub fn reads_peer_inputs(self) -> bool {
+        crate::algorithms::host(self).is_some_and(|h| h.reads_peer_inputs())
     }
 
-    /// Whether the algorithm can run over the HostStaged transport (only the
-    /// push algorithms: pull would need peers' device buffers).
-    pub const fn supports_host_staged(self) -> bool {
-        matches!(self, Algorithm::OneShotPush | Algorithm::TwoShotPush | Algorithm::Ring | Algorithm::Hierarchical)
+    /// Whether the algorithm can run over the HostStaged transport (only
+    /// the push algorithms: pull would need peers' device buffers).
+    pub fn supports_host_staged(self) -> bool {
+        crate::algorithms::host(self).is_some_and(|h| h.supports_host_staged())
     }
 
     /// Upper bound on roundings to the element type between the exact sum
     /// and the result (f16/bf16): what tests use as tolerance.
-    pub const fn max_roundings(self, world: usize) -> usize {
-        match self {
-            Algorithm::Ring => world,
-            Algorithm::Hierarchical => 2,
-            _ => 1,
-        }
+    pub fn max_roundings(self, world: usize) -> usize {
+        crate::algorithms::host(self).map_or(1, |h| h.max_roundings(world))
     }
 }
 

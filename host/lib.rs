@@ -7,6 +7,7 @@
 //! See README.md for the overview and ARCHITECTURE.md for the design.
 
 pub mod algorithm;
+pub(crate) mod algorithms;
 pub mod comm;
 pub mod config;
 pub mod driver;

@@ -5,11 +5,12 @@
 use cudarc::driver::sys;
 use tp_allreduce_kernels::ids::DType;
 use tp_allreduce_kernels::layout::{PACK_BYTES, THREADS_PER_BLOCK};
-use tp_allreduce_kernels::partition::{div_ceil, packs_for, push_grid};
+use tp_allreduce_kernels::partition::packs_for;
 
 use super::registry::InputSource;
 use super::{CallPlan, Comm};
 use crate::algorithm::Algorithm;
+use crate::algorithms::{self, AlgorithmHost};
 use crate::driver::{self, KernelArgs};
 use crate::error::{Error, Result};
 
@@ -33,41 +34,6 @@ pub(super) fn plan(comm: &Comm, bytes: usize, dtype: DType, capturing: bool, in_
     CallPlan { algorithm: c.algorithm, transport, reason }
 }
 
-/// Packs one launch of `algorithm` may handle.
-fn launch_capacity_packs(comm: &Comm, algorithm: Algorithm) -> u64 {
-    let layout = &comm.setup.layout;
-    match algorithm {
-        Algorithm::OneShotPush => layout.one_shot_push_max_packs,
-        // Ring streams any size through its FIFOs.
-        Algorithm::Ring => u64::MAX / 2,
-        _ => layout.max_packs,
-    }
-}
-
-/// Grid of one launch of `algorithm` over `packs` packs.
-fn grid_for(comm: &Comm, algorithm: Algorithm, packs: u64) -> u32 {
-    let s = &comm.setup;
-    let l = &s.layout;
-    let world = comm.world as u64;
-    let threads = THREADS_PER_BLOCK as u64;
-    match algorithm {
-        Algorithm::OneShotPull => div_ceil(packs, threads).clamp(1, s.pull_max_blocks as u64) as u32,
-        Algorithm::TwoShotPull => div_ceil(div_ceil(packs, world), threads).clamp(1, s.pull_max_blocks as u64) as u32,
-        Algorithm::OneShotPush => push_grid(packs, threads, l.one_shot_push_stripe_packs, l.push_blocks),
-        Algorithm::TwoShotPush => {
-            push_grid(div_ceil(packs, world), threads, l.two_shot_push_stripe_packs, l.push_blocks)
-        }
-        Algorithm::Hierarchical => {
-            push_grid(div_ceil(packs, l.island_size.max(1) as u64), threads, l.hierarchical_stripe_packs, l.push_blocks)
-        }
-        Algorithm::Ring => {
-            let per_block = l.ring_chunk_packs.max(1) * world;
-            div_ceil(packs, per_block).clamp(1, s.ring_blocks as u64) as u32
-        }
-        Algorithm::Nccl => 0,
-    }
-}
-
 /// Splits `count` elements into launches of at most `cap_packs` packs each
 /// (chunk boundaries on pack boundaries keep 16-byte alignment).
 fn chunks(count: usize, dtype: DType, cap_packs: u64) -> impl Iterator<Item = (usize, usize)> {
@@ -77,9 +43,12 @@ fn chunks(count: usize, dtype: DType, cap_packs: u64) -> impl Iterator<Item = (u
 }
 
 impl Comm {
-    fn kernel(&self, algorithm: Algorithm, dtype: DType) -> Result<sys::CUfunction> {
-        let id = algorithm.kernel().ok_or_else(|| Error::invalid("NCCL has no kernel of ours"))?;
-        self.module.function(&crate::kernels::entry_name(id, dtype))
+    /// The host side and kernel of `algorithm` for `dtype`, once the one
+    /// availability rule allows it here.
+    fn prepare(&self, algorithm: Algorithm, dtype: DType) -> Result<(&'static dyn AlgorithmHost, sys::CUfunction)> {
+        algorithms::availability(algorithm, &self.capabilities(), None).map_err(Error::Unsupported)?;
+        let host = algorithms::host(algorithm).ok_or_else(|| Error::invalid("NCCL has no kernel of ours"))?;
+        Ok((host, self.module.function(&crate::kernels::entry_name(host.kernel(), dtype))?))
     }
 
     pub(super) fn run_push(
@@ -91,11 +60,11 @@ impl Comm {
         dtype: DType,
         stream: sys::CUstream,
     ) -> Result<()> {
-        self.setup.available(algorithm).map_err(Error::Unsupported)?;
-        let f = self.kernel(algorithm, dtype)?;
+        let (host, f) = self.prepare(algorithm, dtype)?;
+        let geometry = self.setup.geometry();
         let elem = dtype.size_bytes() as u64;
-        for (start, n) in chunks(count, dtype, launch_capacity_packs(self, algorithm)) {
-            let grid = grid_for(self, algorithm, packs_for(n as u64, dtype));
+        for (start, n) in chunks(count, dtype, host.launch_capacity_packs(&geometry)) {
+            let grid = host.grid(&geometry, packs_for(n as u64, dtype));
             if grid == 0 {
                 return Err(Error::Unsupported(format!(
                     "{algorithm}: a launch of {n} elements does not fit the scratch"
@@ -121,15 +90,15 @@ impl Comm {
         stream: sys::CUstream,
         capturing: bool,
     ) -> Result<()> {
-        self.setup.available(algorithm).map_err(Error::Unsupported)?;
-        let f = self.kernel(algorithm, dtype)?;
+        let (host, f) = self.prepare(algorithm, dtype)?;
+        let geometry = self.setup.geometry();
         let elem = dtype.size_bytes();
         // OneShotPull writes the output while peers still read the input, so
         // in place it must read from a staged copy.
         let must_stage = algorithm == Algorithm::OneShotPull && send == recv;
         let source = self.input_source(send, count * elem, capturing, must_stage)?;
-        for (start, n) in chunks(count, dtype, launch_capacity_packs(self, algorithm)) {
-            let grid = grid_for(self, algorithm, packs_for(n as u64, dtype));
+        for (start, n) in chunks(count, dtype, host.launch_capacity_packs(&geometry)) {
+            let grid = host.grid(&geometry, packs_for(n as u64, dtype));
             let off = (start * elem) as u64;
             let (entry, peer_offset) = match source {
                 InputSource::Staging => {

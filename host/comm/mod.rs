@@ -164,10 +164,24 @@ impl Comm {
     /// Takes effect immediately on this rank; every rank must do the same.
     pub fn set_algorithm(&mut self, algorithm: Option<Algorithm>) -> Result<()> {
         if let Some(a) = algorithm {
-            self.setup.available(a).map_err(Error::Unsupported)?;
+            crate::algorithms::availability(a, &self.capabilities(), None).map_err(Error::Unsupported)?;
         }
         self.config.algorithm = algorithm;
         Ok(())
+    }
+
+    /// What this communicator offers, the input of the one availability
+    /// rule (`algorithms::availability`).
+    pub(crate) fn capabilities(&self) -> crate::algorithms::Capabilities {
+        let islands = &self.setup.islands;
+        crate::algorithms::Capabilities {
+            world: self.world,
+            transport: self.setup.transport,
+            island_size: (islands.island_count >= 2).then_some(islands.island_size as usize),
+            one_shot_push_max_bytes: self.setup.layout.one_shot_push_max_packs as usize
+                * tp_allreduce_kernels::partition::PACK_BYTES,
+            nccl_available: self.nccl.is_some(),
+        }
     }
 
     /// Allreduce (sum) of `send` into `recv` on the communicator's stream.

@@ -34,7 +34,8 @@ use tp_allreduce_kernels::layout::{
 };
 
 use super::shm::SharedHostRegion;
-use crate::algorithm::{Algorithm, Transport};
+use crate::algorithm::Transport;
+use crate::algorithms::Geometry;
 use crate::config::{Config, TransportPreference};
 use crate::driver::{self, DeviceMemory, IpcMapping, KernelArgs, KernelModule, PinnedHostMemory};
 use crate::error::{Error, Result};
@@ -135,20 +136,13 @@ pub(crate) struct Setup {
 }
 
 impl Setup {
-    /// `Ok` when `algorithm` can run on this communicator, else why not.
-    pub fn available(&self, algorithm: Algorithm) -> std::result::Result<(), String> {
-        match algorithm {
-            Algorithm::Nccl => Ok(()),
-            a if self.transport == Transport::HostStaged && !a.supports_host_staged() => {
-                Err(format!("{a} reads peers' device buffers and cannot run over the host-staged transport"))
-            }
-            Algorithm::Hierarchical if self.islands.island_count < 2 => {
-                Err("hierarchical needs islands (Config::island_size)".into())
-            }
-            Algorithm::OneShotPush if self.layout.one_shot_push_max_packs == 0 => {
-                Err("one-shot-push is disabled (one_shot_push_max_bytes = 0)".into())
-            }
-            _ => Ok(()),
+    /// What launch grids and capacities follow from (set at init).
+    pub fn geometry(&self) -> Geometry {
+        Geometry {
+            world: self.same_process.len() as u32,
+            layout: self.layout,
+            pull_max_blocks: self.pull_max_blocks,
+            ring_blocks: self.ring_blocks,
         }
     }
 

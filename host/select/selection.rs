@@ -35,6 +35,7 @@ use std::fmt;
 use tp_allreduce_kernels::ids::DType;
 
 use crate::algorithm::{Algorithm, Transport};
+use crate::algorithms::{self, Capabilities};
 use crate::error::Result;
 use crate::select::cost_model::{CostModel, NcclTuning, Options};
 use crate::select::topology::Topology;
@@ -96,22 +97,14 @@ impl Constraints {
         if self.disabled.contains(&algorithm) {
             return Err(format!("{algorithm} is disabled"));
         }
-        match algorithm {
-            Algorithm::Nccl if !self.nccl_available => Err("NCCL is not available".into()),
-            Algorithm::Nccl => Ok(()),
-            a if self.transport == Transport::HostStaged && !a.supports_host_staged() => {
-                Err(format!("{a} reads peers' device buffers and cannot run host-staged (no usable P2P)"))
-            }
-            Algorithm::Hierarchical => match self.island_size {
-                Some(m) if m >= 2 && m < world && world % m == 0 => Ok(()),
-                Some(m) => Err(format!("hierarchical: islands of {m} do not split {world} ranks into two or more")),
-                None => Err("hierarchical needs islands (none derived from the topology or configured)".into()),
-            },
-            Algorithm::OneShotPush if bytes > self.one_shot_push_max_bytes => {
-                Err(format!("one-shot-push handles at most {} bytes", self.one_shot_push_max_bytes))
-            }
-            _ => Ok(()),
-        }
+        let caps = Capabilities {
+            world,
+            transport: self.transport,
+            island_size: self.island_size,
+            one_shot_push_max_bytes: self.one_shot_push_max_bytes,
+            nccl_available: self.nccl_available,
+        };
+        algorithms::availability(algorithm, &caps, Some(bytes))
     }
 }
 

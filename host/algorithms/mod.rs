@@ -1,0 +1,321 @@
+//! The host side of each algorithm, one file each: its kernel, whether it
+//! reads peers' inputs, which transports it runs over, what it needs to be
+//! available, how one launch's grid and capacity follow from the message,
+//! and the phases the cost model prices. The kernel of `<name>.rs` here is
+//! `kernels-rs/src/device/<name>.rs`; its scratch region is
+//! `ScratchLayout::<name>_*` in `kernels-rs/src/layout.rs`.
+//!
+//! [`availability`] is the one rule that says whether an algorithm can run:
+//! the communicator (before a call), the selection (before choosing) and
+//! the cost model (before predicting) all ask it.
+
+#![forbid(unsafe_code)]
+
+mod hierarchical;
+mod one_shot_pull;
+mod one_shot_push;
+mod ring;
+mod two_shot_pull;
+mod two_shot_push;
+
+use tp_allreduce_kernels::ids::AlgorithmId;
+use tp_allreduce_kernels::layout::{ScratchLayout, THREADS_PER_BLOCK};
+
+use crate::algorithm::{Algorithm, Transport};
+
+/// Everything of one algorithm's host side.
+pub(crate) trait AlgorithmHost: Sync {
+    /// The kernel family (`<prefix>_<dtype>` entry points).
+    fn kernel(&self) -> AlgorithmId;
+
+    /// Pull algorithms read peers' *input* buffers, which therefore must be
+    /// peer-visible (registered or staged). Push algorithms only write into
+    /// library-owned scratch and accept any input pointer.
+    fn reads_peer_inputs(&self) -> bool {
+        false
+    }
+
+    /// Whether it can run over pinned host memory (no peer device access).
+    fn supports_host_staged(&self) -> bool;
+
+    /// Upper bound on roundings to the element type between the exact sum
+    /// and the result (f16/bf16): what tests use as tolerance.
+    fn max_roundings(&self, _world: usize) -> usize {
+        1
+    }
+
+    /// What this algorithm needs beyond the transport (islands, a size
+    /// limit), `Err(why)` when `caps` lack it. `bytes`: the message size
+    /// when the question is about one size (the selection), `None` for "at
+    /// all" (the communicator splits long messages into launches).
+    fn requirement(&self, _caps: &Capabilities, _bytes: Option<usize>) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// Packs one launch handles; longer messages are split.
+    fn launch_capacity_packs(&self, geometry: &Geometry) -> u64 {
+        geometry.layout.max_packs
+    }
+
+    /// Grid of one launch over `packs` packs (0: it does not fit).
+    fn grid(&self, geometry: &Geometry, packs: u64) -> u32;
+
+    /// The phases the cost model prices for `shape`.
+    fn cost(&self, shape: &CostShape) -> CostRecipe;
+}
+
+/// The host side of `algorithm`, `None` for NCCL (no kernel of ours).
+pub(crate) fn host(algorithm: Algorithm) -> Option<&'static dyn AlgorithmHost> {
+    match algorithm {
+        Algorithm::OneShotPull => Some(&one_shot_pull::OneShotPull),
+        Algorithm::TwoShotPull => Some(&two_shot_pull::TwoShotPull),
+        Algorithm::OneShotPush => Some(&one_shot_push::OneShotPush),
+        Algorithm::TwoShotPush => Some(&two_shot_push::TwoShotPush),
+        Algorithm::Ring => Some(&ring::Ring),
+        Algorithm::Hierarchical => Some(&hierarchical::Hierarchical),
+        Algorithm::Nccl => None,
+    }
+}
+
+/// What a communicator, real or modelled, offers: the input of
+/// [`availability`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    pub world: usize,
+    pub transport: Transport,
+    /// Hierarchical: consecutive islands of this many ranks.
+    pub island_size: Option<usize>,
+    /// One-shot push handles messages up to this size (0: disabled).
+    pub one_shot_push_max_bytes: usize,
+    /// An NCCL communicator exists (NCCL loaded, ranks on distinct GPUs).
+    pub nccl_available: bool,
+}
+
+/// The one rule: `Ok` when `algorithm` can run under `caps` (for a message
+/// of `bytes`, when given), else why not.
+pub fn availability(algorithm: Algorithm, caps: &Capabilities, bytes: Option<usize>) -> Result<(), String> {
+    let Some(h) = host(algorithm) else {
+        return if caps.nccl_available { Ok(()) } else { Err("NCCL is not available".into()) };
+    };
+    if caps.transport == Transport::HostStaged && !h.supports_host_staged() {
+        return Err(format!("{algorithm} reads peers' device buffers and cannot run host-staged (no usable P2P)"));
+    }
+    h.requirement(caps, bytes)
+}
+
+/// Islands of `island_size` split `world` ranks into two or more islands
+/// of at least two ranks.
+pub(crate) fn islands_split(island_size: usize, world: usize) -> bool {
+    island_size >= 2 && island_size < world && world % island_size == 0
+}
+
+/// What a launch's grid and capacity depend on: the communicator's scratch
+/// layout and block limits (set at init).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub world: u32,
+    pub layout: ScratchLayout,
+    pub pull_max_blocks: u32,
+    pub ring_blocks: u32,
+}
+
+impl Geometry {
+    pub(crate) const THREADS: u64 = THREADS_PER_BLOCK as u64;
+}
+
+/// The shape a cost recipe depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CostShape {
+    pub world: usize,
+    /// Hierarchical: island size (checked by [`availability`] first).
+    pub island_size: Option<usize>,
+}
+
+/// Which ordered pairs of ranks exchange data in a phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlowSet {
+    /// Every rank to every other rank.
+    AllPairs,
+    /// Every rank to the next one (`r -> r+1 mod N`).
+    RingNeighbours,
+    /// Every rank to the other members of its island.
+    WithinIslands,
+    /// Every rank to the same-index member of every other island.
+    AcrossIslands,
+}
+
+/// The memory operation that moves a phase's data over the link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Posted stores to peer memory.
+    Write,
+    /// Non-posted loads from peer memory.
+    Read,
+}
+
+/// How the flows of a phase overlap in time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pattern {
+    /// One stream per link and direction (ring neighbours).
+    Single,
+    /// Every rank drives every peer, one peer at a time.
+    Staggered,
+    /// Every rank drives every peer at once.
+    Simultaneous,
+}
+
+/// Which links' latencies a phase's dependent hops pay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LatencyOver {
+    /// The worst link the phase's flows use.
+    WorstFlow,
+    /// The mean over the phase's flows (pipelined rings: a chunk passes
+    /// every edge).
+    MeanFlow,
+    /// The worst link between any two ranks (barriers touch every pair).
+    WorstPair,
+}
+
+/// One phase of an algorithm, as the cost model prices it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PhaseSpec {
+    pub flows: FlowSet,
+    /// Bytes per flow as a fraction of the message size.
+    pub share: f64,
+    pub op: Op,
+    pub pattern: Pattern,
+    /// Dependent one-way latencies (flag or payload hops).
+    pub hops: f64,
+    /// Dependent non-posted reads, each `read_round_trip_factor` latencies.
+    pub read_hops: f64,
+    pub latency_over: LatencyOver,
+    /// Throughput limited by the ring's chunked FIFO pipeline.
+    pub ring_pipelined: bool,
+}
+
+impl PhaseSpec {
+    /// A phase of posted writes, one dependent hop, staggered peers.
+    pub(crate) const fn staggered_writes(flows: FlowSet, share: f64) -> PhaseSpec {
+        PhaseSpec {
+            flows,
+            share,
+            op: Op::Write,
+            pattern: Pattern::Staggered,
+            hops: 1.0,
+            read_hops: 0.0,
+            latency_over: LatencyOver::WorstFlow,
+            ring_pipelined: false,
+        }
+    }
+
+    /// A phase of simultaneous peer reads between barriers.
+    pub(crate) const fn barrier_reads(share: f64, hops: f64, read_hops: f64) -> PhaseSpec {
+        PhaseSpec {
+            flows: FlowSet::AllPairs,
+            share,
+            op: Op::Read,
+            pattern: Pattern::Simultaneous,
+            hops,
+            read_hops,
+            latency_over: LatencyOver::WorstPair,
+            ring_pipelined: false,
+        }
+    }
+}
+
+/// What the cost model prices for one algorithm call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostRecipe {
+    pub phases: Vec<PhaseSpec>,
+    /// Device-memory traffic in multiples of the message size (receive
+    /// buffers, reductions, output, re-arming).
+    pub local_passes: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caps(transport: Transport, island_size: Option<usize>) -> Capabilities {
+        Capabilities { world: 8, transport, island_size, one_shot_push_max_bytes: 512 << 10, nccl_available: true }
+    }
+
+    #[test]
+    fn every_kernel_algorithm_has_a_host_side_with_its_own_kernel() {
+        for a in Algorithm::OURS {
+            let h = host(a).unwrap_or_else(|| panic!("{a} has no host side"));
+            assert_eq!(h.kernel().kernel_prefix(), a.name().replace('-', "_"), "{a}");
+        }
+        assert!(host(Algorithm::Nccl).is_none());
+    }
+
+    #[test]
+    fn pull_algorithms_need_peer_to_peer() {
+        let staged = caps(Transport::HostStaged, Some(4));
+        for a in Algorithm::OURS {
+            let r = availability(a, &staged, None);
+            assert_eq!(r.is_ok(), !host(a).unwrap().reads_peer_inputs(), "{a}: {r:?}");
+        }
+        assert!(availability(Algorithm::OneShotPull, &caps(Transport::PeerToPeer, None), None).is_ok());
+    }
+
+    #[test]
+    fn hierarchical_needs_islands_that_split_the_world() {
+        let p2p = |m| caps(Transport::PeerToPeer, m);
+        assert!(availability(Algorithm::Hierarchical, &p2p(Some(4)), None).is_ok());
+        assert!(availability(Algorithm::Hierarchical, &p2p(Some(2)), None).is_ok());
+        for bad in [None, Some(3), Some(8), Some(1)] {
+            let e = availability(Algorithm::Hierarchical, &p2p(bad), None).unwrap_err();
+            assert!(e.contains("hierarchical") || e.contains("island"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn one_shot_push_size_limit_applies_per_size_only() {
+        let c = caps(Transport::PeerToPeer, None);
+        assert!(availability(Algorithm::OneShotPush, &c, Some(512 << 10)).is_ok());
+        assert!(availability(Algorithm::OneShotPush, &c, Some((512 << 10) + 16)).is_err());
+        assert!(availability(Algorithm::OneShotPush, &c, None).is_ok());
+        let off = Capabilities { one_shot_push_max_bytes: 0, ..c };
+        assert!(availability(Algorithm::OneShotPush, &off, None).is_err());
+    }
+
+    #[test]
+    fn nccl_is_available_only_with_a_communicator() {
+        let mut c = caps(Transport::PeerToPeer, None);
+        assert!(availability(Algorithm::Nccl, &c, None).is_ok());
+        c.nccl_available = false;
+        assert!(availability(Algorithm::Nccl, &c, Some(1)).is_err());
+    }
+
+    #[test]
+    fn recipes_move_the_bytes_the_algorithms_move() {
+        // Per-rank bytes sent, as a multiple of S, for N = 8, m = 4.
+        let shape = CostShape { world: 8, island_size: Some(4) };
+        let sent = |a: Algorithm| -> f64 {
+            host(a)
+                .unwrap()
+                .cost(&shape)
+                .phases
+                .iter()
+                .map(|p| {
+                    let peers = match p.flows {
+                        FlowSet::AllPairs => 7.0,
+                        FlowSet::RingNeighbours => 1.0,
+                        FlowSet::WithinIslands => 3.0,
+                        FlowSet::AcrossIslands => 1.0,
+                    };
+                    peers * p.share
+                })
+                .sum()
+        };
+        let close = |x: f64, y: f64| (x - y).abs() < 1e-9;
+        assert!(close(sent(Algorithm::OneShotPush), 7.0));
+        assert!(close(sent(Algorithm::OneShotPull), 7.0));
+        assert!(close(sent(Algorithm::TwoShotPush), 2.0 * 7.0 / 8.0));
+        assert!(close(sent(Algorithm::TwoShotPull), 2.0 * 7.0 / 8.0));
+        assert!(close(sent(Algorithm::Ring), 2.0 * 7.0 / 8.0));
+        // Hierarchical: (m-1)/m twice inside the island, 1/m across.
+        assert!(close(sent(Algorithm::Hierarchical), 2.0 * 3.0 / 4.0 + 1.0 / 4.0));
+    }
+}

@@ -1,0 +1,39 @@
+//! TwoShotPull: reduce-scatter by reads (each rank reduces its slice from
+//! every peer), then all-gather by reads (vLLM two-stage). Three barriers.
+//! Kernel: `kernels-rs/src/device/two_shot_pull.rs`.
+
+#![forbid(unsafe_code)]
+
+use tp_allreduce_kernels::ids::AlgorithmId;
+use tp_allreduce_kernels::partition::div_ceil;
+
+use super::{AlgorithmHost, CostRecipe, CostShape, Geometry, PhaseSpec};
+
+pub(crate) struct TwoShotPull;
+
+impl AlgorithmHost for TwoShotPull {
+    fn kernel(&self) -> AlgorithmId {
+        AlgorithmId::TwoShotPull
+    }
+
+    fn reads_peer_inputs(&self) -> bool {
+        true
+    }
+
+    fn supports_host_staged(&self) -> bool {
+        false
+    }
+
+    fn grid(&self, g: &Geometry, packs: u64) -> u32 {
+        div_ceil(div_ceil(packs, g.world as u64), Geometry::THREADS).clamp(1, g.pull_max_blocks as u64) as u32
+    }
+
+    fn cost(&self, shape: &CostShape) -> CostRecipe {
+        let slice = 1.0 / shape.world as f64;
+        // Start barrier + reads; mid barrier + reads + end barrier.
+        CostRecipe {
+            phases: vec![PhaseSpec::barrier_reads(slice, 1.0, 1.0), PhaseSpec::barrier_reads(slice, 2.0, 1.0)],
+            local_passes: 3.0,
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! The network a phase's flows cross: link classes, shared resources and
+//! their capacities, and the latency and data time of one phase.
+
+use std::collections::BTreeMap;
+
+use super::{CostModel, CostParams};
+use crate::algorithm::Transport;
+use crate::algorithms::{FlowSet, Op, Pattern};
+use crate::select::topology::{components, LinkKind, PcieRelation, Topology};
+
+/// Link classes: one latency and one bandwidth rule each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Class {
+    SameDevice,
+    NvLink(u32),
+    NvSwitch,
+    PcieSwitch,
+    PcieRootComplex,
+    PcieCrossSocket,
+    Host,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Resource {
+    PcieOut(usize),
+    PcieIn(usize),
+    NvOut(usize),
+    NvIn(usize),
+    UplinkOut(usize),
+    UplinkIn(usize),
+    Socket(usize, usize),
+    DeviceMemory(usize),
+    HostMemory,
+}
+
+#[derive(Default)]
+pub(super) struct Load {
+    pub bytes: f64,
+    pub flows: usize,
+    sources: Vec<usize>,
+}
+
+pub(super) struct Flow {
+    pub src: usize,
+    pub dst: usize,
+    pub bytes: f64,
+}
+
+pub(super) struct Phase {
+    pub flows: Vec<Flow>,
+    pub op: Op,
+    pub pattern: Pattern,
+    /// Dependent one-way latencies of the phase.
+    pub hops: f64,
+    /// Use the mean latency of the flows' links instead of the worst
+    /// (pipelined rings: a chunk passes every edge).
+    pub mean_latency: bool,
+    /// Fraction of the bandwidth the kernel's own pipelining keeps (1.0
+    /// but for our ring).
+    pub pipeline: f64,
+}
+
+/// The structure of a rank view the model needs, precomputed.
+pub(super) struct Net {
+    pub n: usize,
+    pub class: Vec<Vec<Class>>,
+    pub device: Vec<usize>,
+    pub switch: Vec<usize>,
+    pub switch_size: Vec<usize>,
+    pub socket: Vec<usize>,
+    pub pcie_gbps: Vec<f64>,
+}
+
+impl Net {
+    pub(super) fn new(view: &Topology, params: &CostParams, transport: Transport) -> Net {
+        let n = view.len();
+        let class = (0..n)
+            .map(|i| {
+                (0..n)
+                    .map(|j| match view.link(i, j) {
+                        LinkKind::SameDevice => Class::SameDevice,
+                        _ if transport == Transport::HostStaged => Class::Host,
+                        _ if !view.pair(i, j).p2p_usable() => Class::Host,
+                        LinkKind::NvLink { links } => Class::NvLink(links),
+                        LinkKind::NvSwitch => Class::NvSwitch,
+                        LinkKind::Pcie { relation: PcieRelation::SameSwitch } => Class::PcieSwitch,
+                        LinkKind::Pcie { relation: PcieRelation::SameRootComplex } => Class::PcieRootComplex,
+                        LinkKind::Pcie { relation: PcieRelation::CrossSocket } => Class::PcieCrossSocket,
+                        LinkKind::None => Class::Host,
+                    })
+                    .collect()
+            })
+            .collect();
+        let device = components(n, |a, b| view.link(a, b) == LinkKind::SameDevice);
+        let switch = components(n, |a, b| {
+            matches!(view.link(a, b), LinkKind::SameDevice | LinkKind::Pcie { relation: PcieRelation::SameSwitch })
+        });
+        let mut switch_size = vec![0; n];
+        for r in 0..n {
+            // Distinct devices behind the switch.
+            let devs: Vec<usize> = (0..n).filter(|&q| switch[q] == switch[r]).map(|q| device[q]).collect();
+            let mut d = devs.clone();
+            d.sort_unstable();
+            d.dedup();
+            switch_size[r] = d.len();
+        }
+        let socket = components(n, |a, b| match view.link(a, b) {
+            LinkKind::Pcie { relation: PcieRelation::CrossSocket } => false,
+            LinkKind::None => view.gpus[a].numa_node.is_some() && view.gpus[a].numa_node == view.gpus[b].numa_node,
+            _ => true,
+        });
+        let pcie_gbps = view.gpus.iter().map(|g| params.pcie_gbps(g.pcie_gen, g.pcie_width)).collect();
+        Net { n, class, device, switch, switch_size, socket, pcie_gbps }
+    }
+}
+
+/// The flows of `set` on `n` ranks (islands of `m` consecutive ranks),
+/// `bytes` each.
+pub(super) fn flows(set: FlowSet, n: usize, m: usize, bytes: f64) -> Vec<Flow> {
+    let m = m.max(1);
+    let pairs = (0..n).flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)));
+    let wanted = |(i, j): &(usize, usize)| match set {
+        FlowSet::AllPairs => true,
+        FlowSet::RingNeighbours => *j == (*i + 1) % n,
+        FlowSet::WithinIslands => i / m == j / m,
+        FlowSet::AcrossIslands => i / m != j / m && i % m == j % m,
+    };
+    pairs.filter(wanted).map(|(src, dst)| Flow { src, dst, bytes }).collect()
+}
+
+impl CostModel {
+    pub(super) fn latency(&self, c: Class) -> f64 {
+        let p = &self.params;
+        match c {
+            Class::SameDevice => p.latency_same_device_us,
+            Class::NvLink(_) => p.latency_nvlink_us,
+            Class::NvSwitch => p.latency_nvswitch_us,
+            Class::PcieSwitch => p.latency_pcie_switch_us,
+            Class::PcieRootComplex => p.latency_pcie_root_complex_us,
+            Class::PcieCrossSocket => p.latency_pcie_cross_socket_us,
+            Class::Host => p.latency_host_staged_us,
+        }
+    }
+
+    pub(super) fn efficiency(&self, op: Op, pattern: Pattern, flows: usize) -> f64 {
+        let p = &self.params;
+        let read_ratio = p.simultaneous_read_efficiency / p.simultaneous_write_efficiency;
+        match (op, pattern) {
+            (Op::Write, _) if flows <= 1 => 1.0,
+            (Op::Read, _) if flows <= 1 => p.single_read_efficiency,
+            (Op::Write, Pattern::Single) => 1.0,
+            (Op::Read, Pattern::Single) => p.single_read_efficiency,
+            (Op::Write, Pattern::Staggered) => p.staggered_write_efficiency,
+            (Op::Read, Pattern::Staggered) => p.staggered_write_efficiency * read_ratio,
+            (Op::Write, Pattern::Simultaneous) => p.simultaneous_write_efficiency,
+            (Op::Read, Pattern::Simultaneous) => p.simultaneous_read_efficiency,
+        }
+    }
+
+    pub(super) fn nvlink_gbps(&self, c: Class) -> f64 {
+        let p = &self.params;
+        match c {
+            Class::NvLink(links) => f64::from(links.max(1)) * p.nvlink_link_gbps * p.nvlink_efficiency,
+            _ => p.nvswitch_gpu_gbps,
+        }
+    }
+
+    /// Time of one phase's data movement: (ideal wire, actual). Host-staged
+    /// flows cross PCIe twice (into host memory, out of it), in sequence.
+    pub(super) fn data_time(&self, net: &Net, phase: &Phase) -> (f64, f64) {
+        let p = &self.params;
+        let mut up: BTreeMap<Resource, Load> = BTreeMap::new();
+        let mut down: BTreeMap<Resource, Load> = BTreeMap::new();
+        let mut nv_cap: BTreeMap<usize, f64> = BTreeMap::new();
+        let add = |map: &mut BTreeMap<Resource, Load>, r: Resource, f: &Flow| {
+            let l = map.entry(r).or_default();
+            l.bytes += f.bytes;
+            l.flows += 1;
+            if !l.sources.contains(&f.src) {
+                l.sources.push(f.src);
+            }
+        };
+        for f in phase.flows.iter().filter(|f| f.bytes > 0.0) {
+            let c = net.class[f.src][f.dst];
+            let (ds, dd) = (net.device[f.src], net.device[f.dst]);
+            match c {
+                Class::SameDevice => {
+                    // Read at the source and write at the destination.
+                    add(&mut up, Resource::DeviceMemory(ds), &Flow { src: f.src, dst: f.dst, bytes: 2.0 * f.bytes });
+                }
+                Class::NvLink(_) | Class::NvSwitch => {
+                    nv_cap.insert(ds, self.nvlink_gbps(c));
+                    nv_cap.insert(dd, self.nvlink_gbps(c));
+                    add(&mut up, Resource::NvOut(ds), f);
+                    add(&mut up, Resource::NvIn(dd), f);
+                }
+                Class::Host => {
+                    add(&mut up, Resource::PcieOut(ds), f);
+                    add(&mut up, Resource::HostMemory, f);
+                    add(&mut down, Resource::HostMemory, f);
+                    add(&mut down, Resource::PcieIn(dd), f);
+                    if net.socket[f.src] != net.socket[f.dst] {
+                        add(&mut down, Resource::Socket(net.socket[f.src], net.socket[f.dst]), f);
+                    }
+                }
+                _ => {
+                    add(&mut up, Resource::PcieOut(ds), f);
+                    add(&mut up, Resource::PcieIn(dd), f);
+                    if net.switch[f.src] != net.switch[f.dst] {
+                        if net.switch_size[f.src] > 1 {
+                            add(&mut up, Resource::UplinkOut(net.switch[f.src]), f);
+                        }
+                        if net.switch_size[f.dst] > 1 {
+                            add(&mut up, Resource::UplinkIn(net.switch[f.dst]), f);
+                        }
+                    }
+                    if net.socket[f.src] != net.socket[f.dst] {
+                        add(&mut up, Resource::Socket(net.socket[f.src], net.socket[f.dst]), f);
+                    }
+                }
+            }
+        }
+        // Rank -> its device's PCIe bandwidth (resources are keyed by device
+        // component id; any member rank of the component has the same GPU).
+        let pcie_of = |dev: usize| -> f64 {
+            (0..net.n).find(|&r| net.device[r] == dev).map_or(p.pcie_gbps(0, 0), |r| net.pcie_gbps[r])
+        };
+        let uplink_of = |sw: usize| -> f64 {
+            (0..net.n).find(|&r| net.switch[r] == sw).map_or(p.pcie_gbps(0, 0), |r| net.pcie_gbps[r])
+        };
+        let time = |map: &BTreeMap<Resource, Load>, op: Op| -> (f64, f64) {
+            let mut ideal: f64 = 0.0;
+            let mut actual: f64 = 0.0;
+            for (r, l) in map {
+                let eff = self.efficiency(op, phase.pattern, l.flows);
+                let (base, cap, counts_as_wire) = match *r {
+                    Resource::PcieOut(d) | Resource::PcieIn(d) => (pcie_of(d), pcie_of(d) * eff, true),
+                    Resource::NvOut(d) | Resource::NvIn(d) => {
+                        let b = nv_cap.get(&d).copied().unwrap_or(p.nvswitch_gpu_gbps);
+                        (b, b * eff, true)
+                    }
+                    Resource::UplinkOut(s) | Resource::UplinkIn(s) => (uplink_of(s), uplink_of(s) * eff, false),
+                    Resource::Socket(..) => {
+                        let concurrent = match phase.pattern {
+                            Pattern::Single | Pattern::Simultaneous => l.flows,
+                            Pattern::Staggered => l.sources.len(),
+                        }
+                        .max(1) as f64;
+                        let many = p.socket_many_flows_gbps;
+                        let cap = many + (p.socket_single_flow_gbps - many) / concurrent;
+                        let cap = if op == Op::Read { cap * p.socket_read_factor } else { cap };
+                        (cap, cap, false)
+                    }
+                    Resource::DeviceMemory(_) => (p.device_memory_gbps, p.device_memory_gbps, true),
+                    Resource::HostMemory => (p.host_memory_gbps, p.host_memory_gbps, false),
+                };
+                let (base, cap) = (base * phase.pipeline, cap * phase.pipeline);
+                // bytes / (GB/s) = ns / 1000 -> us: bytes / (gbps * 1e3).
+                if counts_as_wire {
+                    ideal = ideal.max(l.bytes / (base * 1e3));
+                }
+                actual = actual.max(l.bytes / (cap * 1e3));
+            }
+            (ideal, actual)
+        };
+        let (ideal_up, actual_up) = time(&up, phase.op);
+        // Staged data is read back from host memory by the receiver.
+        let (ideal_down, actual_down) = time(&down, Op::Read);
+        (ideal_up + ideal_down, actual_up + actual_down)
+    }
+
+    /// Bandwidth of one flow alone between two ranks (GB/s): the slower GPU
+    /// link, the socket boundary if crossed, NVLink, device memory, or
+    /// NCCL's host-memory transport for staged pairs.
+    pub(super) fn single_flow_gbps(&self, net: &Net, a: usize, b: usize) -> f64 {
+        let p = &self.params;
+        match net.class[a][b] {
+            Class::SameDevice => p.device_memory_gbps,
+            c @ (Class::NvLink(_) | Class::NvSwitch) => self.nvlink_gbps(c),
+            Class::Host => p.nccl_host_gbps,
+            _ => {
+                let link = net.pcie_gbps[a].min(net.pcie_gbps[b]);
+                if net.socket[a] != net.socket[b] {
+                    link.min(p.socket_single_flow_gbps)
+                } else {
+                    link
+                }
+            }
+        }
+    }
+
+    pub(super) fn phase_latency(&self, net: &Net, phase: &Phase, all_pairs: bool) -> f64 {
+        let classes: Vec<Class> = if all_pairs {
+            (0..net.n)
+                .flat_map(|i| (0..net.n).filter(move |&j| j != i).map(move |j| (i, j)))
+                .map(|(i, j)| net.class[i][j])
+                .collect()
+        } else {
+            phase.flows.iter().map(|f| net.class[f.src][f.dst]).collect()
+        };
+        if classes.is_empty() {
+            return 0.0;
+        }
+        let lat = if phase.mean_latency {
+            classes.iter().map(|&c| self.latency(c)).sum::<f64>() / classes.len() as f64
+        } else {
+            classes.iter().map(|&c| self.latency(c)).fold(0.0, f64::max)
+        };
+        phase.hops * (lat + self.params.hop_overhead_us)
+    }
+}

@@ -1,0 +1,213 @@
+//! Every number the model uses, with its unit and source.
+
+use serde::{Deserialize, Serialize};
+
+/// Every number the model uses. `CostParams::default()` is the calibrated
+/// set; [`CostParams::table`] lists each with its unit and source.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CostParams {
+    /// Launch + prologue + epilogue of one of our kernels replayed in a CUDA
+    /// graph (us).
+    pub launch_graph_us: f64,
+    /// The same, launched eagerly (us).
+    pub launch_eager_us: f64,
+    /// Per dependent hop on top of the link latency: fence, flag store and
+    /// the poll that sees it (us).
+    pub hop_overhead_us: f64,
+    /// Eager pull algorithms copy the input into the registered staging
+    /// buffer first: launch of that copy (us).
+    pub eager_stage_us: f64,
+    /// One-way latency of a store to become visible, per link class (us).
+    pub latency_same_device_us: f64,
+    pub latency_nvlink_us: f64,
+    pub latency_nvswitch_us: f64,
+    pub latency_pcie_switch_us: f64,
+    pub latency_pcie_root_complex_us: f64,
+    pub latency_pcie_cross_socket_us: f64,
+    /// Through host memory (P2P off): write to host, peer polls it (us).
+    pub latency_host_staged_us: f64,
+    /// A non-posted read costs this many one-way latencies (request and
+    /// completion).
+    pub read_round_trip_factor: f64,
+    /// Achieved / raw PCIe bandwidth for peer writes (Gen5 x16: 53 of 63
+    /// GB/s).
+    pub pcie_efficiency: f64,
+    /// Generation assumed when discovery could not read it.
+    pub pcie_default_gen: u32,
+    /// Per NVLink link and direction, raw (GB/s).
+    pub nvlink_link_gbps: f64,
+    /// Achieved / raw NVLink bandwidth.
+    pub nvlink_efficiency: f64,
+    /// Per-GPU NVSwitch bandwidth per direction, achieved (GB/s).
+    pub nvswitch_gpu_gbps: f64,
+    /// Device-memory bandwidth for local traffic and same-device peers
+    /// (GB/s, conservative: the slowest supported card's class).
+    pub device_memory_gbps: f64,
+    /// Host-memory bandwidth available to staged traffic (GB/s).
+    pub host_memory_gbps: f64,
+    /// Link efficiency when every rank writes to all peers in a staggered
+    /// order (each GPU ~one stream out, one in, all GPUs at once).
+    pub staggered_write_efficiency: f64,
+    /// Link efficiency when every rank writes to all peers at once.
+    pub simultaneous_write_efficiency: f64,
+    /// Link efficiency when every rank reads from all peers at once.
+    pub simultaneous_read_efficiency: f64,
+    /// Link efficiency of a single read stream (vs a single write stream).
+    pub single_read_efficiency: f64,
+    /// Our ring: achieved / link bandwidth of its chunked FIFO pipeline
+    /// (per-chunk flag and credit round trips).
+    pub ring_efficiency: f64,
+    /// Socket boundary, one flow alone, per direction (GB/s).
+    pub socket_single_flow_gbps: f64,
+    /// Socket boundary, aggregate with many flows, per direction (GB/s).
+    pub socket_many_flows_gbps: f64,
+    /// Socket boundary capacity for reads relative to writes.
+    pub socket_read_factor: f64,
+    /// NCCL base latency, LL protocol, including its launch (us).
+    pub nccl_base_ll_us: f64,
+    /// NCCL base latency, Simple protocol, including its launch (us).
+    pub nccl_base_simple_us: f64,
+    /// NCCL per-step overhead on top of the link latency, LL (us).
+    pub nccl_step_ll_us: f64,
+    /// NCCL per-step overhead on top of the link latency, Simple (us).
+    pub nccl_step_simple_us: f64,
+    /// Tuned NCCL (more channels): LL wire throughput as a fraction of the
+    /// ring's single-flow link bandwidth (LL lines: half of it is data).
+    pub nccl_ll_link_fraction: f64,
+    /// Stock NCCL (default channel count): the same.
+    pub nccl_ll_stock_link_fraction: f64,
+    /// NCCL Simple throughput as a fraction of the ring's link bandwidth.
+    pub nccl_simple_link_fraction: f64,
+    /// NCCL through host memory (SHM transport) throughput per rank (GB/s).
+    pub nccl_host_gbps: f64,
+    /// Extra host-side cost of an eager (non-graph) NCCL call (us).
+    pub nccl_eager_extra_us: f64,
+}
+
+impl Default for CostParams {
+    fn default() -> Self {
+        CostParams {
+            launch_graph_us: 5.0,
+            launch_eager_us: 7.0,
+            hop_overhead_us: 0.5,
+            eager_stage_us: 2.0,
+            latency_same_device_us: 0.1,
+            latency_nvlink_us: 0.3,
+            latency_nvswitch_us: 0.35,
+            latency_pcie_switch_us: 0.45,
+            latency_pcie_root_complex_us: 0.55,
+            latency_pcie_cross_socket_us: 0.9,
+            latency_host_staged_us: 14.0,
+            read_round_trip_factor: 2.0,
+            pcie_efficiency: 0.84,
+            pcie_default_gen: 4,
+            nvlink_link_gbps: 25.0,
+            nvlink_efficiency: 0.8,
+            nvswitch_gpu_gbps: 360.0,
+            device_memory_gbps: 1500.0,
+            host_memory_gbps: 100.0,
+            staggered_write_efficiency: 0.66,
+            simultaneous_write_efficiency: 0.567,
+            simultaneous_read_efficiency: 0.46,
+            single_read_efficiency: 0.955,
+            ring_efficiency: 0.66,
+            socket_single_flow_gbps: 53.0,
+            socket_many_flows_gbps: 24.0,
+            socket_read_factor: 0.81,
+            nccl_base_ll_us: 6.6,
+            nccl_base_simple_us: 8.4,
+            nccl_step_ll_us: 0.5,
+            nccl_step_simple_us: 5.0,
+            nccl_ll_link_fraction: 1.0,
+            nccl_ll_stock_link_fraction: 0.57,
+            nccl_simple_link_fraction: 0.66,
+            nccl_host_gbps: 10.0,
+            nccl_eager_extra_us: 2.0,
+        }
+    }
+}
+
+/// One row of the parameter table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamRow {
+    pub name: &'static str,
+    pub value: f64,
+    pub unit: &'static str,
+    pub source: &'static str,
+}
+
+impl CostParams {
+    /// Every parameter with its value, unit and source: what
+    /// docs/COST-MODEL.md tabulates (a test checks the doc names them all).
+    #[rustfmt::skip]
+    pub fn table(&self) -> Vec<ParamRow> {
+        let r = |name, value, unit, source| ParamRow { name, value, unit, source };
+        vec![
+            r("launch_graph_us", self.launch_graph_us, "us", "calibrated: published one-shot push, 1 KB on 4 GPUs = 6.1 us in CUDA graphs"),
+            r("launch_eager_us", self.launch_eager_us, "us", "assumption: graph launch + ~2 us host launch"),
+            r("hop_overhead_us", self.hop_overhead_us, "us", "calibrated with launch_graph_us (1 KB one-shot); fence + flag + poll"),
+            r("eager_stage_us", self.eager_stage_us, "us", "assumption: one extra copy launch (the vLLM eager path)"),
+            r("latency_same_device_us", self.latency_same_device_us, "us", "assumption: L2/HBM visibility"),
+            r("latency_nvlink_us", self.latency_nvlink_us, "us", "assumption (NCCL tuning.cc: NVLink LL step 0.6 us incl. overhead)"),
+            r("latency_nvswitch_us", self.latency_nvswitch_us, "us", "assumption (NVLink plus a switch traversal)"),
+            r("latency_pcie_switch_us", self.latency_pcie_switch_us, "us", "CONTEXT.md: Gen5 P2P write latency ~0.4 us, ~0.45 us per hop"),
+            r("latency_pcie_root_complex_us", self.latency_pcie_root_complex_us, "us", "assumption: switch figure + root-complex routing"),
+            r("latency_pcie_cross_socket_us", self.latency_pcie_cross_socket_us, "us", "assumption: two root complexes + the socket link"),
+            r("latency_host_staged_us", self.latency_host_staged_us, "us", "CONTEXT.md: ~14 us with P2P disabled (staged through host memory)"),
+            r("read_round_trip_factor", self.read_round_trip_factor, "x", "physics: a non-posted read is a request plus a completion"),
+            r("pcie_efficiency", self.pcie_efficiency, "x", "CONTEXT.md: 52-56 of 63 GB/s raw, Gen5 x16 P2P write"),
+            r("pcie_default_gen", f64::from(self.pcie_default_gen), "gen", "assumption for GPUs whose link could not be read"),
+            r("nvlink_link_gbps", self.nvlink_link_gbps, "GB/s", "NVLink 4: 50 GB/s per link, both directions"),
+            r("nvlink_efficiency", self.nvlink_efficiency, "x", "assumption"),
+            r("nvswitch_gpu_gbps", self.nvswitch_gpu_gbps, "GB/s", "H200 datasheet: 450 GB/s per direction x nvlink_efficiency"),
+            r("device_memory_gbps", self.device_memory_gbps, "GB/s", "assumption: below RTX PRO 6000's 1.8 TB/s GDDR7 (conservative)"),
+            r("host_memory_gbps", self.host_memory_gbps, "GB/s", "assumption: one socket's DDR5 share for staging"),
+            r("staggered_write_efficiency", self.staggered_write_efficiency, "x", "calibrated: published one-shot push 128 KB-1 MB on 4 GPUs (~35 GB/s per GPU)"),
+            r("simultaneous_write_efficiency", self.simultaneous_write_efficiency, "x", "CONTEXT.md: 25.4 / 44.8 GB/s per link, every rank driving all peers"),
+            r("simultaneous_read_efficiency", self.simultaneous_read_efficiency, "x", "CONTEXT.md: 20.6 / 44.8 GB/s per link, every rank driving all peers"),
+            r("single_read_efficiency", self.single_read_efficiency, "x", "CONTEXT.md: load 42.8 vs store 44.8 GB/s alone"),
+            r("ring_efficiency", self.ring_efficiency, "x", "assumption: streams no better than NCCL's Simple ring (= nccl_simple_link_fraction)"),
+            r("socket_single_flow_gbps", self.socket_single_flow_gbps, "GB/s", "CONTEXT.md: ~53 GB/s for a single cross-socket hop alone"),
+            r("socket_many_flows_gbps", self.socket_many_flows_gbps, "GB/s", "CONTEXT.md: ~24 GB/s aggregate with all flows crossing"),
+            r("socket_read_factor", self.socket_read_factor, "x", "CONTEXT.md: read/write ratio under concurrency (20.6 / 25.4)"),
+            r("nccl_base_ll_us", self.nccl_base_ll_us, "us", "NCCL tuning.cc: ring LL base latency"),
+            r("nccl_base_simple_us", self.nccl_base_simple_us, "us", "NCCL tuning.cc: ring Simple base latency"),
+            r("nccl_step_ll_us", self.nccl_step_ll_us, "us", "calibrated: NCCL's model ~20 us ring LL small on 8 PCIe GPUs; 13.5 us at 1 KB on 4"),
+            r("nccl_step_simple_us", self.nccl_step_simple_us, "us", "calibrated: stock NCCL 512 KB and 1 MB on 4 GPUs (tuning.cc PCI: 5.7)"),
+            r("nccl_ll_link_fraction", self.nccl_ll_link_fraction, "x", "calibrated: tuned NCCL 32 and 256 KB on 8 PCIe GPUs"),
+            r("nccl_ll_stock_link_fraction", self.nccl_ll_stock_link_fraction, "x", "calibrated: stock NCCL 16-512 KB on 4 GPUs (published comparison)"),
+            r("nccl_simple_link_fraction", self.nccl_simple_link_fraction, "x", "calibrated: stock NCCL 1 MB on 4 GPUs"),
+            r("nccl_host_gbps", self.nccl_host_gbps, "GB/s", "assumption: NCCL's SHM transport through host memory"),
+            r("nccl_eager_extra_us", self.nccl_eager_extra_us, "us", "assumption: host launch of an eager NCCL call"),
+        ]
+    }
+
+    /// [`CostParams::table`] as markdown (what docs/COST-MODEL.md shows).
+    pub fn markdown_table(&self) -> String {
+        let mut s = String::from("| parameter | value | unit | source |\n|---|---|---|---|\n");
+        for r in self.table() {
+            s.push_str(&format!("| `{}` | {} | {} | {} |\n", r.name, r.value, r.unit, r.source));
+        }
+        s
+    }
+
+    /// Raw PCIe bandwidth per lane and direction for a generation (GB/s).
+    pub fn pcie_lane_gbps(gen: u32) -> f64 {
+        match gen {
+            1 => 0.25,
+            2 => 0.5,
+            3 => 0.985,
+            4 => 1.969,
+            5 => 3.938,
+            6 => 7.563,
+            _ => 15.125,
+        }
+    }
+
+    /// Achieved single-flow P2P write bandwidth of a GPU's PCIe link (GB/s).
+    pub fn pcie_gbps(&self, gen: u32, width: u32) -> f64 {
+        let gen = if gen == 0 { self.pcie_default_gen } else { gen };
+        let width = if width == 0 { 16 } else { width };
+        Self::pcie_lane_gbps(gen) * f64::from(width) * self.pcie_efficiency
+    }
+}
