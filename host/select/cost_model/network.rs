@@ -40,6 +40,15 @@ pub(super) struct Load {
     sources: Vec<usize>,
 }
 
+/// Per-resource loads of one phase: on the way out (`up`) and, for
+/// host-staged flows, on the way back down.
+#[derive(Default)]
+pub(super) struct Loads {
+    up: BTreeMap<Resource, Load>,
+    down: BTreeMap<Resource, Load>,
+    nv_cap: BTreeMap<usize, f64>,
+}
+
 pub(super) struct Flow {
     pub src: usize,
     pub dst: usize,
@@ -168,10 +177,16 @@ impl CostModel {
     /// Time of one phase's data movement: (ideal wire, actual). Host-staged
     /// flows cross PCIe twice (into host memory, out of it), in sequence.
     pub(super) fn data_time(&self, net: &Net, phase: &Phase) -> (f64, f64) {
-        let p = &self.params;
-        let mut up: BTreeMap<Resource, Load> = BTreeMap::new();
-        let mut down: BTreeMap<Resource, Load> = BTreeMap::new();
-        let mut nv_cap: BTreeMap<usize, f64> = BTreeMap::new();
+        let loads = self.loads(net, phase);
+        let (ideal_up, actual_up) = self.resource_time(net, phase, &loads.up, &loads.nv_cap, phase.op);
+        // Staged data is read back from host memory by the receiver.
+        let (ideal_down, actual_down) = self.resource_time(net, phase, &loads.down, &loads.nv_cap, Op::Read);
+        (ideal_up + ideal_down, actual_up + actual_down)
+    }
+
+    /// The bytes and flows each shared resource carries in `phase`.
+    fn loads(&self, net: &Net, phase: &Phase) -> Loads {
+        let mut l = Loads::default();
         let add = |map: &mut BTreeMap<Resource, Load>, r: Resource, f: &Flow| {
             let l = map.entry(r).or_default();
             l.bytes += f.bytes;
@@ -183,90 +198,111 @@ impl CostModel {
         for f in phase.flows.iter().filter(|f| f.bytes > 0.0) {
             let c = net.class[f.src][f.dst];
             let (ds, dd) = (net.device[f.src], net.device[f.dst]);
+            let cross_socket = net.socket[f.src] != net.socket[f.dst];
+            let socket = Resource::Socket(net.socket[f.src], net.socket[f.dst]);
             match c {
                 Class::SameDevice => {
                     // Read at the source and write at the destination.
-                    add(&mut up, Resource::DeviceMemory(ds), &Flow { src: f.src, dst: f.dst, bytes: 2.0 * f.bytes });
+                    let both = Flow { src: f.src, dst: f.dst, bytes: 2.0 * f.bytes };
+                    add(&mut l.up, Resource::DeviceMemory(ds), &both);
                 }
                 Class::NvLink(_) | Class::NvSwitch => {
-                    nv_cap.insert(ds, self.nvlink_gbps(c));
-                    nv_cap.insert(dd, self.nvlink_gbps(c));
-                    add(&mut up, Resource::NvOut(ds), f);
-                    add(&mut up, Resource::NvIn(dd), f);
+                    l.nv_cap.insert(ds, self.nvlink_gbps(c));
+                    l.nv_cap.insert(dd, self.nvlink_gbps(c));
+                    add(&mut l.up, Resource::NvOut(ds), f);
+                    add(&mut l.up, Resource::NvIn(dd), f);
                 }
                 Class::Host => {
-                    add(&mut up, Resource::PcieOut(ds), f);
-                    add(&mut up, Resource::HostMemory, f);
-                    add(&mut down, Resource::HostMemory, f);
-                    add(&mut down, Resource::PcieIn(dd), f);
-                    if net.socket[f.src] != net.socket[f.dst] {
-                        add(&mut down, Resource::Socket(net.socket[f.src], net.socket[f.dst]), f);
+                    add(&mut l.up, Resource::PcieOut(ds), f);
+                    add(&mut l.up, Resource::HostMemory, f);
+                    add(&mut l.down, Resource::HostMemory, f);
+                    add(&mut l.down, Resource::PcieIn(dd), f);
+                    if cross_socket {
+                        add(&mut l.down, socket, f);
                     }
                 }
                 _ => {
-                    add(&mut up, Resource::PcieOut(ds), f);
-                    add(&mut up, Resource::PcieIn(dd), f);
+                    add(&mut l.up, Resource::PcieOut(ds), f);
+                    add(&mut l.up, Resource::PcieIn(dd), f);
                     if net.switch[f.src] != net.switch[f.dst] {
                         if net.switch_size[f.src] > 1 {
-                            add(&mut up, Resource::UplinkOut(net.switch[f.src]), f);
+                            add(&mut l.up, Resource::UplinkOut(net.switch[f.src]), f);
                         }
                         if net.switch_size[f.dst] > 1 {
-                            add(&mut up, Resource::UplinkIn(net.switch[f.dst]), f);
+                            add(&mut l.up, Resource::UplinkIn(net.switch[f.dst]), f);
                         }
                     }
-                    if net.socket[f.src] != net.socket[f.dst] {
-                        add(&mut up, Resource::Socket(net.socket[f.src], net.socket[f.dst]), f);
+                    if cross_socket {
+                        add(&mut l.up, socket, f);
                     }
                 }
             }
         }
-        // Rank -> its device's PCIe bandwidth (resources are keyed by device
-        // component id; any member rank of the component has the same GPU).
+        l
+    }
+
+    /// (ideal wire, actual) time of the busiest resource of `map`.
+    fn resource_time(
+        &self,
+        net: &Net,
+        phase: &Phase,
+        map: &BTreeMap<Resource, Load>,
+        nv_cap: &BTreeMap<usize, f64>,
+        op: Op,
+    ) -> (f64, f64) {
+        let p = &self.params;
+        // Resources are keyed by device (or switch) component id; any
+        // member rank of the component has the same GPU link.
         let pcie_of = |dev: usize| -> f64 {
             (0..net.n).find(|&r| net.device[r] == dev).map_or(p.pcie_gbps(0, 0), |r| net.pcie_gbps[r])
         };
         let uplink_of = |sw: usize| -> f64 {
             (0..net.n).find(|&r| net.switch[r] == sw).map_or(p.pcie_gbps(0, 0), |r| net.pcie_gbps[r])
         };
-        let time = |map: &BTreeMap<Resource, Load>, op: Op| -> (f64, f64) {
-            let mut ideal: f64 = 0.0;
-            let mut actual: f64 = 0.0;
-            for (r, l) in map {
-                let eff = self.efficiency(op, phase.pattern, l.flows);
-                let (base, cap, counts_as_wire) = match *r {
-                    Resource::PcieOut(d) | Resource::PcieIn(d) => (pcie_of(d), pcie_of(d) * eff, true),
-                    Resource::NvOut(d) | Resource::NvIn(d) => {
-                        let b = nv_cap.get(&d).copied().unwrap_or(p.nvswitch_gpu_gbps);
-                        (b, b * eff, true)
-                    }
-                    Resource::UplinkOut(s) | Resource::UplinkIn(s) => (uplink_of(s), uplink_of(s) * eff, false),
-                    Resource::Socket(..) => {
-                        let concurrent = match phase.pattern {
-                            Pattern::Single | Pattern::Simultaneous => l.flows,
-                            Pattern::Staggered => l.sources.len(),
-                        }
-                        .max(1) as f64;
-                        let many = p.socket_many_flows_gbps;
-                        let cap = many + (p.socket_single_flow_gbps - many) / concurrent;
-                        let cap = if op == Op::Read { cap * p.socket_read_factor } else { cap };
-                        (cap, cap, false)
-                    }
-                    Resource::DeviceMemory(_) => (p.device_memory_gbps, p.device_memory_gbps, true),
-                    Resource::HostMemory => (p.host_memory_gbps, p.host_memory_gbps, false),
-                };
-                let (base, cap) = (base * phase.pipeline, cap * phase.pipeline);
-                // bytes / (GB/s) = ns / 1000 -> us: bytes / (gbps * 1e3).
-                if counts_as_wire {
-                    ideal = ideal.max(l.bytes / (base * 1e3));
+        let mut ideal: f64 = 0.0;
+        let mut actual: f64 = 0.0;
+        for (r, l) in map {
+            let eff = self.efficiency(op, phase.pattern, l.flows);
+            let (base, cap, counts_as_wire) = match *r {
+                Resource::PcieOut(d) | Resource::PcieIn(d) => (pcie_of(d), pcie_of(d) * eff, true),
+                Resource::NvOut(d) | Resource::NvIn(d) => {
+                    let b = nv_cap.get(&d).copied().unwrap_or(p.nvswitch_gpu_gbps);
+                    (b, b * eff, true)
                 }
-                actual = actual.max(l.bytes / (cap * 1e3));
+                Resource::UplinkOut(s) | Resource::UplinkIn(s) => (uplink_of(s), uplink_of(s) * eff, false),
+                Resource::Socket(..) => {
+                    let cap = self.socket_gbps(phase, l, op);
+                    (cap, cap, false)
+                }
+                Resource::DeviceMemory(_) => (p.device_memory_gbps, p.device_memory_gbps, true),
+                Resource::HostMemory => (p.host_memory_gbps, p.host_memory_gbps, false),
+            };
+            let (base, cap) = (base * phase.pipeline, cap * phase.pipeline);
+            // bytes / (GB/s) = ns / 1000 -> us: bytes / (gbps * 1e3).
+            if counts_as_wire {
+                ideal = ideal.max(l.bytes / (base * 1e3));
             }
-            (ideal, actual)
-        };
-        let (ideal_up, actual_up) = time(&up, phase.op);
-        // Staged data is read back from host memory by the receiver.
-        let (ideal_down, actual_down) = time(&down, Op::Read);
-        (ideal_up + ideal_down, actual_up + actual_down)
+            actual = actual.max(l.bytes / (cap * 1e3));
+        }
+        (ideal, actual)
+    }
+
+    /// Capacity of the socket boundary for the flows of `load`: ~53 GB/s
+    /// for one flow, falling towards the many-flow aggregate.
+    fn socket_gbps(&self, phase: &Phase, load: &Load, op: Op) -> f64 {
+        let p = &self.params;
+        let concurrent = match phase.pattern {
+            Pattern::Single | Pattern::Simultaneous => load.flows,
+            Pattern::Staggered => load.sources.len(),
+        }
+        .max(1) as f64;
+        let many = p.socket_many_flows_gbps;
+        let cap = many + (p.socket_single_flow_gbps - many) / concurrent;
+        if op == Op::Read {
+            cap * p.socket_read_factor
+        } else {
+            cap
+        }
     }
 
     /// Bandwidth of one flow alone between two ranks (GB/s): the slower GPU
