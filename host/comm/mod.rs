@@ -37,15 +37,14 @@ mod shm;
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaStream};
 pub use cudarc::nccl::ReduceOp;
-use tp_allreduce_kernels::layout::ErrorRecord;
 
 pub use crate::config::{Config, TransportPreference};
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::driver::{self, KernelModule};
-use crate::error::{DeviceFailure, Error, Result};
+use crate::error::{Error, Result};
 use crate::DType;
 
 /// Element types the allreduce accepts (accumulated in f32).
@@ -184,104 +183,6 @@ impl Comm {
         }
     }
 
-    /// Allreduce (sum) of `send` into `recv` on the communicator's stream.
-    pub fn all_reduce<S: DevicePtr<T>, R: DevicePtrMut<T>, T: Element>(
-        &self,
-        send: &S,
-        recv: &mut R,
-        op: &ReduceOp,
-    ) -> Result<()> {
-        check_op(op)?;
-        if send.len() != recv.len() {
-            return Err(Error::invalid(format!(
-                "all_reduce: send has {} elements, recv has {}",
-                send.len(),
-                recv.len()
-            )));
-        }
-        let count = send.len();
-        let (src, _src_guard) = send.device_ptr(&self.stream);
-        let (dst, _dst_guard) = recv.device_ptr_mut(&self.stream);
-        // SAFETY: both pointers come from live cudarc buffers of `count`
-        // elements, borrowed for the duration of the (stream-ordered) call.
-        unsafe { self.all_reduce_raw(src, dst, count, T::DTYPE, self.stream.cu_stream()) }
-    }
-
-    /// In-place allreduce (sum) of `buf`.
-    pub fn all_reduce_in_place<R: DevicePtrMut<T>, T: Element>(&self, buf: &mut R, op: &ReduceOp) -> Result<()> {
-        check_op(op)?;
-        let count = buf.len();
-        let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
-        // SAFETY: as in `all_reduce`.
-        unsafe { self.all_reduce_raw(ptr, ptr, count, T::DTYPE, self.stream.cu_stream()) }
-    }
-
-    /// Allreduce (sum) of raw device pointers, for callers not on cudarc.
-    ///
-    /// # Safety
-    /// `send` and `recv` must be device pointers of this communicator's
-    /// context, valid for `count` elements of `dtype` until the work queued on
-    /// `stream` completes (they may be equal for in-place). `stream` must be a
-    /// live stream of the communicator's context. Every rank must issue the
-    /// same sequence of calls (sizes and dtypes).
-    pub unsafe fn all_reduce_raw(
-        &self,
-        send: sys::CUdeviceptr,
-        recv: sys::CUdeviceptr,
-        count: usize,
-        dtype: DType,
-        stream: sys::CUstream,
-    ) -> Result<()> {
-        self.check()?;
-        if count == 0 {
-            return Ok(());
-        }
-        if send == 0 || recv == 0 {
-            return Err(Error::invalid("all_reduce: null device pointer"));
-        }
-        let elem = dtype.size_bytes() as u64;
-        if send % elem != 0 || recv % elem != 0 {
-            return Err(Error::invalid(format!(
-                "all_reduce: pointers must be aligned to the {}-byte element size",
-                elem
-            )));
-        }
-        let bytes =
-            count.checked_mul(dtype.size_bytes()).ok_or_else(|| Error::invalid("all_reduce: count overflows"))?;
-        let overlap = send != recv && ranges_overlap(send, recv, bytes as u64);
-        if overlap {
-            return Err(Error::invalid("all_reduce: send and recv overlap without being equal"));
-        }
-        driver::bind(&self.ctx)?;
-        for (what, ptr) in [("send", send), ("recv", recv)] {
-            self.validate_device_range(what, ptr, bytes, count, dtype)?;
-        }
-        // SAFETY: the caller guarantees `stream` is a live stream (contract of this fn).
-        let stream_ctx = unsafe { driver::stream_context(stream)? };
-        if stream_ctx != self.ctx.cu_ctx() {
-            return Err(Error::invalid("all_reduce: the stream belongs to another CUDA context than the communicator"));
-        }
-        if self.world == 1 {
-            if send != recv {
-                // SAFETY: live stream of our context; pointers checked above.
-                unsafe { driver::memcpy_dtod_async(recv, send, bytes, stream)? };
-            }
-            return Ok(());
-        }
-        // SAFETY: as above.
-        let capturing = unsafe { driver::is_capturing(stream)? };
-        match call::choose(self, bytes, dtype, capturing) {
-            Algorithm::Nccl => self.nccl_all_reduce(send, recv, count, dtype, stream),
-            a if a.reads_peer_inputs() => self.run_pull(a, send, recv, count, dtype, stream, capturing),
-            a => self.run_push(a, send, recv, count, dtype, stream),
-        }
-        .inspect_err(|e| {
-            if e.breaks_communicator() {
-                self.mark_broken(e.to_string());
-            }
-        })
-    }
-
     /// The plan for a call of `bytes` (what `all_reduce` would do).
     pub fn plan_call(&self, bytes: usize, dtype: DType, capturing: bool, in_place: bool) -> CallPlan {
         call::plan(self, bytes, dtype, capturing, in_place)
@@ -309,85 +210,13 @@ impl Comm {
         synced
     }
 
-    /// Checks that `ptr..ptr+bytes` is device memory of this context (a
-    /// wrong count or dtype in the raw API shows up as an overrun).
-    fn validate_device_range(&self, what: &str, ptr: u64, bytes: usize, count: usize, dtype: DType) -> Result<()> {
-        match driver::allocation_range(ptr) {
-            Ok((base, size)) => {
-                if ptr + bytes as u64 > base + size as u64 {
-                    return Err(Error::invalid(format!(
-                        "all_reduce: {what} holds {} bytes from {ptr:#x}, but {count} x {} needs {bytes} \
-                         (wrong count or dtype?)",
-                        base + size as u64 - ptr,
-                        dtype.name()
-                    )));
-                }
-                Ok(())
-            }
-            // Some allocations (e.g. virtual-memory mappings) have no
-            // address range; accept them if they belong to this context.
-            Err(_) => match driver::pointer_context(ptr) {
-                Some(c) if c == self.ctx.cu_ctx() => Ok(()),
-                _ => Err(Error::invalid(format!(
-                    "all_reduce: {what} ({ptr:#x}) is not device memory of the communicator's context"
-                ))),
-            },
-        }
-    }
-
-    fn read_error_record(&self) -> Option<DeviceFailure> {
-        let rec = self.setup.error_record.host_ptr() as *const ErrorRecord;
-        // SAFETY: `rec` points to the pinned, mapped record owned by `setup`;
-        // the device writes `published` last with a release store, so after
-        // observing it (volatile read + acquire fence) the fields are complete.
-        unsafe {
-            let published = std::ptr::read_volatile(&(*rec).published);
-            if published == 0 {
-                return None;
-            }
-            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-            let copy = std::ptr::read_volatile(rec);
-            Some(DeviceFailure::from_record(&copy))
-        }
-    }
-
-    fn mark_broken(&self, why: String) {
+    pub(super) fn mark_broken(&self, why: String) {
         if let Ok(mut b) = self.broken.lock() {
             if b.is_none() {
                 *b = Some(why);
             }
         }
     }
-
-    fn nccl_all_reduce(
-        &self,
-        send: sys::CUdeviceptr,
-        recv: sys::CUdeviceptr,
-        count: usize,
-        dtype: DType,
-        stream: sys::CUstream,
-    ) -> Result<()> {
-        match &self.nccl {
-            Some(nccl) => nccl.all_reduce(send, recv, count, dtype, stream),
-            None => Err(Error::Nccl("the NCCL algorithm was selected but no NCCL communicator exists".into())),
-        }
-    }
-}
-
-fn check_op(op: &ReduceOp) -> Result<()> {
-    match op {
-        ReduceOp::Sum => Ok(()),
-        ReduceOp::Prod => Err(Error::Unsupported("ReduceOp::Prod: tp-allreduce implements sum only; use NCCL".into())),
-        ReduceOp::Max => Err(Error::Unsupported("ReduceOp::Max: tp-allreduce implements sum only; use NCCL".into())),
-        ReduceOp::Min => Err(Error::Unsupported("ReduceOp::Min: tp-allreduce implements sum only; use NCCL".into())),
-        ReduceOp::Avg => Err(Error::Unsupported(
-            "ReduceOp::Avg: tp-allreduce implements sum only; sum, then scale by 1/world_size".into(),
-        )),
-    }
-}
-
-fn ranges_overlap(a: u64, b: u64, len: u64) -> bool {
-    a < b.saturating_add(len) && b < a.saturating_add(len)
 }
 
 impl Drop for Comm {
