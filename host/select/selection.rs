@@ -36,10 +36,11 @@ use tp_allreduce_kernels::ids::DType;
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::algorithms::{self, Capabilities};
+use crate::env;
 use crate::error::Result;
 use crate::select::cost_model::{CostModel, NcclTuning, Options};
 use crate::select::topology::Topology;
-use crate::select::tuning::TuningTable;
+use crate::select::tuning::{TuningEntry, TuningTable};
 
 /// Ours must be predicted this much faster than NCCL when a model
 /// prediction is involved.
@@ -195,7 +196,96 @@ struct Timed {
     source: Source,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The inputs of one selection, and the times they give each algorithm.
+struct Selecting<'a> {
+    model: &'a CostModel,
+    view: &'a Topology,
+    bytes: usize,
+    opts: Options,
+    c: &'a Constraints,
+    /// The tuning entry covering this size, if any.
+    entry: Option<&'a TuningEntry>,
+    /// The tuning table's last entry for this dtype when `bytes` lies past
+    /// it (no entry covers the size).
+    past_table: Option<&'a TuningEntry>,
+}
+
+impl Selecting<'_> {
+    fn time_of(&self, a: Algorithm) -> Option<Timed> {
+        if let Some(us) = self.entry.and_then(|e| e.median_us(a, self.c.transport)) {
+            return Some(Timed { us, source: Source::Tuning });
+        }
+        let p = self.model.predict(self.view, a, self.c.transport, self.bytes, &self.opts).ok()?;
+        Some(Timed { us: p.total_us(), source: Source::Model })
+    }
+
+    fn choice(&self, algorithm: Algorithm, t: Option<Timed>, nccl: Timed, source: Source, reason: String) -> Choice {
+        Choice {
+            algorithm,
+            transport: self.c.transport,
+            reason,
+            predicted_us: t.map_or(f64::NAN, |t| t.us),
+            nccl_predicted_us: nccl.us,
+            source,
+        }
+    }
+
+    /// Rule 1: the first applicable override, and notes on skipped ones.
+    fn overridden(&self) -> (Option<Algorithm>, String) {
+        let mut notes = String::new();
+        let forced =
+            [(self.c.communicator_override, "the communicator's override"), (self.c.env_override, env::ALGORITHM)];
+        for (forced, who) in forced {
+            let Some(a) = forced else { continue };
+            match self.c.available(a, self.view.len(), self.bytes) {
+                Ok(()) => return (Some(a), format!("{notes}forced by {who}")),
+                Err(why) => notes.push_str(&format!("{a} forced by {who} is not applicable ({why}); ")),
+            }
+        }
+        (None, notes)
+    }
+
+    /// Rule 2: the fastest applicable algorithm of ours, and why the others
+    /// were skipped.
+    fn best_of_ours(&self) -> (Option<(Algorithm, Timed)>, Vec<String>) {
+        let mut best: Option<(Algorithm, Timed)> = None;
+        let mut skipped: Vec<String> = Vec::new();
+        for a in Algorithm::OURS {
+            if let Err(why) = self.c.available(a, self.view.len(), self.bytes) {
+                skipped.push(why);
+                continue;
+            }
+            match self.time_of(a) {
+                Some(t) if best.is_none_or(|(_, b)| t.us < b.us) => best = Some((a, t)),
+                Some(_) => {}
+                None => skipped.push(format!("{a}: no prediction for this topology")),
+            }
+        }
+        (best, skipped)
+    }
+
+    /// Rule 3: ours against NCCL with the margin for where the times came
+    /// from.
+    fn against_nccl(&self, a: Algorithm, t: Timed, nccl: Timed, notes: &str) -> Choice {
+        let margin =
+            if t.source == Source::Tuning && nccl.source == Source::Tuning { MEASURED_MARGIN } else { MODEL_MARGIN };
+        let from = if t.source == Source::Tuning { "measured" } else { "predicted" };
+        if t.us <= nccl.us * (1.0 - margin) {
+            let why = format!("{notes}{a} {from} {:.1} us vs NCCL {:.1} us ({:.1}x)", t.us, nccl.us, nccl.us / t.us);
+            return self.choice(a, Some(t), nccl, t.source, why);
+        }
+        let world = self.view.len();
+        let rule = if self.view.is_pcie() && world > 2 { format!("PCIe with {world} ranks: ") } else { String::new() };
+        let why = format!(
+            "{notes}{rule}NCCL {:.1} us; the best of ours ({a}, {from} {:.1} us) is not at least {:.0} % faster",
+            nccl.us,
+            t.us,
+            margin * 100.0
+        );
+        self.choice(Algorithm::Nccl, Some(nccl), nccl, nccl.source, why)
+    }
+}
+
 fn select_view(
     model: &CostModel,
     tuning: Option<&TuningTable>,
@@ -205,102 +295,44 @@ fn select_view(
     capturing: bool,
     c: &Constraints,
 ) -> Choice {
-    let world = view.len();
-    let transport = c.transport;
-    let opts = Options { capturing, island_size: c.island_size, nccl: NcclTuning::Tuned };
     let entry = tuning.and_then(|t| t.lookup(dtype, bytes));
-    let time_of = |a: Algorithm| -> Option<Timed> {
-        if let Some(us) = entry.and_then(|e| e.median_us(a, transport)) {
-            return Some(Timed { us, source: Source::Tuning });
-        }
-        model.predict(view, a, transport, bytes, &opts).ok().map(|p| Timed { us: p.total_us(), source: Source::Model })
+    let past_table = if entry.is_none() { tuning.and_then(|t| t.last(dtype)) } else { None };
+    let s = Selecting {
+        model,
+        view,
+        bytes,
+        opts: Options { capturing, island_size: c.island_size, nccl: NcclTuning::Tuned },
+        c,
+        entry,
+        past_table,
     };
-    let nccl = time_of(Algorithm::Nccl).expect("NCCL always has a prediction");
-    let choice = |algorithm: Algorithm, t: Option<Timed>, source: Source, reason: String| Choice {
-        algorithm,
-        transport,
-        reason,
-        predicted_us: t.map_or(f64::NAN, |t| t.us),
-        nccl_predicted_us: nccl.us,
-        source,
-    };
-
-    // 1. Overrides.
-    let mut notes = String::new();
-    for (forced, who) in
-        [(c.communicator_override, "the communicator's override"), (c.env_override, crate::env::ALGORITHM)]
-    {
-        let Some(a) = forced else { continue };
-        match c.available(a, world, bytes) {
-            Ok(()) => return choice(a, time_of(a), Source::Override, format!("{notes}forced by {who}")),
-            Err(why) => notes.push_str(&format!("{a} forced by {who} is not applicable ({why}); ")),
-        }
+    let nccl = s.time_of(Algorithm::Nccl).unwrap_or(Timed { us: f64::NAN, source: Source::Model });
+    let (forced, notes) = s.overridden();
+    if let Some(a) = forced {
+        return s.choice(a, s.time_of(a), nccl, Source::Override, notes);
     }
-
-    // 2. Candidates.
-    let mut best: Option<(Algorithm, Timed)> = None;
-    let mut skipped: Vec<String> = Vec::new();
-    for a in Algorithm::OURS {
-        if let Err(why) = c.available(a, world, bytes) {
-            skipped.push(why);
-            continue;
-        }
-        match time_of(a) {
-            Some(t) if best.is_none_or(|(_, b)| t.us < b.us) => best = Some((a, t)),
-            Some(_) => {}
-            None => skipped.push(format!("{a}: no prediction for this topology")),
-        }
+    // Past the tuning table: never slower than NCCL where NCCL won the
+    // largest measured size.
+    if let Some(last) = s.past_table.filter(|e| e.winner == Algorithm::Nccl && c.nccl_available) {
+        let why = format!(
+            "{notes}beyond the tuning table (largest measured size {}): NCCL won there, so NCCL",
+            human_bytes(last.bytes)
+        );
+        return s.choice(Algorithm::Nccl, Some(nccl), nccl, Source::Tuning, why);
     }
-    let pcie_rule = view.is_pcie() && world > 2;
-
-    // 3./4. Against NCCL.
-    match (best, c.nccl_available) {
-        (Some((a, t)), true) => {
-            let margin = if t.source == Source::Tuning && nccl.source == Source::Tuning {
-                MEASURED_MARGIN
-            } else {
-                MODEL_MARGIN
-            };
-            let from = if t.source == Source::Tuning { "measured" } else { "predicted" };
-            if t.us <= nccl.us * (1.0 - margin) {
-                choice(
-                    a,
-                    Some(t),
-                    t.source,
-                    format!("{notes}{a} {from} {:.1} us vs NCCL {:.1} us ({:.1}x)", t.us, nccl.us, nccl.us / t.us),
-                )
-            } else {
-                let rule = if pcie_rule { format!("PCIe with {world} ranks: ") } else { String::new() };
-                choice(
-                    Algorithm::Nccl,
-                    Some(nccl),
-                    nccl.source,
-                    format!(
-                        "{notes}{rule}NCCL {:.1} us; the best of ours ({a}, {from} {:.1} us) is not at least {:.0} % faster",
-                        nccl.us,
-                        t.us,
-                        margin * 100.0
-                    ),
-                )
-            }
-        }
-        (Some((a, t)), false) => choice(
-            a,
-            Some(t),
-            t.source,
-            format!(
+    match (s.best_of_ours(), c.nccl_available) {
+        ((Some((a, t)), _), true) => s.against_nccl(a, t, nccl, &notes),
+        ((Some((a, t)), _), false) => {
+            let why = format!(
                 "{notes}NCCL unavailable: fastest of ours is {a} ({:.1} us; NCCL would take ~{:.1} us)",
                 t.us, nccl.us
-            ),
-        ),
-        (None, nccl_available) => {
+            );
+            s.choice(a, Some(t), nccl, t.source, why)
+        }
+        ((None, skipped), nccl_available) => {
             let tail = if nccl_available { "NCCL fallback" } else { "NCCL fallback, but NCCL is unavailable too" };
-            choice(
-                Algorithm::Nccl,
-                Some(nccl),
-                nccl.source,
-                format!("{notes}none of ours applies ({}); {tail}", skipped.join("; ")),
-            )
+            let why = format!("{notes}none of ours applies ({}); {tail}", skipped.join("; "));
+            s.choice(Algorithm::Nccl, Some(nccl), nccl, nccl.source, why)
         }
     }
 }
@@ -357,8 +389,8 @@ impl SelectionTable {
             }
         };
         // The model does not depend on the dtype: evaluate it once per
-        // (capturing, bucket) and only re-select where the tuning table
-        // has an entry for that dtype.
+        // (capturing, bucket) and only re-select for dtypes the tuning table
+        // has entries for.
         let model_only: Vec<Choice> = [false, true]
             .into_iter()
             .flat_map(|capturing| (0..bounds.len()).map(move |i| (capturing, i)))
@@ -368,8 +400,10 @@ impl SelectionTable {
         for dtype in DType::ALL {
             for capturing in [false, true] {
                 for i in 0..bounds.len() {
-                    let measured = tuning.and_then(|t| t.lookup(dtype, at(i))).is_some();
-                    choices.push(if measured {
+                    // Covered by a measured bucket, or past the largest one
+                    // (where the "NCCL won there" rule applies).
+                    let tuned = tuning.is_some_and(|t| t.lookup(dtype, at(i)).is_some() || t.last(dtype).is_some());
+                    choices.push(if tuned {
                         select_view(model, tuning, view, dtype, at(i), capturing, constraints)
                     } else {
                         model_only[usize::from(capturing) * bounds.len() + i].clone()
@@ -646,9 +680,60 @@ mod tests {
         let ch = select_with(&CostModel::default(), Some(&table), &view, 8, DType::Bf16, 43008, true, &c);
         assert_eq!(ch.algorithm, Algorithm::Nccl, "{ch}");
         assert_eq!(ch.source, Source::Tuning);
-        // Other sizes still come from the model.
+        // Past the table, where NCCL won the largest measured size: NCCL.
         let ch = select_with(&CostModel::default(), Some(&table), &view, 8, DType::Bf16, 1 << 22, true, &c);
+        assert_eq!((ch.algorithm, ch.source), (Algorithm::Nccl, Source::Tuning), "{ch}");
+        // Another dtype has no entries at all: the model decides.
+        let ch = select_with(&CostModel::default(), Some(&table), &view, 8, DType::F32, 1 << 22, true, &c);
         assert_eq!(ch.source, Source::Model);
+    }
+
+    /// Issue 13 item 5, as seen on 2 H200s: the tuning table ended at
+    /// 16 MB with NCCL winning there, and `auto` picked one-shot-pull for
+    /// 32-64 MB (0.70-0.78x NCCL). Past the table the rule "never slower
+    /// than NCCL" must hold: NCCL where NCCL won the largest measured size.
+    #[test]
+    fn past_the_tuning_table_nccl_stays_when_it_won_the_last_bucket() {
+        let view = embedded::by_name("h200-8x-nvswitch").unwrap().for_world(2).unwrap();
+        let c = Constraints::for_topology(&view);
+        let model = CostModel::default();
+        let m = |bucket_bytes, algorithm, median_us| Measurement {
+            bucket_bytes,
+            dtype: DType::Bf16,
+            algorithm,
+            transport: Transport::PeerToPeer,
+            median_us,
+        };
+        let table = TuningTable::from_measurements(
+            TuningMeta::for_topology(&view, "test"),
+            vec![
+                m(1 << 20, Algorithm::OneShotPull, 10.0),
+                m(1 << 20, Algorithm::Nccl, 14.0),
+                m(16 << 20, Algorithm::OneShotPull, 130.0),
+                m(16 << 20, Algorithm::Nccl, 120.0),
+            ],
+        )
+        .unwrap();
+        for bytes in [32 << 20, 64 << 20] {
+            // Precondition (what made the old selection wrong): the model
+            // alone prefers one of ours at this size.
+            let modelled = select_with(&model, None, &view, 2, DType::Bf16, bytes, true, &c);
+            assert_ne!(modelled.algorithm, Algorithm::Nccl, "precondition: {modelled}");
+            let ch = select_with(&model, Some(&table), &view, 2, DType::Bf16, bytes, true, &c);
+            assert_eq!(ch.algorithm, Algorithm::Nccl, "{bytes} B: {ch}");
+            assert!(ch.reason.contains("beyond the tuning table"), "{}", ch.reason);
+            // The table built at init agrees.
+            let built = SelectionTable::build(&model, Some(&table), &view, &c);
+            assert_eq!(built.lookup(bytes, DType::Bf16, true).algorithm, Algorithm::Nccl);
+        }
+        // Where ours won the largest measured size, the model decides past it.
+        let table = TuningTable::from_measurements(
+            TuningMeta::for_topology(&view, "test"),
+            vec![m(16 << 20, Algorithm::OneShotPull, 100.0), m(16 << 20, Algorithm::Nccl, 120.0)],
+        )
+        .unwrap();
+        let ch = select_with(&model, Some(&table), &view, 2, DType::Bf16, 32 << 20, true, &c);
+        assert_eq!(ch.source, Source::Model, "{ch}");
     }
 
     #[test]

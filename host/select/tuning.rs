@@ -73,10 +73,11 @@ use crate::select::topology::Topology;
 /// The only file format this build reads and writes.
 pub const FORMAT: u32 = 1;
 
-/// Sizes `tp-allreduce tune` measures by default: 1 KiB to 16 MiB,
-/// doubling, plus 42 KiB (the verify-pass allreduce of CONTEXT.md).
+/// Sizes `tp-allreduce tune` measures by default: 1 KiB to 64 MiB (the
+/// sizes `bench` uses), doubling, plus 42 KiB (the verify-pass allreduce:
+/// 3 tokens x hidden 7168 in bf16, docs/SOURCES.md).
 pub fn default_buckets() -> Vec<usize> {
-    let mut v: Vec<usize> = (10..=24).map(|k| 1usize << k).collect();
+    let mut v: Vec<usize> = (10..=26).map(|k| 1usize << k).collect();
     v.push(42 * 1024);
     v.sort_unstable();
     v
@@ -454,6 +455,11 @@ impl TuningTable {
             Applicability::Applies => Loaded::Usable(table),
             Applicability::Ignored(reason) => Loaded::Ignored { reason: format!("{}: {reason}", path.display()) },
         })
+    }
+
+    /// The largest measured entry for `dtype`.
+    pub fn last(&self, dtype: DType) -> Option<&TuningEntry> {
+        self.entries.iter().filter(|e| e.dtype == dtype).max_by_key(|e| e.bytes)
     }
 
     /// The entry covering `bytes` for `dtype`: the smallest measured bucket
