@@ -610,3 +610,67 @@ pub unsafe fn launch(
     }
     cu!(cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()))
 }
+
+/// The id of the graph capture `stream` takes part in, `None` when it is
+/// not capturing; an invalidated capture is an error.
+///
+/// # Safety
+/// `stream` must be a live stream handle of this process (or null).
+pub unsafe fn capture_id(stream: sys::CUstream) -> Result<Option<u64>> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id: sys::cuuint64_t = 0;
+    cu!(cuStreamGetCaptureInfo_v3(
+        stream,
+        &mut status,
+        &mut id,
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut()
+    ))?;
+    match status {
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => Ok(None),
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => Ok(Some(id)),
+        _ => Err(Error::invalid(
+            "the stream's graph capture was invalidated by an earlier error; end the capture and retry",
+        )),
+    }
+}
+
+/// A CUDA event without timing, for ordering work across streams.
+pub struct Event {
+    ctx: Arc<CudaContext>,
+    event: sys::CUevent,
+}
+
+// SAFETY: a CUevent handle may be used from any thread of the process.
+unsafe impl Send for Event {}
+// SAFETY: as above; the driver serialises operations on one event.
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Event> {
+        bind(ctx)?;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        cu!(cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32))?;
+        Ok(Event { ctx: ctx.clone(), event })
+    }
+
+    /// Makes `waiter` wait for everything queued on `signaller` so far.
+    ///
+    /// # Safety
+    /// Both must be live streams of the event's context.
+    pub unsafe fn order(&self, signaller: sys::CUstream, waiter: sys::CUstream) -> Result<()> {
+        cu!(cuEventRecord(self.event, signaller))?;
+        cu!(cuStreamWaitEvent(waiter, self.event, 0))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            // SAFETY: created by cuEventCreate in this context, destroyed once.
+            let _ = unsafe { sys::cuEventDestroy_v2(self.event) };
+        }
+    }
+}

@@ -87,6 +87,15 @@ impl Comm {
     /// `stream` completes (they may be equal for in-place). `stream` must be a
     /// live stream of the communicator's context. Every rank must issue the
     /// same sequence of calls (sizes and dtypes).
+    ///
+    /// # Streams
+    /// A rank's calls must not run concurrently. Calls on one stream are
+    /// ordered by it; an eager call on a different stream than the previous
+    /// eager call waits for that stream; two calls captured into one graph
+    /// on different streams are refused (`Error::InvalidUsage`). What the
+    /// library cannot see is the caller's to order: replaying a captured
+    /// graph while an eager call (or another replay of a graph with this
+    /// communicator) runs on another stream.
     pub unsafe fn all_reduce_raw(
         &self,
         send: sys::CUdeviceptr,
@@ -194,7 +203,10 @@ impl Comm {
             return Ok(());
         }
         // SAFETY: as above.
-        let capturing = unsafe { driver::is_capturing(stream)? };
+        let capture = unsafe { driver::capture_id(stream)? };
+        // SAFETY: as above.
+        unsafe { self.order_after_previous_call(stream, capture)? };
+        let capturing = capture.is_some();
         match choose(self, bytes, dtype, capturing) {
             Algorithm::Nccl => match &self.nccl {
                 Some(nccl) => nccl.all_reduce(send, recv, count, dtype, stream),
@@ -208,6 +220,53 @@ impl Comm {
                 self.mark_broken(e.to_string());
             }
         })
+    }
+
+    /// Calls on one rank must not overlap: kernels keep per-block state
+    /// (epochs, generations, ring counters, staging) that assumes they run
+    /// one after the other. Calls on one stream are ordered by it; an eager
+    /// call on another stream than the previous eager call is made to wait
+    /// for that stream (an event); a captured call on another stream than
+    /// the previous captured call *of the same capture* is refused, since
+    /// the two could run concurrently in the graph. Eager calls and graph
+    /// replays cannot be ordered here: the caller orders them (documented
+    /// on `Comm::all_reduce_raw`).
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the communicator's context.
+    unsafe fn order_after_previous_call(&self, stream: sys::CUstream, capture: Option<u64>) -> Result<()> {
+        let mut order = self.order.lock().map_err(|_| Error::Broken("call-order lock poisoned".into()))?;
+        let this = PreviousCall { stream: stream as usize, capture };
+        let Some(prev) = order.last.filter(|p| p.stream != this.stream) else {
+            order.last = Some(this);
+            return Ok(());
+        };
+        match (prev.capture, capture) {
+            (Some(p), Some(c)) if p == c => {
+                return Err(Error::invalid(
+                    "all_reduce: two calls of one communicator were captured on different streams of the same \
+                     graph; they could run concurrently and corrupt each other. Capture a communicator's calls on \
+                     one stream (join the branches first).",
+                ))
+            }
+            (None, None) => {
+                if order.event.is_none() {
+                    order.event = Some(driver::Event::new(&self.ctx)?);
+                }
+                if let Some(event) = &order.event {
+                    // SAFETY: `stream` is live (caller); the previous stream
+                    // was live at its call. If it has been destroyed since,
+                    // the record fails and nothing is left to order against
+                    // on our side: the caller destroyed it after its work.
+                    let _ = unsafe { event.order(prev.stream as sys::CUstream, stream) };
+                }
+            }
+            // An eager call and a graph capture (or two captures): their
+            // execution is ordered by the caller's stream usage.
+            _ => {}
+        }
+        order.last = Some(this);
+        Ok(())
     }
 
     /// The host side and kernel of `algorithm` for `dtype`, once the one
@@ -304,4 +363,19 @@ fn check_op(op: &ReduceOp) -> Result<()> {
 
 fn ranges_overlap(a: u64, b: u64, len: u64) -> bool {
     a < b.saturating_add(len) && b < a.saturating_add(len)
+}
+
+/// The previous call of a rank: its stream and its graph capture, if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct PreviousCall {
+    stream: usize,
+    capture: Option<u64>,
+}
+
+/// What orders a rank's calls across streams.
+#[derive(Default)]
+pub(crate) struct CallOrder {
+    last: Option<PreviousCall>,
+    /// Created at the first eager stream change (never during a capture).
+    event: Option<driver::Event>,
 }

@@ -59,6 +59,7 @@ impl Comm {
             setup,
             registry: Mutex::new(Registry::default()),
             broken: Mutex::new(None),
+            order: Mutex::new(Default::default()),
             rendezvous,
             nccl,
             selection,

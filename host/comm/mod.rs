@@ -73,6 +73,7 @@ pub struct Comm {
     setup: setup::Setup,
     registry: Mutex<registry::Registry>,
     broken: Mutex<Option<String>>,
+    order: Mutex<call::CallOrder>,
     rendezvous: Box<dyn crate::rendezvous::Rendezvous>,
     nccl: Option<crate::nccl::NcclComm>,
     selection: crate::select::selection::SelectionTable,

@@ -9,6 +9,7 @@ mod gpu_allreduce;
 mod gpu_errors;
 mod gpu_foundation;
 mod gpu_graph;
+mod gpu_streams;
 mod gpu_timeout;
 mod multiprocess;
 mod ptx;
