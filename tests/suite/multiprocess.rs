@@ -86,90 +86,104 @@ fn launcher_names_a_killed_rank_and_does_not_hang() {
     assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
 }
 
-/// `Some(reason)` when multi-process GPU tests cannot run here.
-fn multi_process_gpu_unavailable(test: &str) -> bool {
-    if common::gpu(test).is_none() {
-        return true;
-    }
-    let gpus = tp_allreduce::driver::device_count();
-    if gpus < 2 && std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_none() {
-        if std::env::var("TP_ALLREDUCE_REQUIRE_MPS").as_deref() == Ok("1") {
-            panic!("{test}: several processes on one GPU need MPS, but TP_ALLREDUCE_REQUIRE_MPS=1 and CUDA_MPS_PIPE_DIRECTORY is unset");
-        }
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "skipped: several processes on one GPU need MPS ({test})");
-        return true;
-    }
-    false
+/// Where the ranks of a multi-process test run: `world` ranks over the
+/// first `min(world, visible GPUs)` GPUs (the launcher places rank r on
+/// `gpus[r % len]`), so the expected world never depends on how many GPUs
+/// the machine has (issue 13 item 6).
+struct Placement {
+    gpus: String,
+    ranks_per_gpu: usize,
 }
 
-fn gpu_list() -> String {
-    let n = tp_allreduce::driver::device_count().max(1);
-    (0..n).map(|g| g.to_string()).collect::<Vec<_>>().join(",")
+/// The placement of `world` ranks, or `None` (after a visible skip line)
+/// when they cannot run here: no GPU, or ranks that must share a GPU and no
+/// MPS (several processes on one GPU time-slice without it: ~4.6 ms per
+/// flag round trip). `TP_ALLREDUCE_REQUIRE_MPS=1` turns the MPS skip into a
+/// failure.
+fn placement(test: &str, world: usize) -> Option<Placement> {
+    common::gpu(test)?;
+    let gpus = tp_allreduce::driver::device_count().clamp(1, world);
+    let ranks_per_gpu = world.div_ceil(gpus);
+    if ranks_per_gpu > 1 && std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_none() {
+        if std::env::var("TP_ALLREDUCE_REQUIRE_MPS").as_deref() == Ok("1") {
+            panic!(
+                "{test}: {world} processes on {gpus} GPU(s) need MPS, but TP_ALLREDUCE_REQUIRE_MPS=1 and \
+                 CUDA_MPS_PIPE_DIRECTORY is unset"
+            );
+        }
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "skipped: {world} processes on {gpus} GPU(s) need MPS ({test})");
+        return None;
+    }
+    Some(Placement { gpus: (0..gpus).map(|g| g.to_string()).collect::<Vec<_>>().join(","), ranks_per_gpu })
+}
+
+/// Selftest of `n` launched processes (islands of `islands` ranks when
+/// given): eager, graph, registration rounds over IPC.
+fn selftest(test: &str, n: usize, islands: Option<&str>) {
+    let _lock = common::gpu_lock();
+    let Some(place) = placement(test, n) else { return };
+    let exe = bin();
+    let dir = scratch_dir(&format!("selftest{n}"));
+    let world = n.to_string();
+    let mut args = vec![
+        "-n",
+        &world,
+        "--gpus",
+        &place.gpus,
+        "--grace",
+        "20",
+        "--timeout",
+        "280",
+        "--",
+        exe.to_str().unwrap(),
+        "selftest",
+        "--quick",
+    ];
+    if let Some(m) = islands {
+        args.extend(["--island-size", m]);
+    }
+    let o = launch(&args, &[("XDG_RUNTIME_DIR", dir.to_str().unwrap()), ("TP_ALLREDUCE_TIMEOUT_MS", "3000")]);
+    let out = text(&o);
+    eprintln!("{out}");
+    assert!(o.status.success(), "{n} processes:\n{out}");
+    for r in 0..n {
+        assert!(out.contains(&format!("[rank {r}] rank {r}: selftest passed")), "rank {r} did not pass:\n{out}");
+        // Register -> use -> deregister -> free, three times, over IPC.
+        let passed = out.lines().find(|l| l.starts_with(&format!("[rank {r}] rank {r}: selftest passed"))).unwrap();
+        assert!(passed.contains(" 3 registration rounds"), "rank {r} ran no registration rounds: {passed}");
+        // The case that once read stale data: a new buffer at a freed
+        // registered address (the allocator reused them on the H200).
+        let reused: usize = passed
+            .split("registration rounds (")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no reuse count in: {passed}"));
+        assert!(reused >= 1, "no round reused a freed address, so the stale case never ran: {passed}");
+    }
+    // Pull algorithms registered their captured inputs over IPC.
+    assert!(!out.contains("skipped:"), "{out}");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "rendezvous files left behind");
+    let _ = std::fs::remove_dir(&dir);
 }
 
 #[test]
-fn multi_process_selftest_eager_and_graph() {
-    let _lock = common::gpu_lock();
-    if multi_process_gpu_unavailable("multi_process_selftest_eager_and_graph") {
-        return;
-    }
-    let exe = bin();
-    let gpus = gpu_list();
-    for (n, islands) in [("2", None), ("4", Some("2"))] {
-        let dir = scratch_dir(&format!("selftest{n}"));
-        let mut args = vec![
-            "-n",
-            n,
-            "--gpus",
-            &gpus,
-            "--grace",
-            "20",
-            "--timeout",
-            "280",
-            "--",
-            exe.to_str().unwrap(),
-            "selftest",
-            "--quick",
-        ];
-        if let Some(m) = islands {
-            args.extend(["--island-size", m]);
-        }
-        let o = launch(&args, &[("XDG_RUNTIME_DIR", dir.to_str().unwrap()), ("TP_ALLREDUCE_TIMEOUT_MS", "3000")]);
-        let out = text(&o);
-        eprintln!("{out}");
-        assert!(o.status.success(), "{n} processes:\n{out}");
-        let n: usize = n.parse().unwrap();
-        for r in 0..n {
-            assert!(out.contains(&format!("[rank {r}] rank {r}: selftest passed")), "rank {r} did not pass:\n{out}");
-            // Register -> use -> deregister -> free, three times, over IPC.
-            let passed = out.lines().find(|l| l.starts_with(&format!("[rank {r}] rank {r}: selftest passed"))).unwrap();
-            assert!(passed.contains(" 3 registration rounds"), "rank {r} ran no registration rounds: {passed}");
-            // The case that once read stale data: a new buffer at a freed
-            // registered address (the allocator reused them on the H200).
-            let reused: usize = passed
-                .split("registration rounds (")
-                .nth(1)
-                .and_then(|rest| rest.split(' ').next())
-                .and_then(|n| n.parse().ok())
-                .unwrap_or_else(|| panic!("no reuse count in: {passed}"));
-            assert!(reused >= 1, "no round reused a freed address, so the stale case never ran: {passed}");
-        }
-        // Pull algorithms registered their captured inputs over IPC.
-        assert!(!out.contains("skipped:"), "{out}");
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "rendezvous files left behind");
-        let _ = std::fs::remove_dir(&dir);
-    }
+fn multi_process_selftest_2_ranks() {
+    selftest("multi_process_selftest_2_ranks", 2, None);
+}
+
+#[test]
+fn multi_process_selftest_4_ranks_in_islands_of_2() {
+    selftest("multi_process_selftest_4_ranks_in_islands_of_2", 4, Some("2"));
 }
 
 #[test]
 fn sigkill_of_one_rank_fails_the_others_cleanly() {
     let _lock = common::gpu_lock();
-    if multi_process_gpu_unavailable("sigkill_of_one_rank_fails_the_others_cleanly") {
-        return;
-    }
+    let Some(place) = placement("sigkill_of_one_rank_fails_the_others_cleanly", 4) else { return };
     let exe = bin();
-    let gpus = gpu_list();
+    let gpus = place.gpus;
     let dir = scratch_dir("fault");
     let started = Instant::now();
     let o = launch(
@@ -211,11 +225,9 @@ fn sigkill_of_one_rank_fails_the_others_cleanly() {
 #[test]
 fn multi_process_host_staged_transport() {
     let _lock = common::gpu_lock();
-    if multi_process_gpu_unavailable("multi_process_host_staged_transport") {
-        return;
-    }
+    let Some(place) = placement("multi_process_host_staged_transport", 2) else { return };
     let exe = bin();
-    let gpus = gpu_list();
+    let gpus = place.gpus;
     let dir = scratch_dir("staged");
     let o = launch(
         &[
@@ -262,18 +274,19 @@ fn multi_process_host_staged_transport() {
 #[test]
 fn bench_with_one_process_per_rank() {
     let _lock = common::gpu_lock();
-    if multi_process_gpu_unavailable("bench_with_one_process_per_rank") {
-        return;
-    }
+    let Some(place) = placement("bench_with_one_process_per_rank", 2) else { return };
     let exe = bin();
+    let ranks_per_gpu = place.ranks_per_gpu.to_string();
     let dir = scratch_dir("bench");
     let out_dir = dir.join("out");
     let o = Command::new(&exe)
         .args([
             "bench",
             "--processes",
+            "--gpus",
+            &place.gpus,
             "--ranks-per-gpu",
-            "2",
+            &ranks_per_gpu,
             "--sizes",
             "4K,42K,16M,32M",
             "--algorithms",
