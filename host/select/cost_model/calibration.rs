@@ -46,7 +46,7 @@ pub struct Residual {
 
 const KB: usize = 1024;
 
-/// Every figure from CONTEXT.md the model is calibrated against, taken as
+/// Every figure of docs/SOURCES.md the model is calibrated against, taken as
 /// graph-replay conditions. The 200-250 us NCCL of the vLLM deployment is
 /// included as an *interpretation* (NCCL over host memory: untuned NCCL
 /// without P2P across the root complexes), never as the baseline. Not
@@ -55,7 +55,7 @@ const KB: usize = 1024;
 pub fn calibration_points() -> Vec<CalibrationPoint> {
     const SWITCH4: &str = "rtx-pro-6000-4x-switch";
     const MOTIVATING: &str = "rtx-pro-6000-8x-pcie5-2socket";
-    const PUBLISHED: &str = "CONTEXT.md: published one-shot push vs NCCL, 4x RTX PRO 6000, CUDA graphs";
+    const PUBLISHED: &str = "docs/SOURCES.md [F16]: published one-shot push vs NCCL, 4x RTX PRO 6000";
     let p2p = Transport::PeerToPeer;
     let mut v = vec![
         CalibrationPoint {
@@ -66,7 +66,7 @@ pub fn calibration_points() -> Vec<CalibrationPoint> {
             transport: p2p,
             nccl: NcclTuning::Tuned,
             target: Target::Us(26.0),
-            source: "CONTEXT.md: tuned NCCL, 8 PCIe GPUs, 32 KB (LL)",
+            source: "docs/SOURCES.md [F11]: tuned NCCL, 8 PCIe GPUs, 32 KB (LL)",
         },
         CalibrationPoint {
             topology: MOTIVATING,
@@ -76,7 +76,7 @@ pub fn calibration_points() -> Vec<CalibrationPoint> {
             transport: p2p,
             nccl: NcclTuning::Tuned,
             target: Target::Us(37.0),
-            source: "CONTEXT.md: tuned NCCL, 8 PCIe GPUs, 256 KB",
+            source: "docs/SOURCES.md [F11]: tuned NCCL, 8 PCIe GPUs, 256 KB",
         },
         CalibrationPoint {
             topology: MOTIVATING,
@@ -86,7 +86,7 @@ pub fn calibration_points() -> Vec<CalibrationPoint> {
             transport: p2p,
             nccl: NcclTuning::Tuned,
             target: Target::Us(20.0),
-            source: "CONTEXT.md: NCCL's own cost model, ring LL small message, 8 PCIe GPUs",
+            source: "docs/SOURCES.md [F12]: NCCL's own cost model, ring LL small message, 8 PCIe GPUs",
         },
         CalibrationPoint {
             topology: MOTIVATING,
@@ -96,7 +96,7 @@ pub fn calibration_points() -> Vec<CalibrationPoint> {
             transport: p2p,
             nccl: NcclTuning::Tuned,
             target: Target::RatioToNccl(2.0),
-            source: "CONTEXT.md: forced one-stage pull ~2x slower than NCCL on 8 PCIe GPUs (ratio applied to tuned NCCL)",
+            source: "docs/SOURCES.md [F4]: forced one-stage pull ~2x slower than NCCL on 8 PCIe GPUs (ratio applied to tuned NCCL)",
         },
         CalibrationPoint {
             topology: MOTIVATING,
@@ -106,7 +106,7 @@ pub fn calibration_points() -> Vec<CalibrationPoint> {
             transport: Transport::HostStaged,
             nccl: NcclTuning::Stock,
             target: Target::Us(225.0),
-            source: "CONTEXT.md: NCCL ~200-250 us per 42 KB in the vLLM deployment; interpretation: NCCL through host memory",
+            source: "docs/SOURCES.md [F1, F15]: NCCL ~200-250 us per 42 KB in the deployment; interpretation: NCCL through host memory",
         },
     ];
     let published = [

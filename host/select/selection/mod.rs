@@ -16,7 +16,7 @@
 //!    chosen only if it beats NCCL by a margin — 10 % when either time comes
 //!    from the model (its calibration error is up to ~25 % per point, mostly
 //!    shared between the two sides), 2 % when both were measured. Otherwise
-//!    NCCL. This is the trap of CONTEXT.md made a rule: on a PCIe topology
+//!    NCCL. This is the trap of docs/SOURCES.md [F3, F4] made a rule: on a PCIe topology
 //!    with more than two ranks nothing the model or the tuning table ranks
 //!    slower than NCCL is ever picked (and the margin makes that hold for
 //!    near-ties as well). Measurements replace predictions for the

@@ -83,7 +83,7 @@ fn never_slower_than_nccl_on_pcie_with_more_than_two_ranks() {
 
 #[test]
 fn one_shot_pull_is_not_picked_where_it_loses_to_nccl() {
-    // The CONTEXT.md trap: 8 PCIe GPUs over two sockets, 42 KB.
+    // The trap of docs/SOURCES.md [F4]: 8 PCIe GPUs over two sockets, 42 KB.
     let view = embedded::default_topology();
     let mut c = Constraints::for_topology(&view);
     // Even with every other algorithm of ours disabled.

@@ -8,7 +8,7 @@
 //!
 //! Why not `core::sync::atomic`: on nvptx, core's atomics compile to relaxed
 //! GPU-scope `atom` whatever `Ordering` is passed, which is wrong for flags
-//! that another GPU or the host reads (TOOLCHAIN.md).
+//! that another GPU or the host reads (docs/SOURCES.md [F31, F32]).
 //!
 //! Addresses are generic pointers to global memory (device memory, peer
 //! memory mapped through P2P/IPC, or host memory mapped into the device); on
