@@ -6,11 +6,14 @@
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::testing::{on_ranks, private_dir, raw_dial, raw_frame, raw_hello, tcp_id, transports, unix_id, LONG};
-use super::wire::{self, Kind};
+use super::testing::{
+    on_ranks, private_dir, raw_dial, raw_frame, raw_hello, read_until_closed, tcp_id, transports, unix_id, LONG,
+};
+use super::wire::{self, Checked, Kind};
 use super::{connect, read_frame, write_frame, Endpoint, Id, MAX_ROUND_BYTES};
 use crate::error::Error;
 
@@ -283,5 +286,69 @@ fn joined_rank_protocol_violation_aborts_the_others() {
                 assert_eq!(abort.header.kind, Kind::Abort, "{transport} {name}");
             });
         }
+    }
+}
+
+#[test]
+fn silent_connection_does_not_delay_the_join() {
+    for (transport, make) in transports() {
+        let id = make();
+        let started = Instant::now();
+        thread::scope(|s| {
+            let root = s.spawn(|| connect(&id, 0, 3, LONG)?.barrier());
+            let silent = raw_dial(&id);
+            let id = &id;
+            let others: Vec<_> = (1..3).map(|r| s.spawn(move || connect(id, r, 3, LONG)?.barrier())).collect();
+            root.join().unwrap().unwrap();
+            others.into_iter().for_each(|h| h.join().unwrap().unwrap());
+            // Closed when the join ended, not after its 5 s HELLO limit.
+            assert_eq!(read_until_closed(&*silent, Duration::from_secs(2)), None, "{transport}");
+        });
+        assert!(started.elapsed() < Duration::from_secs(3), "{transport}: {:?}", started.elapsed());
+    }
+}
+
+/// Two connections claim rank 1 with valid HELLOs: the first one rank 0
+/// admits keeps the rank, the other is refused with a reason, and the
+/// rendezvous completes with the winner.
+#[test]
+fn duplicate_rank_first_connection_wins() {
+    for (transport, make) in transports() {
+        let id = make();
+        let job = id.job_id();
+        thread::scope(|s| {
+            let root = s.spawn(|| connect(&id, 0, 3, LONG)?.all_gather(b"zero"));
+            let claimants = [raw_dial(&id), raw_dial(&id)];
+            let (tx, rx) = mpsc::channel();
+            for (i, c) in claimants.iter().enumerate() {
+                write_frame(&**c, Instant::now() + LONG, &raw_hello(&job, 1, 3)).unwrap();
+                let (c, tx) = (c.clone(), tx.clone());
+                s.spawn(move || {
+                    tx.send((i, read_frame(&*c, Some(Instant::now() + LONG), 4096).map_err(|e| e.to_string())))
+                });
+            }
+            // The loser hears at once; the winner only after rank 2 joins.
+            let (loser, first) = rx.recv_timeout(Duration::from_secs(3)).expect("no claimant was refused");
+            let abort = first.unwrap().check(&job, 0, Kind::Welcome, 0).unwrap();
+            let Checked::Aborted(abort) = abort else { panic!("{transport}: first reply was {abort:?}") };
+            assert!(abort.reason.contains("rank 1 has already joined"), "{transport}: {}", abort.reason);
+            assert!(read_until_closed(&*claimants[loser], Duration::from_secs(2)).is_none());
+
+            let two = s.spawn(|| connect(&id, 2, 3, LONG)?.all_gather(b"two"));
+            let (winner, welcome) = rx.recv_timeout(LONG).unwrap();
+            assert_ne!(winner, loser);
+            let welcome = welcome.unwrap().check(&job, 0, Kind::Welcome, 0).unwrap();
+            assert_eq!(welcome, Checked::Expected(wire::encode_world(3).to_vec()), "{transport}");
+            let c = &*claimants[winner];
+            write_frame(c, Instant::now() + LONG, &raw_frame(Kind::Gather, &job, 1, 1, b"one")).unwrap();
+            let result = read_frame(c, Some(Instant::now() + LONG), wire::MAX_PAYLOAD).unwrap();
+            let Ok(Checked::Expected(p)) = result.check(&job, 0, Kind::Result, 1) else {
+                panic!("{transport}: no RESULT")
+            };
+            let want = vec![b"zero".to_vec(), b"one".to_vec(), b"two".to_vec()];
+            assert_eq!(wire::decode_result(&p, 3).unwrap(), want);
+            assert_eq!(root.join().unwrap().unwrap(), want);
+            assert_eq!(two.join().unwrap().unwrap(), want);
+        });
     }
 }
