@@ -101,7 +101,6 @@
 //! id string like a password, and bind to loopback (`127.0.0.1:<port>`),
 //! which suffices for the GPUs of one host. Binding to another address
 //! works but exposes the port to that network.
-
 //!
 //! # Files
 //!
@@ -112,11 +111,14 @@
 //!   collecting each round, relaying ABORTs.
 //! * `member.rs` — ranks 1..N-1: dialing rank 0, HELLO, each round's
 //!   GATHER and RESULT.
-//! * `wire.rs` — the frame format and its checks, I/O-free.
+//! * `wire.rs` — the frame format: encoding, reading from any `Read`,
+//!   and the checks of what a frame says and of what the receiver expects.
 //! * `unix.rs`, `tcp.rs` — the two transports (listen, dial, `Conn`).
 //! * `in_process.rs` — [`in_process_group`], no sockets.
 //! * Tests: each file tests its own code; `tests.rs` runs the whole
-//!   protocol over both transports, with helpers in `testing.rs`.
+//!   protocol over both transports, with helpers in `testing.rs`; `fuzz/`
+//!   feeds generated and mutated frames to rank 0 and to a member and
+//!   checks each outcome against what the protocol above promises.
 
 #![forbid(unsafe_code)]
 
@@ -127,6 +129,8 @@ mod tcp;
 mod unix;
 mod wire;
 
+#[cfg(test)]
+mod fuzz;
 #[cfg(test)]
 mod testing;
 #[cfg(test)]

@@ -3,10 +3,14 @@
 
 #![forbid(unsafe_code)]
 
+use std::collections::BTreeSet;
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use rand::Rng;
 
 use super::member::dial;
 use super::wire::{self, Kind};
@@ -19,12 +23,27 @@ pub(super) fn unix_id() -> Id {
     Id::new_unix().unwrap()
 }
 
-/// A loopback port that was free a moment ago.
+/// A loopback id on a port that was free a moment ago, that no other test
+/// of this process was given, picked at random below Linux's default
+/// ephemeral range (32768..60999): a port the kernel picked for a listener
+/// on port 0 could meanwhile become the local port of one of the thousands
+/// of client connections the tests open, and rank 0's bind would fail;
+/// random, so that test processes running at once rarely pick the same.
 pub(super) fn tcp_id() -> Id {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    drop(l);
-    Id::new_tcp(addr)
+    const PORTS: std::ops::Range<u16> = 20_000..32_000;
+    static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..PORTS.len() {
+        let port = rand::thread_rng().gen_range(PORTS);
+        if given.contains(&port) {
+            continue;
+        }
+        if let Ok(l) = TcpListener::bind(("127.0.0.1", port)) {
+            given.insert(port);
+            return Id::new_tcp(l.local_addr().unwrap());
+        }
+    }
+    panic!("no free loopback port in {PORTS:?}");
 }
 
 pub(super) type MakeId = fn() -> Id;
