@@ -12,7 +12,6 @@ import types
 
 import pytest
 from _fakes import FakeGroup, FakeRuntime, FakeTensor, run_ranks
-
 from tp_allreduce.integrations import sglang as adapter_module
 from tp_allreduce.integrations.sglang import TpAllreduceCustomAllreduce, dispatch_custom_allreduce, patch
 
@@ -63,13 +62,17 @@ def test_sglang_call_sequence_gives_correct_sums_in_every_phase():
         return rt.comm.calls
 
     calls = run_ranks(2, body)
-    assert calls[0] == calls[1] == [
-        ("all_reduce", 3),
-        ("all_reduce", 3),
-        ("all_reduce", 4),
-        ("register_graph_buffers",),
-        ("close",),
-    ]
+    assert (
+        calls[0]
+        == calls[1]
+        == [
+            ("all_reduce", 3),
+            ("all_reduce", 3),
+            ("all_reduce", 4),
+            ("register_graph_buffers",),
+            ("close",),
+        ]
+    )
 
 
 @pytest.mark.parametrize(
@@ -235,7 +238,7 @@ def fake_sglang(tmp_path):
 
 def run_python(args, pythonpath, env_switch):
     env = {k: v for k, v in os.environ.items() if k != "TP_ALLREDUCE_SGLANG"}
-    env["PYTHONPATH"] = str(pythonpath)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), os.environ.get("PYTHONPATH", "")) if p)
     if env_switch is not None:
         env["TP_ALLREDUCE_SGLANG"] = env_switch
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=60)

@@ -6,7 +6,6 @@ import importlib.util
 
 import pytest
 from _fakes import FakeGroup, FakeRuntime, run_ranks
-
 from tp_allreduce.integrations import vllm as plugin
 from tp_allreduce.integrations.vllm._classes import (
     TpAllreduceVllmCustomAllreduce,
@@ -33,7 +32,9 @@ def test_qualified_names_point_at_modules_of_the_package():
 
 def test_entry_point_is_registered_in_the_vllm_group():
     eps = importlib.metadata.entry_points()
-    group = eps.select(group="vllm.platform_plugins") if hasattr(eps, "select") else eps.get("vllm.platform_plugins", [])
+    group = (
+        eps.select(group="vllm.platform_plugins") if hasattr(eps, "select") else eps.get("vllm.platform_plugins", [])
+    )
     ours = [ep for ep in group if ep.value == "tp_allreduce.integrations.vllm:register"]
     if not ours:
         pytest.skip("package metadata not installed (running from the source tree)")

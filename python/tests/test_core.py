@@ -6,7 +6,6 @@ import builtins
 import random
 
 import pytest
-
 import tp_allreduce
 from tp_allreduce import Communicator, Id, check_call_args, errors
 

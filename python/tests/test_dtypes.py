@@ -1,7 +1,6 @@
 """dtype mapping without PyTorch: anything whose str() is a dtype name."""
 
 import pytest
-
 from tp_allreduce import _core, dtypes, errors
 
 

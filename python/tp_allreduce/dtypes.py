@@ -29,7 +29,7 @@ def code_of(dtype) -> int:
     ``Unsupported`` for any other type (sum of integers, float64, fp8...)."""
     name = str(dtype)
     if name.startswith("torch."):
-        name = name[len("torch."):]
+        name = name[len("torch.") :]
     try:
         return _CODES[name]
     except KeyError:

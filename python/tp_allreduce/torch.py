@@ -128,9 +128,8 @@ class Communicator:
         else:
             self._check(out, "out")
             if out.dtype != tensor.dtype or out.numel() != tensor.numel():
-                raise InvalidUsage(
-                    f"out must match the input: got {out.dtype} x {out.numel()}, input {tensor.dtype} x {tensor.numel()}"
-                )
+                got, want = f"{out.dtype} x {out.numel()}", f"{tensor.dtype} x {tensor.numel()}"
+                raise InvalidUsage(f"out must match the input: got {got}, input {want}")
         self._launch(tensor, out, code)
         return out
 

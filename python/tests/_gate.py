@@ -1,4 +1,5 @@
-"""Shared test switches.
+"""Shared test switches (imported by the tests; not a conftest so that the
+GPU harness can import it too).
 
 Tests that need PyTorch or GPUs call ``require(...)``: without them they
 skip visibly (``pytest -rs`` lists the reason); with
