@@ -339,8 +339,8 @@ def suite(rank, world, result):
         rec.run(f"{algorithm}/init", make)
         if comm is None:
             continue
-        rec.run(f"{algorithm}/eager", lambda: check_eager(comm, seed, rank, world))
-        rec.run(f"{algorithm}/graph", lambda: check_graph(comm, seed, rank, world))
+        rec.run(f"{algorithm}/eager", lambda comm=comm: check_eager(comm, seed, rank, world))
+        rec.run(f"{algorithm}/graph", lambda comm=comm: check_graph(comm, seed, rank, world))
         comm.close()
     rec.run("device_unchanged", lambda: check_device_unchanged(rank, world))
     rec.run("sglang_call_sequence", lambda: check_sglang_call_sequence(seed, rank, world))
