@@ -12,7 +12,8 @@
 #   1. pytest python/tests with TP_ALLREDUCE_REQUIRE_GPU=1 (torch/GPU tests
 #      must run: a skip for want of them fails);
 #   2. python/examples/tp_decode_step.py (both allocator configurations).
-# Logs, the JUnit XML and the JSON report go to $OUT (or .cache/gpu-checks).
+# Logs, the JUnit XML, the GPU suites' per-check details (gpu-suite-*.json) and
+# the decode step's JSON report go to $OUT (or .cache/gpu-checks).
 # Exit status is non-zero if either step failed.
 set -uo pipefail
 
@@ -42,7 +43,7 @@ for wheel in chosen:  # a wheel is a zip laid out like site-packages
 EOF
 
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-export TP_ALLREDUCE_REQUIRE_GPU=1
+export TP_ALLREDUCE_REQUIRE_GPU=1 OUT="$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$ROOT" || exit 1
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader >"$out/gpus.txt" 2>&1 || true
