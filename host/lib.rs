@@ -8,6 +8,8 @@
 
 pub mod algorithm;
 pub(crate) mod algorithms;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod comm;
 pub mod config;
 pub mod driver;

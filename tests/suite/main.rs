@@ -4,6 +4,8 @@
 
 mod common;
 
+#[cfg(feature = "candle")]
+mod candle;
 mod cpu;
 mod gpu_allreduce;
 mod gpu_errors;

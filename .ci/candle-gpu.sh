@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The candle example on 2 GPUs (issue 18): a 61-layer tensor-parallel stack
+# in candle, tp-allreduce's candle ops against the cudarc NCCL op in the
+# same run (step time, max abs diff; non-zero exit beyond bf16 tolerance),
+# and, when its binary was brought along, the suite's candle GPU tests.
+#
+# Build here (needs the toolkit from .ci/candle-toolkit.sh), run there (the
+# GPU machine has no Rust toolchain):
+#   cargo build --release && mkdir -p .dev && cp target/release/tp-allreduce .dev/ && strip .dev/tp-allreduce
+#   eval "$(bash .ci/candle-toolkit.sh --env)"
+#   cargo build --release --no-default-features --features candle --example candle_tp
+#   cp target/release/examples/candle_tp .dev/ && strip .dev/candle_tp
+#   # optional, the suite's candle GPU tests:
+#   cp "$(cargo test --release --features candle --test suite --no-run --message-format=json |
+#        python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')" .dev/suite-candle
+#   then on the GPU machine, from the repository root:  OUT=<results dir> bash .ci/candle-gpu.sh
+#
+# The binaries link the CUDA libraries (candle-core's cudarc uses
+# `dynamic-linking`): libcuda.so.1 (driver), libnccl.so.2, libcublas.so.13,
+# libcublasLt.so.13, libcurand.so.10, libnvrtc.so.13, libcudart.so.13. This
+# script looks for them in PyTorch's NVIDIA wheels (site-packages/nvidia/...)
+# and the CUDA toolkit (/usr/local/cuda) and says which are missing.
+set -uo pipefail
+B=${TP_ALLREDUCE_BIN:-.dev/tp-allreduce}
+EXAMPLE=${CANDLE_TP_BIN:-.dev/candle_tp}
+SUITE=${CANDLE_SUITE_BIN:-.dev/suite-candle}
+OUT=${OUT:-results/candle}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+: > "$LOG"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CUDA_DEVICE_MAX_CONNECTIONS=8 TP_ALLREDUCE_TIMEOUT_MS=5000
+
+# Every folder that holds one of the libraries, PyTorch's wheels first.
+lib_dirs=$(python3 - <<'PY' 2>/dev/null
+import glob, os, site, sys
+roots = [p for p in sys.path if p.endswith("-packages")] + site.getsitepackages()
+wanted = ("libnccl.so", "libcublas.so", "libcublasLt.so", "libcurand.so", "libnvrtc.so", "libcudart.so")
+dirs = []
+for root in dict.fromkeys(roots):
+    for lib in glob.glob(os.path.join(root, "nvidia", "**", "lib*.so*"), recursive=True):
+        if os.path.basename(lib).startswith(wanted):
+            d = os.path.dirname(lib)
+            if d not in dirs:
+                dirs.append(d)
+for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"):
+    if os.path.isdir(d) and d not in dirs:
+        dirs.append(d)
+print(":".join(dirs))
+PY
+)
+export LD_LIBRARY_PATH="${lib_dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee -a "$LOG"
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+
+missing=$(ldd "$EXAMPLE" 2>&1 | grep 'not found')
+if [ -n "$missing" ]; then
+  echo "error: $EXAMPLE cannot find these libraries (install PyTorch's NVIDIA wheels or the CUDA 13 toolkit):" | tee -a "$LOG"
+  echo "$missing" | tee -a "$LOG"
+  exit 1
+fi
+ldd "$EXAMPLE" | grep -E 'libcuda|nccl|cublas|curand|nvrtc|cudart' >> "$LOG"
+
+status=0
+run() { echo "=== $*" | tee -a "$LOG"; timeout 560 "$@" 2>&1 | tee -a "$LOG" | tail -40; local rc=${PIPESTATUS[0]}; echo "exit $rc" | tee -a "$LOG"; [ "$rc" -eq 0 ] || status=1; }
+# The example: one process per GPU through the launcher.
+run "$B" launch -n 2 --gpus 0,1 --timeout 500 -- "$EXAMPLE"
+# The suite's candle GPU tests, when brought along (one process, GPU 0).
+if [ -x "$SUITE" ]; then
+  TP_ALLREDUCE_REQUIRE_GPU=1 run "$SUITE" candle -- --test-threads=1
+fi
+echo "done: $OUT (exit $status)"
+exit $status
