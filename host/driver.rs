@@ -39,6 +39,8 @@ pub(crate) use cu;
 pub fn driver_available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
     *AVAILABLE.get_or_init(|| {
+        // Candle builds link libcuda (cudarc `dynamic-linking`): no probe.
+        #[cfg(not(feature = "candle"))]
         // SAFETY: only tries to dlopen candidate library names.
         if !unsafe { sys::is_culib_present() } {
             return false;

@@ -123,6 +123,8 @@ pub fn discover() -> Result<Topology> {
 
 /// Whether the CUDA driver can be loaded and initialised; never panics.
 fn cuda_available() -> bool {
+    // Candle builds link libcuda (cudarc `dynamic-linking`): no probe.
+    #[cfg(not(feature = "candle"))]
     // SAFETY: only tries to dlopen the candidate library names.
     if !unsafe { sys::is_culib_present() } {
         return false;
