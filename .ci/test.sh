@@ -28,3 +28,4 @@ python3 -m venv .cache/python-venv
 .cache/python-venv/bin/pip install --quiet --disable-pip-version-check pytest==9.0.3
 .cache/python-venv/bin/pip install --quiet --disable-pip-version-check --force-reinstall --no-deps .cache/python-wheel/tp_allreduce-*.whl
 .cache/python-venv/bin/python -m pytest python/tests -rs -p no:cacheprovider
+bash .ci/candle.sh  # the cargo feature `candle` (docs/CANDLE.md): CUDA toolkit from PyPI wheels, lints, tests

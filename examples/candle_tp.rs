@@ -77,7 +77,9 @@ impl NcclAllReduce {
         let src = s.as_cuda_slice::<T>()?.slice(start..start + count);
         // SAFETY: NCCL writes every element before any read.
         let mut dst = unsafe { device.alloc::<T>(count) }?;
-        self.comm.all_reduce(&src, &mut dst, &nccl::ReduceOp::Sum).map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
+        self.comm
+            .all_reduce(&src, &mut dst, &nccl::ReduceOp::Sum)
+            .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
         Ok(CudaStorage::wrap_cuda_slice(dst, device))
     }
 }
@@ -181,13 +183,18 @@ fn run(options: &Options) -> Result<bool> {
     };
     let (rank, world) = (env.rank, env.world_size);
     if options.intermediate % world != 0 {
-        return Err(format!("--intermediate {} is not a multiple of the world size {world}", options.intermediate).into());
+        return Err(
+            format!("--intermediate {} is not a multiple of the world size {world}", options.intermediate).into()
+        );
     }
     let cuda = CudaDevice::new_with_stream(env.device)?;
     // One stream per process: cudarc's cross-stream event tracking is not
     // needed, and a CUDA graph capture requires it off.
     // SAFETY: every tensor of this process lives on this one stream.
     unsafe { cuda.disable_event_tracking() };
+    // candle uploads layout parameters of strided kernels from the host; a
+    // graph capture needs them cached by an eager run (this thread's ops).
+    let _param_cache = cuda.enable_cuda_graph_htod_cache();
     let device = Device::Cuda(cuda.clone());
     let comm = Arc::new(env.comm(cuda.cuda_stream(), Config::from_env()?)?);
     let nccl = NcclAllReduce { comm: nccl_comm(&comm, &cuda)? };
@@ -200,11 +207,11 @@ fn run(options: &Options) -> Result<bool> {
         .collect::<candle_core::Result<Vec<_>>>()?;
     device.set_seed(options.seed)?; // the same input on every rank
     let input = Tensor::randn(0f32, 1.0, (options.tokens, options.hidden), &device)?.to_dtype(DType::BF16)?;
-    let buffers = |_: &str| -> Result<StepBuffers> {
+    let buffers = || -> Result<StepBuffers> {
         Ok(StepBuffers { input: input.clone(), residual: input.zeros_like()?, output: input.zeros_like()? })
     };
-    let ours = (Epilogue::TpAllreduce(&norms), buffers("ours")?);
-    let theirs = (Epilogue::Nccl(&nccl), buffers("nccl")?);
+    let ours = (Epilogue::TpAllreduce(&norms), buffers()?);
+    let theirs = (Epilogue::Nccl(&nccl), buffers()?);
 
     let mut rows = Vec::new();
     for (name, (epilogue, bufs)) in [("tp-allreduce", &ours), ("NCCL (cudarc)", &theirs)] {
@@ -251,7 +258,7 @@ fn run(options: &Options) -> Result<bool> {
             };
             println!("| {name} | {mode} | {ms:.3} | {:.2} | {diff} |", ms * 1e3 / (2 * options.layers) as f64);
         }
-        println!("bf16 tolerance on the stack output: {limit:.3e} (8 ulps of its largest magnitude)");
+        println!("bf16 tolerance on the stack output: {limit:.3e} (16 ulps of its largest magnitude)");
     }
     let passed = ok_stack && checks.passed;
     if !passed {
@@ -272,7 +279,8 @@ fn nccl_comm(comm: &Comm, cuda: &CudaDevice) -> Result<nccl::Comm> {
         Vec::new()
     };
     let all = comm.all_gather_bytes(&mine)?;
-    let root: [std::ffi::c_char; 128] = std::array::from_fn(|i| all[0].get(i).copied().unwrap_or(0) as std::ffi::c_char);
+    let root: [std::ffi::c_char; 128] =
+        std::array::from_fn(|i| all[0].get(i).copied().unwrap_or(0) as std::ffi::c_char);
     nccl::Comm::from_rank(cuda.cuda_stream(), comm.rank(), comm.world_size(), nccl::Id::uninit(root))
         .map_err(|e| format!("ncclCommInitRank: {e:?}").into())
 }
@@ -360,10 +368,13 @@ fn compare(a: &StepBuffers, b: &StepBuffers) -> Result<f64> {
     Ok(diff(&a.output, &b.output)?.max(diff(&a.residual, &b.residual)?))
 }
 
-/// 8 bf16 ulps (2^-8 relative) at the reference's largest magnitude.
+/// 16 bf16 ulps (2^-8 relative each) at the reference's largest
+/// magnitude: room for a rounding that differs between two allreduces
+/// (possible beyond 2 ranks, where the summation orders differ) to travel
+/// through 122 layers. A wrong sum is off by the order of the values.
 fn tolerance(reference: &Tensor) -> Result<f64> {
     let max = reference.to_dtype(DType::F32)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-    Ok(8.0 * max.max(1.0) / 256.0)
+    Ok(16.0 * max.max(1.0) / 256.0)
 }
 
 /// The result of [`single_allreduce_checks`].
@@ -381,7 +392,12 @@ impl std::fmt::Display for Checks {
 /// One allreduce of fresh random bf16 input through each op (ours out of
 /// place and in place, NCCL), against the sum computed in f64 on the CPU
 /// from every rank's input (each rank regenerates all inputs from the seed).
-fn single_allreduce_checks(options: &Options, comm: &Arc<Comm>, nccl: &NcclAllReduce, device: &Device) -> Result<Checks> {
+fn single_allreduce_checks(
+    options: &Options,
+    comm: &Arc<Comm>,
+    nccl: &NcclAllReduce,
+    device: &Device,
+) -> Result<Checks> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let shape = (options.tokens, options.hidden);
     let inputs: Vec<Tensor> = (0..world)
@@ -392,8 +408,11 @@ fn single_allreduce_checks(options: &Options, comm: &Arc<Comm>, nccl: &NcclAllRe
         })
         .collect::<candle_core::Result<_>>()?;
     let mut reference = Tensor::zeros(shape, DType::F64, &Device::Cpu)?;
+    let mut magnitude = Tensor::zeros(shape, DType::F64, &Device::Cpu)?;
     for x in &inputs {
-        reference = (reference + x.to_dtype(DType::F64)?)?;
+        let wide = x.to_dtype(DType::F64)?;
+        magnitude = (magnitude + wide.abs()?)?;
+        reference = (reference + wide)?;
     }
     let mine = inputs[rank].to_device(device)?;
     let all_reduce = AllReduce::new(comm.clone());
@@ -401,13 +420,20 @@ fn single_allreduce_checks(options: &Options, comm: &Arc<Comm>, nccl: &NcclAllRe
     let in_place = mine.copy()?;
     all_reduce.all_reduce_in_place(&in_place)?;
     let baseline = mine.apply_op1_no_bwd(nccl)?;
+    // Roundings to bf16 of partial sums: ours as the chosen algorithm says
+    // (1 for most), NCCL's ring up to world - 1.
+    let bytes = shape.0 * shape.1 * 2;
+    let ours = comm.plan_call(bytes, tp_allreduce::DType::Bf16, false, false).algorithm.max_roundings(world);
     let mut passed = true;
     let mut parts = Vec::new();
-    for (name, t) in [("ours out of place", &out_of_place), ("ours in place", &in_place), ("NCCL", &baseline)] {
+    for (name, t, roundings) in
+        [("ours out of place", &out_of_place, ours), ("ours in place", &in_place, ours), ("NCCL", &baseline, world - 1)]
+    {
         let got = t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
         let err = (&got - &reference)?.abs()?;
-        // One rounding to bf16 of a sum accumulated in f32: 2^-8 relative, plus f32 slack.
-        let bound = ((reference.abs()? * (1.0 / 256.0))? + 1e-6 * world as f64)?;
+        // Each rounding to bf16 errs by at most 2^-9 of the partial sum
+        // (bounded by the sum of magnitudes); 2^-8 leaves slack for f32.
+        let bound = ((&magnitude * (roundings.max(1) as f64 / 256.0))? + 1e-6 * world as f64)?;
         let excess = (&err - &bound)?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
         let worst = err.flatten_all()?.max(0)?.to_scalar::<f64>()?;
         passed &= excess <= 0.0;

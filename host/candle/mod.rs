@@ -26,8 +26,10 @@
 //! rank before the first replay. candle's tensors come from the
 //! stream-ordered pool, which cannot be exported to peers: pull algorithms
 //! stage such inputs with a captured copy, push algorithms read them in
-//! place. Capturing with cudarc's event tracking on fails in candle as in
-//! any cudarc code: disable it first (`CudaDevice::disable_event_tracking`).
+//! place. As for any candle capture: turn cudarc's event tracking off
+//! (`CudaDevice::disable_event_tracking`) and keep candle's parameter cache
+//! on (`CudaDevice::enable_cuda_graph_htod_cache`) over an eager warm-up and
+//! the capture.
 
 mod norm;
 #[cfg(test)]
@@ -227,7 +229,11 @@ pub fn dtype_of(dtype: candle_core::DType) -> Option<DType> {
 /// The checks every op makes before touching the device: a supported dtype
 /// and a contiguous layout. Returns the dtype, the start offset and the
 /// element count.
-fn check_input(op: &'static str, dtype: candle_core::DType, layout: &Layout) -> candle_core::Result<(DType, usize, usize)> {
+fn check_input(
+    op: &'static str,
+    dtype: candle_core::DType,
+    layout: &Layout,
+) -> candle_core::Result<(DType, usize, usize)> {
     let Some(ours) = dtype_of(dtype) else {
         return Err(candle_core::Error::UnsupportedDTypeForOp(dtype, op).bt());
     };
