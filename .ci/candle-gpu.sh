@@ -4,23 +4,35 @@
 # same run (step time, max abs diff; non-zero exit beyond bf16 tolerance),
 # and, when its binary was brought along, the suite's candle GPU tests.
 #
-# Build here (needs the toolkit from .ci/candle-toolkit.sh), run there (the
-# GPU machine has no Rust toolchain):
-#   cargo build --release && mkdir -p .dev && cp target/release/tp-allreduce .dev/ && strip .dev/tp-allreduce
-#   eval "$(bash .ci/candle-toolkit.sh --env)"
-#   cargo build --release --no-default-features --features candle --example candle_tp
-#   cp target/release/examples/candle_tp .dev/ && strip .dev/candle_tp
-#   # optional, the suite's candle GPU tests:
-#   cp "$(cargo test --release --features candle --test suite --no-run --message-format=json |
-#        python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')" .dev/suite-candle
-#   then on the GPU machine, from the repository root:  OUT=<results dir> bash .ci/candle-gpu.sh
+# Build here, run there (the GPU machine has no Rust toolchain):
+#   bash .ci/candle-gpu.sh --build        # here: release launcher, release
+#                                         # example (sm_90), suite binary -> .dev/
+#   OUT=<results dir> bash .ci/candle-gpu.sh   # there, from the repository root
 #
 # The binaries link the CUDA libraries (candle-core's cudarc uses
-# `dynamic-linking`): libcuda.so.1 (driver), libnccl.so.2, libcublas.so.13,
-# libcublasLt.so.13, libcurand.so.10, libnvrtc.so.13, libcudart.so.13. This
+# `dynamic-linking`): libcuda.so.1 (driver), libnccl.so.2, libcublas.so.13
+# (and libcublasLt.so.13), libcurand.so.10, libcudart.so.13. This
 # script looks for them in PyTorch's NVIDIA wheels (site-packages/nvidia/...)
 # and the CUDA toolkit (/usr/local/cuda) and says which are missing.
 set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ "${1:-}" = "--build" ]; then
+  set -e
+  # --target: one candle-kernels build shared by the example and the suite.
+  TARGET=$(rustc -vV | sed -n 's/^host: //p')
+  DIR=${CARGO_TARGET_DIR:-target}
+  cargo build --release --bin tp-allreduce
+  eval "$(bash .ci/candle-toolkit.sh --env)"   # CUDA_COMPUTE_CAP=90 unless set
+  cargo build --release --target "$TARGET" --no-default-features --features candle --example candle_tp
+  suite=$(cargo test --target "$TARGET" --features candle --test suite --no-run --message-format=json |
+    python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == "suite"][-1])')
+  mkdir -p .dev
+  cp "$DIR/release/tp-allreduce" "$DIR/$TARGET/release/examples/candle_tp" .dev/
+  cp "$suite" .dev/suite-candle
+  strip .dev/tp-allreduce .dev/candle_tp .dev/suite-candle
+  ls -la .dev/tp-allreduce .dev/candle_tp .dev/suite-candle
+  exit 0
+fi
 B=${TP_ALLREDUCE_BIN:-.dev/tp-allreduce}
 EXAMPLE=${CANDLE_TP_BIN:-.dev/candle_tp}
 SUITE=${CANDLE_SUITE_BIN:-.dev/suite-candle}
@@ -67,7 +79,7 @@ run() { echo "=== $*" | tee -a "$LOG"; timeout 560 "$@" 2>&1 | tee -a "$LOG" | t
 run "$B" launch -n 2 --gpus 0,1 --timeout 500 -- "$EXAMPLE"
 # The suite's candle GPU tests, when brought along (one process, GPU 0).
 if [ -x "$SUITE" ]; then
-  TP_ALLREDUCE_REQUIRE_GPU=1 run "$SUITE" candle -- --test-threads=1
+  TP_ALLREDUCE_REQUIRE_GPU=1 run "$SUITE" candle --test-threads=1
 fi
 echo "done: $OUT (exit $status)"
 exit $status

@@ -130,6 +130,10 @@ impl AllReduce {
         count: usize,
         stream: &Arc<CudaStream>,
     ) -> candle_core::Result<()> {
+        let src_len = src.map_or(0, |(slice, start)| slice.len().saturating_sub(start));
+        if dst.len().saturating_sub(dst_offset) < count || (src.is_some() && src_len < count) {
+            candle_core::bail!("{ALL_REDUCE_OP}: the layout reaches past the end of the tensor's storage");
+        }
         let elem = T::DTYPE.size_bytes() as u64;
         // The guards record the use on the stream (cudarc's event tracking)
         // and must live until the call is queued.
@@ -143,8 +147,8 @@ impl AllReduce {
             None => (recv, None),
         };
         // SAFETY: `send` and `recv` point into live candle buffers holding
-        // at least `offset + count` elements of `T` (the callers checked the
-        // layout against the storage), borrowed until the call is queued on
+        // at least `offset + count` elements of `T` (checked above),
+        // borrowed until the call is queued on
         // `stream`, the buffers' own candle stream; candle keeps a buffer
         // alive while a tensor refers to it, and frees it stream-ordered.
         unsafe { self.comm.all_reduce_raw(send, recv, count, T::DTYPE, stream.cu_stream()) }.map_err(to_candle)
@@ -158,8 +162,10 @@ impl AllReduce {
         count: usize,
     ) -> candle_core::Result<CudaStorage> {
         let device = storage.device().clone();
-        // SAFETY: the allreduce writes every element before any read.
-        let mut out = unsafe { device.alloc::<T>(count) }?;
+        // SAFETY: the allreduce writes every element before any read. (One
+        // element at least: the driver refuses empty allocations; an empty
+        // tensor's storage may be longer than its layout needs.)
+        let mut out = unsafe { device.alloc::<T>(count.max(1)) }?;
         self.reduce_slices(Some((storage.as_cuda_slice::<T>()?, start)), &mut out, 0, count, &device.cuda_stream())?;
         Ok(CudaStorage::wrap_cuda_slice(out, device))
     }
