@@ -674,3 +674,28 @@ impl Drop for Event {
         }
     }
 }
+
+/// Launches `f` with a 1-D grid of `grid` blocks of `block` threads on
+/// `stream`, passing `params` **by value** as the kernel's one parameter
+/// (`kernelParams = [&params]`; the driver copies the bytes into the
+/// kernel's parameter space at launch, so `params` only has to live for
+/// this call — a graph capture records the copy).
+///
+/// # Safety
+/// * `f`'s only parameter must be a `.param .align 16 .b8 [size_of::<P>()]`
+///   with `P`'s layout (the PTX tests compare the sizes for every sentinel
+///   entry; the layout is shared through `tp_allreduce_kernels::params`).
+/// * Every address in `params` must be valid for the kernel's accesses for
+///   as long as the launch (or any replay of a graph capturing it) runs.
+/// * `grid` and `block` must be a shape the kernel supports (the caller
+///   checks residency and the block limit: the kernel validates nothing).
+pub unsafe fn launch_struct<P: Copy>(
+    f: sys::CUfunction,
+    grid: u32,
+    block: u32,
+    stream: sys::CUstream,
+    params: &P,
+) -> Result<()> {
+    let mut args = [params as *const P as *mut c_void];
+    cu!(cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut()))
+}

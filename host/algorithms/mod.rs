@@ -60,6 +60,20 @@ pub(crate) trait AlgorithmHost: Sync {
     /// Grid of one launch over `packs` packs (0: it does not fit).
     fn grid(&self, geometry: &Geometry, packs: u64) -> u32;
 
+    /// Sentinel kernels take their parameters by value
+    /// (`driver::launch_struct`) and run with any launch shape (grid-stride
+    /// loops); the others take a `DeviceHandle` pointer and scalars and run
+    /// [`grid`](Self::grid) blocks of `THREADS_PER_BLOCK` threads.
+    fn sentinel(&self) -> bool {
+        false
+    }
+
+    /// The launch shape `(blocks, threads)` of one launch over `packs`
+    /// packs when neither a configured nor a tuned shape applies.
+    fn launch_shape(&self, geometry: &Geometry, packs: u64) -> (u32, u32) {
+        (self.grid(geometry, packs), THREADS_PER_BLOCK)
+    }
+
     /// The phases the cost model prices for `shape`.
     fn cost(&self, shape: &CostShape) -> CostRecipe;
 }
@@ -117,6 +131,26 @@ pub(crate) struct Geometry {
     pub layout: ScratchLayout,
     pub pull_max_blocks: u32,
     pub ring_blocks: u32,
+    /// Resident blocks of a sentinel kernel per block size.
+    pub sentinel_resident: ResidentBlocks,
+}
+
+/// Blocks of a sentinel kernel that stay resident on a rank's GPU together
+/// with the other ranks sharing it, per block size (a multiple of 32 up to
+/// 1024). Keeping a launch within it guarantees progress: every block that
+/// waits for a peer's packs is running, and so is every block of the peer
+/// that sends them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ResidentBlocks(pub [u32; 32]);
+
+impl ResidentBlocks {
+    /// The cap for `threads`-thread blocks (0 for an unsupported size).
+    pub(crate) fn cap(&self, threads: u32) -> u32 {
+        if threads == 0 || threads % 32 != 0 || threads > 1024 {
+            return 0;
+        }
+        self.0[(threads / 32 - 1) as usize]
+    }
 }
 
 impl Geometry {

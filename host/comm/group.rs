@@ -36,6 +36,7 @@ impl Comm {
         let mut config = config;
         config.island_size = selector::island_size(&view, &config);
         let setup = setup::build(&stream, rank, world, &*rendezvous, &config, &module)?;
+        let sentinel = super::params::SentinelLaunches::build(&ctx, &setup, rank, &config)?;
         let nccl = if config.nccl_fallback && setup.ranks_on_device == 1 && world > 1 {
             match crate::nccl::NcclComm::from_rendezvous(&stream, &*rendezvous) {
                 Ok(n) => n,
@@ -57,6 +58,7 @@ impl Comm {
             module,
             config,
             setup,
+            sentinel,
             registry: Mutex::new(Registry::default()),
             broken: Mutex::new(None),
             order: Mutex::new(Default::default()),

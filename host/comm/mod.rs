@@ -30,6 +30,7 @@
 
 mod call;
 mod group;
+pub(crate) mod params;
 mod registry;
 mod selection_setup;
 pub(crate) mod setup;
@@ -71,6 +72,7 @@ pub struct Comm {
     module: Arc<KernelModule>,
     config: Config,
     setup: setup::Setup,
+    sentinel: params::SentinelLaunches,
     registry: Mutex<registry::Registry>,
     broken: Mutex<Option<String>>,
     order: Mutex<call::CallOrder>,
@@ -201,6 +203,17 @@ impl Comm {
             return Err(err);
         }
         Ok(())
+    }
+
+    /// The per-launch timestamps the sentinel kernels recorded
+    /// (`Config::trace`), one record per generation modulo
+    /// `TRACE_RECORDS`, after the work queued so far completed on the
+    /// communicator's stream. `None` when tracing is off. Diagnostics (`bench
+    /// --trace`).
+    pub fn trace_records(&self) -> Result<Option<Vec<tp_allreduce_kernels::params::TraceRecord>>> {
+        driver::bind(&self.ctx)?;
+        driver::synchronize(&self.stream)?;
+        self.sentinel.trace_records()
     }
 
     /// Waits for the communicator's stream, then checks for device errors.

@@ -30,7 +30,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tp_allreduce_kernels::ids::AlgorithmId;
 use tp_allreduce_kernels::layout::{
     p2p_pattern, DeviceHandle, ErrorRecord, IslandLayout, LocalState, PeerPointers, ScratchConfig, ScratchLayout,
-    SignalBlock, LAMPORT_EMPTY_WORD, MAX_RANKS, P2P_CHECK_WORDS, PACK_BYTES, THREADS_PER_BLOCK,
+    SignalBlock, MAX_RANKS, P2P_CHECK_WORDS, PACK_BYTES, SENTINEL_EMPTY_WORD, THREADS_PER_BLOCK,
 };
 
 use super::shm::SharedHostRegion;
@@ -126,13 +126,17 @@ pub(crate) struct Setup {
     pub region: Region,
     /// Held for their `Drop` (peers' regions stay mapped while we run).
     pub _peer_mappings: Vec<PeerMapping>,
-    pub _local_state: DeviceMemory,
+    pub local_state: DeviceMemory,
     pub handle: DeviceMemory,
     pub error_record: PinnedHostMemory,
     pub table: DeviceMemory,
     pub table_capacity: usize,
     /// Extra mappings opened for registered buffers (kept alive).
     pub registered_mappings: Mutex<Vec<PeerMapping>>,
+    /// Every rank's region as this rank maps it (sentinel parameter templates).
+    pub region_bases: Vec<u64>,
+    /// Resident blocks of a sentinel kernel per block size (launch shapes).
+    pub sentinel_resident: crate::algorithms::ResidentBlocks,
 }
 
 impl Setup {
@@ -143,6 +147,7 @@ impl Setup {
             layout: self.layout,
             pull_max_blocks: self.pull_max_blocks,
             ring_blocks: self.ring_blocks,
+            sentinel_resident: self.sentinel_resident,
         }
     }
 
@@ -232,6 +237,7 @@ pub(crate) fn build(
         .min()
         .unwrap_or(1) as u32;
     let push_blocks = config.push_blocks.min(resident_limit);
+    let sentinel_resident = super::params::resident_blocks(module, sms, ranks_on_device)?;
     let pull_max_blocks = config.pull_max_blocks.min(resident_limit);
     let ring_blocks = config.ring_blocks.min(resident_limit);
 
@@ -311,12 +317,14 @@ pub(crate) fn build(
                 ring_blocks,
                 region: attempt.region,
                 _peer_mappings: attempt.peer_mappings,
-                _local_state: attempt.local_state,
+                local_state: attempt.local_state,
                 handle: attempt.handle,
                 error_record: attempt.error_record,
                 table: attempt.table,
                 table_capacity: config.max_registered_buffers,
                 registered_mappings: Mutex::new(Vec::new()),
+                region_bases: attempt.region_bases,
+                sentinel_resident,
             });
         }
         match (config.transport, transport) {
@@ -379,6 +387,7 @@ struct Attempt {
     handle: DeviceMemory,
     error_record: PinnedHostMemory,
     table: DeviceMemory,
+    region_bases: Vec<u64>,
 }
 
 fn align(v: usize, a: usize) -> usize {
@@ -402,7 +411,7 @@ fn allocate_and_map(
     let layout = ScratchLayout::new(&ScratchConfig {
         world_size: world as u32,
         max_packs: config.max_chunk_bytes as u64 / pack,
-        one_shot_push_max_packs: config.one_shot_push_max_bytes as u64 / pack,
+        one_shot_push_max_packs: config.one_shot_push_capacity(world) as u64 / pack,
         push_blocks,
         ring_blocks,
         ring_slots: config.ring_slots,
@@ -431,11 +440,14 @@ fn allocate_and_map(
     let one_shot_push_bytes = (layout.two_shot_push_offset - layout.one_shot_push_offset) as usize;
     if one_shot_push_bytes > 0 {
         let start = base + offsets.scratch as u64 + layout.one_shot_push_offset;
-        debug_assert_eq!(LAMPORT_EMPTY_WORD, 0xFFFF_FFFF);
+        debug_assert_eq!(SENTINEL_EMPTY_WORD, 0xFFFF_FFFF);
         driver::memset_d8(start, 0xFF, one_shot_push_bytes)?;
     }
 
     let local_state = DeviceMemory::alloc_zeroed(ctx, size_of::<LocalState>())?;
+    if let Some(seed) = config.test_initial_counter {
+        super::params::seed_counters(base, local_state.ptr(), seed)?;
+    }
     let handle = DeviceMemory::alloc_zeroed(ctx, size_of::<DeviceHandle>())?;
     let error_record = PinnedHostMemory::alloc(ctx, size_of::<ErrorRecord>())?;
     let table = DeviceMemory::alloc_zeroed(ctx, config.max_registered_buffers * size_of::<PeerPointers>())?;
@@ -502,7 +514,17 @@ fn allocate_and_map(
         }
         driver::write_struct(table.ptr(), &staging)?;
     }
-    Ok(Attempt { layout, offsets, region, peer_mappings, local_state, handle, error_record, table })
+    Ok(Attempt {
+        layout,
+        offsets,
+        region,
+        peer_mappings,
+        local_state,
+        handle,
+        error_record,
+        table,
+        region_bases: peer_bases,
+    })
 }
 
 /// Maps a peer's buffer described by `desc` into this rank.

@@ -7,6 +7,7 @@
 //! indexed by rank is sized by it and every unrolled rank loop is bounded by it.
 
 use crate::ids::FLAG_PHASES;
+use crate::params::Control;
 pub use crate::partition::PACK_BYTES;
 
 /// Largest world size a communicator supports.
@@ -15,15 +16,13 @@ pub const MAX_RANKS: usize = 8;
 pub const MAX_BLOCKS: usize = 128;
 /// Threads per block of every allreduce kernel.
 pub const THREADS_PER_BLOCK: u32 = 512;
-/// Receive-buffer generations of the OneShotPush protocol (write one, read
-/// one, re-arm one; see `device/one_shot_push.rs`).
-pub const LAMPORT_SLOTS: usize = 3;
 /// Words of the init-time P2P transfer check, per direction and peer.
 pub const P2P_CHECK_WORDS: usize = 64;
-/// The bit pattern a OneShotPush receive word holds until its payload lands.
-/// Inputs whose elements equal the all-ones pattern are canonicalised to the
-/// type's quiet NaN first, so no real payload word is all ones.
-pub const LAMPORT_EMPTY_WORD: u32 = 0xFFFF_FFFF;
+/// The bit pattern a sentinel (OneShotPush) receive word holds until its
+/// payload lands ("EMPTY"). Inputs whose elements equal the all-ones pattern
+/// are canonicalised to the type's quiet NaN first, so no real payload word
+/// is all ones.
+pub const SENTINEL_EMPTY_WORD: u32 = 0xFFFF_FFFF;
 
 /// One rank's peer-visible signal block.
 ///
@@ -54,16 +53,10 @@ pub struct SignalBlock {
 /// rank's stream order one call's update before the next call's read.
 #[repr(C, align(128))]
 pub struct LocalState {
-    /// Elects the one thread that fills the error record (`atom.cas`, gpu scope).
-    pub error_claim: u32,
-    pub _pad0: [u32; 31],
+    /// Abort, sentinel generations, arrivals, error claim (see [`Control`]).
+    pub control: Control,
     /// Per-block epoch of the barrier-based (pull) kernels.
     pub barrier_epoch: [u32; MAX_BLOCKS],
-    /// Per-block epoch of OneShotPush.
-    pub one_shot_push_epoch: [u32; MAX_BLOCKS],
-    /// `one_shot_push_used[block][slot]`: packs per source this block wrote into
-    /// receive generation `slot`, i.e. what it must re-arm later.
-    pub one_shot_push_used: [[u32; 4]; MAX_BLOCKS],
     /// Per-block epoch of TwoShotPush.
     pub two_shot_push_epoch: [u32; MAX_BLOCKS],
     /// Per-block epoch of Hierarchical.
@@ -80,7 +73,7 @@ pub struct LocalState {
 /// device, so the host reads it without synchronising any stream.
 ///
 /// Written once per communicator by the thread that wins
-/// `LocalState::error_claim`: all fields with plain stores, then `published`
+/// `Control::error_claim`: all fields with plain stores, then `published`
 /// with `st.release.sys`. The host reads `published` (volatile) first and the
 /// fields after an acquire fence.
 #[repr(C, align(64))]
@@ -160,10 +153,12 @@ pub struct ScratchLayout {
     /// TwoShotPull: this rank's reduced slice, `two_shot_pull_packs` packs.
     pub two_shot_pull_offset: u64,
     pub two_shot_pull_packs: u64,
-    /// OneShotPush: `[LAMPORT_SLOTS][world][push_blocks][one_shot_push_stripe_packs]`.
+    /// OneShotPush: `[half 0|1][slot 0..world-1][one_shot_push_max_packs]`
+    /// packs; slot `one_shot_push_slot(src, me)` holds source `src`'s payload.
     pub one_shot_push_offset: u64,
     pub one_shot_push_max_packs: u64,
-    pub one_shot_push_stripe_packs: u64,
+    /// Bytes from half 0 to half 1 (`(world - 1) * max_packs * 16`).
+    pub one_shot_push_half_bytes: u64,
     /// TwoShotPush: scatter `[2][push_blocks][world][stripe]`, then gather with
     /// the same shape.
     pub two_shot_push_offset: u64,
@@ -234,12 +229,9 @@ impl ScratchLayout {
         let two_shot_pull_offset = offset;
         offset = align_up(offset + two_shot_pull_packs * pack, SCRATCH_REGION_ALIGN);
 
-        let one_shot_push_stripe_packs = div_ceil(config.one_shot_push_max_packs, push_blocks);
+        let one_shot_push_half_bytes = world.saturating_sub(1) * config.one_shot_push_max_packs * pack;
         let one_shot_push_offset = offset;
-        offset = align_up(
-            offset + LAMPORT_SLOTS as u64 * world * push_blocks * one_shot_push_stripe_packs * pack,
-            SCRATCH_REGION_ALIGN,
-        );
+        offset = align_up(offset + 2 * one_shot_push_half_bytes, SCRATCH_REGION_ALIGN);
 
         let two_shot_push_stripe_packs =
             if config.enable_two_shot_push { div_ceil(div_ceil(config.max_packs, world), push_blocks) } else { 0 };
@@ -280,7 +272,7 @@ impl ScratchLayout {
             two_shot_pull_packs,
             one_shot_push_offset,
             one_shot_push_max_packs: config.one_shot_push_max_packs,
-            one_shot_push_stripe_packs,
+            one_shot_push_half_bytes,
             two_shot_push_offset,
             two_shot_push_stripe_packs,
             hierarchical_offset,
@@ -297,14 +289,10 @@ impl ScratchLayout {
         }
     }
 
-    /// Byte offset of OneShotPush pack `pack` of block `block` from `src` in
-    /// receive generation `slot`.
-    pub const fn one_shot_push_pack_offset(&self, world: u32, slot: u32, src: u32, block: u32, pack: u64) -> u64 {
-        let stripe = self.one_shot_push_stripe_packs;
-        let blocks = self.push_blocks as u64;
-        self.one_shot_push_offset
-            + ((((slot as u64 * world as u64 + src as u64) * blocks + block as u64) * stripe) + pack)
-                * PACK_BYTES as u64
+    /// Byte offset of OneShotPush receive slot `slot` (half 0, pack 0); half
+    /// 1 is `one_shot_push_half_bytes` further.
+    pub const fn one_shot_push_slot_offset(&self, slot: u32) -> u64 {
+        self.one_shot_push_offset + slot as u64 * self.one_shot_push_max_packs * PACK_BYTES as u64
     }
 
     /// Byte offset of TwoShotPush pack `pack` of (`gather`? gather : scatter)
@@ -358,7 +346,8 @@ const _: () = assert!(core::mem::size_of::<SignalBlock>() == 43_392);
 const _: () = assert!(core::mem::align_of::<SignalBlock>() == 128);
 const _: () = assert!(core::mem::offset_of!(SignalBlock, abort) == 40_960);
 const _: () = assert!(core::mem::offset_of!(SignalBlock, p2p_outbox) == 41_088);
-const _: () = assert!(core::mem::size_of::<LocalState>() == 7_296);
+const _: () = assert!(core::mem::size_of::<LocalState>() == 4_736);
+const _: () = assert!(core::mem::offset_of!(LocalState, control) == 0);
 const _: () = assert!(core::mem::size_of::<ErrorRecord>() == 64);
 const _: () = assert!(core::mem::size_of::<PeerPointers>() == 8 * MAX_RANKS);
 const _: () = assert!(core::mem::size_of::<IslandLayout>() == 16 + MAX_RANKS * MAX_RANKS);

@@ -4,7 +4,7 @@
 use rand::{Rng, SeedableRng};
 use tp_allreduce::{Algorithm, Config, DType, Transport};
 use tp_allreduce_kernels::ids::{AlgorithmId, DeviceErrorCode, Phase};
-use tp_allreduce_kernels::layout::{ErrorRecord, ScratchConfig, ScratchLayout, LAMPORT_SLOTS, PACK_BYTES};
+use tp_allreduce_kernels::layout::{ErrorRecord, ScratchConfig, ScratchLayout, PACK_BYTES};
 use tp_allreduce_kernels::partition::{elems_in_pack, even_part, packs_for, push_grid, seq_geq};
 
 fn scratch_config(world: u32, island_size: u32) -> ScratchConfig {
@@ -42,14 +42,12 @@ fn scratch_regions_are_disjoint_aligned_and_cover_their_largest_index() {
             }
             // The last pack of each region lies inside it.
             let pk = PACK_BYTES as u64;
-            let last_oneshot = l.one_shot_push_pack_offset(
-                world,
-                LAMPORT_SLOTS as u32 - 1,
-                world - 1,
-                l.push_blocks - 1,
-                l.one_shot_push_stripe_packs - 1,
-            );
+            // OneShotPush: half 1, slot world-2, last pack.
+            let last_oneshot = l.one_shot_push_half_bytes
+                + l.one_shot_push_slot_offset(world - 2)
+                + (l.one_shot_push_max_packs - 1) * pk;
             assert!(last_oneshot + pk <= l.two_shot_push_offset);
+            assert_eq!(l.one_shot_push_half_bytes, (world as u64 - 1) * cfg.one_shot_push_max_packs * pk);
             let last_push2 = l.two_shot_push_pack_offset(
                 world,
                 true,
@@ -82,7 +80,6 @@ fn scratch_regions_are_disjoint_aligned_and_cover_their_largest_index() {
             let last_ring = l.ring_slot_offset(l.ring_blocks - 1, l.ring_slots - 1) + l.ring_chunk_packs * pk;
             assert!(last_ring <= l.total_bytes);
             // Stripes hold the largest per-block part of the largest message.
-            assert!(l.one_shot_push_stripe_packs * l.push_blocks as u64 >= cfg.one_shot_push_max_packs);
             assert!(l.two_shot_push_stripe_packs * l.push_blocks as u64 * world as u64 >= cfg.max_packs);
         }
     }
@@ -196,7 +193,8 @@ fn ptx_choice_follows_compute_capability() {
     assert_eq!(pick(8, 6), Some("sm_80"));
     assert_eq!(pick(7, 5), None);
     let entries = tp_allreduce::kernels::expected_entries();
-    assert_eq!(entries.len(), 6 * 3 + 2 * 3 + 1);
+    // Six allreduce kernels, the two-rank OneShotPush, sum and affine, per dtype; the P2P check.
+    assert_eq!(entries.len(), 7 * 3 + 2 * 3 + 1);
 }
 
 #[test]

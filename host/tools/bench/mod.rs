@@ -1036,6 +1036,7 @@ pub fn tune(opts: &Options, out: Option<std::path::PathBuf>) -> Result<TuneOutco
                 algorithm: a,
                 transport,
                 median_us: percentiles(&mut samples).0,
+                shape: None,
             });
         }
         if let Some(n) = &nccl {
@@ -1052,6 +1053,7 @@ pub fn tune(opts: &Options, out: Option<std::path::PathBuf>) -> Result<TuneOutco
                 algorithm: Algorithm::Nccl,
                 transport: Transport::PeerToPeer,
                 median_us: percentiles(&mut samples).0,
+                shape: None,
             });
         }
     }

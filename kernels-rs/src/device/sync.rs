@@ -202,7 +202,7 @@ impl<'a> Ctx<'a> {
         let local = self.local();
         // Only the first failing thread of this rank fills the record
         // (gpu-scope CAS on device-local memory; no peer atomics).
-        if ptx::atom_cas_relaxed_gpu_u32(&mut (*local).error_claim, 0, 1) == 0 {
+        if ptx::atom_cas_relaxed_gpu_u32(&mut (*local).control.error_claim, 0, 1) == 0 {
             let rec = self.h.error_record as *mut ErrorRecord;
             if !rec.is_null() {
                 (*rec).code = code as u32;
@@ -220,7 +220,9 @@ impl<'a> Ctx<'a> {
             }
         }
         // Sticky abort, visible to peers (they stop waiting on us) and to this
-        // rank's later kernels (they exit at the prologue).
+        // rank's later kernels (they exit at the prologue); the rank-local
+        // copy is what the sentinel kernels read at entry.
+        ptx::st_relaxed_gpu_u32(&mut (*local).control.abort, code as u32);
         ptx::st_release_sys_u32(&mut (*self.signal(self.rank)).abort, code as u32);
     }
 
