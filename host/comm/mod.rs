@@ -172,6 +172,26 @@ impl Comm {
         Ok(())
     }
 
+    /// Forces the launch shape `(blocks, threads)` of later sentinel
+    /// (OneShotPush) launches on this rank (`None`: tuning table, else the
+    /// default rule). Ranks may use different shapes: the protocol only
+    /// needs the same calls on every rank. A shape that does not stay
+    /// resident fails the call that would use it.
+    pub fn set_launch_shape(&mut self, shape: Option<(u32, u32)>) -> Result<()> {
+        if let Some(s) = shape {
+            crate::env::check_launch_shape(s).map_err(|why| Error::invalid(format!("launch shape: {why}")))?;
+        }
+        self.config.launch_shape = shape;
+        Ok(())
+    }
+
+    /// Most blocks of `threads` threads a sentinel launch may use on this
+    /// rank (they stay resident with the other ranks sharing the GPU); 0
+    /// for an unsupported block size.
+    pub fn max_sentinel_blocks(&self, threads: u32) -> u32 {
+        self.setup.sentinel_resident.cap(threads)
+    }
+
     /// What this communicator offers, the input of the one availability
     /// rule (`algorithms::availability`).
     pub(crate) fn capabilities(&self) -> crate::algorithms::Capabilities {
@@ -214,6 +234,33 @@ impl Comm {
         driver::bind(&self.ctx)?;
         driver::synchronize(&self.stream)?;
         self.sentinel.trace_records()
+    }
+
+    /// Test-only: this rank's protocol counters after its stream's work:
+    /// the OneShotPush generation, then block 0's barrier epoch (pull),
+    /// TwoShotPush epoch, Hierarchical epoch, ring messages sent and
+    /// received (see `Config::test_initial_counter`).
+    #[doc(hidden)]
+    pub fn test_counters(&self) -> Result<[u32; 6]> {
+        use std::mem::offset_of;
+        use tp_allreduce_kernels::layout::LocalState;
+        use tp_allreduce_kernels::params::Control;
+        driver::bind(&self.ctx)?;
+        driver::synchronize(&self.stream)?;
+        let base = self.setup.local_state.ptr();
+        let read = |offset: usize| -> Result<u32> {
+            let mut word = [0u8; 4];
+            driver::memcpy_dtoh(&mut word, base + offset as u64)?;
+            Ok(u32::from_ne_bytes(word))
+        };
+        Ok([
+            read(offset_of!(LocalState, control) + offset_of!(Control, generation))?,
+            read(offset_of!(LocalState, barrier_epoch))?,
+            read(offset_of!(LocalState, two_shot_push_epoch))?,
+            read(offset_of!(LocalState, hierarchical_epoch))?,
+            read(offset_of!(LocalState, ring_sent))?,
+            read(offset_of!(LocalState, ring_received))?,
+        ])
     }
 
     /// Waits for the communicator's stream, then checks for device errors.

@@ -194,3 +194,91 @@ pub(crate) fn choose_shape(
         _ => Ok(default),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tp_allreduce_kernels::layout::{ScratchConfig, ScratchLayout};
+
+    fn memory(world: usize, rank: usize) -> RankMemory {
+        let layout = ScratchLayout::new(&ScratchConfig {
+            world_size: world as u32,
+            max_packs: 4096,
+            one_shot_push_max_packs: 1000,
+            push_blocks: 4,
+            ring_blocks: 4,
+            ring_slots: 4,
+            ring_chunk_packs: 64,
+            island_size: 0,
+            enable_two_shot_pull: true,
+            enable_two_shot_push: true,
+            enable_ring: true,
+        });
+        // Each viewer maps each owner's region at its own address (as IPC
+        // mappings do); offsets inside a region are the same everywhere.
+        let bases = (0..world).map(|r| 0x7000_0000_0000 + (r as u64) * 0x1_0000_0000 + rank as u64 * 0x100).collect();
+        RankMemory {
+            region_bases: bases,
+            scratch_offset: 0xA980,
+            layout,
+            local_state: 0x10_000,
+            error_record: 0x20_000,
+        }
+    }
+
+    /// Every (source, receiver) pair: the address the source sends to is,
+    /// relative to the receiver's region, the slot the receiver polls for
+    /// that source; slots of one receiver are distinct and inside its half.
+    #[test]
+    fn templates_agree_on_every_slot_across_ranks() {
+        for world in 2..=8usize {
+            let templates: Vec<_> = (0..world).map(|r| one_shot_push_template(r, &memory(world, r), 5)).collect();
+            for (s, ts) in templates.iter().enumerate() {
+                assert_eq!(ts.h.world as usize, world);
+                for k in 0..world - 1 {
+                    let d = (s + 1 + k) % world;
+                    let mem_s = memory(world, s);
+                    let offset_at_d = ts.send_to[k] - mem_s.region_bases[d];
+                    let td = &templates[d];
+                    let mem_d = memory(world, d);
+                    let slot = (0..world - 1)
+                        .find(|&j| td.recv_from[j] - mem_d.region_bases[d] == offset_at_d)
+                        .unwrap_or_else(|| panic!("world {world}: {s} -> {d} lands in no slot {d} polls"));
+                    assert_eq!(one_shot_push_source(slot as u32, d as u32) as usize, s);
+                    assert_eq!(td.source_abort[slot] - mem_d.region_bases[s], offset_of!(SignalBlock, abort) as u64);
+                }
+                let mut offsets: Vec<u64> = (0..world - 1).map(|j| ts.recv_from[j]).collect();
+                offsets.sort_unstable();
+                offsets.dedup();
+                assert_eq!(offsets.len(), world - 1, "world {world} rank {s}: slots collide");
+                let half = ts.h.half_bytes;
+                let region_start =
+                    memory(world, s).region_bases[s] + 0xA980 + memory(world, s).layout.one_shot_push_offset;
+                for j in 0..world - 1 {
+                    assert!(ts.recv_from[j] >= region_start && ts.recv_from[j] + 1000 * 16 <= region_start + half);
+                }
+                // Unused entries stay zero (a kernel never touches them).
+                assert!(ts.send_to[world - 1..].iter().all(|&a| a == 0));
+                assert_eq!(ts.h.abort, memory(world, s).region_bases[s] + offset_of!(SignalBlock, abort) as u64);
+                assert_eq!(ts.h.control, 0x10_000);
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_forced_tuned_or_default_within_residency() {
+        let resident = ResidentBlocks([8; 32]);
+        assert_eq!(choose_shape(None, None, (3, 256), &resident).unwrap(), (3, 256));
+        assert_eq!(choose_shape(None, Some((4, 128)), (3, 256), &resident).unwrap(), (4, 128));
+        // A tuned shape beyond what is resident here is clamped.
+        assert_eq!(choose_shape(None, Some((64, 128)), (3, 256), &resident).unwrap(), (8, 128));
+        assert_eq!(choose_shape(Some((2, 64)), Some((4, 128)), (3, 256), &resident).unwrap(), (2, 64));
+        let e = choose_shape(Some((9, 64)), None, (3, 256), &resident).unwrap_err().to_string();
+        assert!(e.contains("9x64") && e.contains("at most 8"), "{e}");
+        let mut none_1024 = resident;
+        none_1024.0[31] = 0;
+        assert_eq!(choose_shape(None, Some((4, 1024)), (3, 256), &none_1024).unwrap(), (3, 256));
+        assert_eq!(resident.cap(100), 0);
+        assert_eq!(resident.cap(2048), 0);
+    }
+}

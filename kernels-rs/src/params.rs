@@ -49,7 +49,7 @@ pub enum RegionId {
 /// arrival and claim atomics must never touch host memory, which is where
 /// the signal block lives with the host-staged transport.
 #[repr(C, align(128))]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Control {
     pub abort: u32,
     pub generation: [u32; 3],
@@ -58,12 +58,6 @@ pub struct Control {
     pub arrivals: [u32; 4],
     pub error_claim: u32,
     pub _pad: [u32; 23],
-}
-
-impl Default for Control {
-    fn default() -> Self {
-        Control { abort: 0, generation: [0; 3], arrivals: [0; 4], error_claim: 0, _pad: [0; 23] }
-    }
 }
 
 /// [`SentinelHeader::flags`] bit: record a [`TraceRecord`] per launch.

@@ -231,3 +231,51 @@ fn without_a_driver_init_fails_cleanly() {
     assert!(matches!(e, tp_allreduce::Error::NoDriver(_)), "{e}");
     assert_eq!(tp_allreduce::driver::device_count(), 0);
 }
+
+#[test]
+fn ring_slots_must_be_a_power_of_two() {
+    // The ring indexes its FIFO with a wrapping u32 message counter modulo
+    // ring_slots: only a power of two keeps the sequence across the wrap.
+    for slots in [1u32, 2, 4, 8, 64] {
+        assert!(Config { ring_slots: slots, ..Config::default() }.validate().is_ok(), "{slots}");
+    }
+    for slots in [0u32, 3, 5, 6, 12] {
+        let e = Config { ring_slots: slots, ..Config::default() }.validate().unwrap_err().to_string();
+        assert!(e.contains("ring_slots must be a power of two") && e.contains(&slots.to_string()), "{e}");
+    }
+    // Why: 2^32 % 3 != 0, so slot `n % 3` repeats at the wrap (u32::MAX and
+    // 0, consecutive messages, both give slot 0); `n % 4` does not.
+    let slot = |n: u32, k: u32| n % k;
+    assert_eq!(slot(u32::MAX, 3), slot(0, 3));
+    assert_ne!(slot(u32::MAX, 4), slot(0, 4));
+}
+
+#[test]
+fn launch_shapes_parse_and_validate() {
+    use tp_allreduce::env::{check_launch_shape, parse_launch_shape};
+    assert_eq!(parse_launch_shape("64x512"), Ok((64, 512)));
+    assert_eq!(parse_launch_shape(" 1X32 "), Ok((1, 32)));
+    for bad in ["64", "x512", "64x", "0x256", "4x100", "4x2048", "4x0", "ax256"] {
+        assert!(parse_launch_shape(bad).is_err(), "{bad}");
+    }
+    assert!(check_launch_shape((128, 1024)).is_ok());
+    let e = Config { launch_shape: Some((4, 48)), ..Config::default() }.validate().unwrap_err().to_string();
+    assert!(e.contains("launch_shape") && e.contains("multiple of 32"), "{e}");
+}
+
+#[test]
+fn one_shot_push_capacity_follows_the_world_size() {
+    let c = Config::default();
+    assert_eq!(c.one_shot_push_max_bytes, Config::ONE_SHOT_PUSH_AUTO);
+    assert_eq!(c.one_shot_push_capacity(2), 8 << 20);
+    assert_eq!(c.one_shot_push_capacity(8), (8 << 20) / 7 / 16 * 16);
+    for w in 2..=8 {
+        let cap = c.one_shot_push_capacity(w);
+        assert_eq!(cap % 16, 0);
+        // Two halves of world-1 copies: at most 16 MiB of receive region.
+        assert!(2 * (w - 1) * cap <= 16 << 20, "world {w}");
+    }
+    let fixed = Config { one_shot_push_max_bytes: 16 << 10, ..Config::default() };
+    assert_eq!(fixed.one_shot_push_capacity(8), 16 << 10);
+    assert!(Config { one_shot_push_max_bytes: 100, ..Config::default() }.validate().is_err());
+}

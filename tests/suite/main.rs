@@ -11,5 +11,7 @@ mod gpu_foundation;
 mod gpu_graph;
 mod gpu_streams;
 mod gpu_timeout;
+mod gpu_wrap;
 mod multiprocess;
 mod ptx;
+mod sentinel_model;
