@@ -7,6 +7,7 @@
 //! See README.md for the overview and ARCHITECTURE.md for the design.
 
 pub mod algorithm;
+pub mod buffer;
 pub mod comm;
 pub mod config;
 pub mod driver;
@@ -19,10 +20,13 @@ pub mod rendezvous;
 pub mod select;
 
 #[cfg(feature = "tools")]
+mod elementwise;
+#[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod tools;
 
 pub use algorithm::{Algorithm, Transport};
+pub use buffer::DeviceBuffer;
 pub use comm::{CallPlan, Comm, Element, ReduceOp};
 pub use config::{Config, TransportPreference};
 pub use error::{Error, Result};

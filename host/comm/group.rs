@@ -9,12 +9,12 @@ use std::time::Duration;
 use cudarc::driver::{sys, CudaStream};
 use tp_allreduce_kernels::layout::MAX_RANKS;
 
+use super::selection_setup as selector;
 use super::{registry::Registry, setup, Comm};
 use crate::config::Config;
 use crate::driver::{self, KernelModule};
 use crate::error::{Error, Result};
 use crate::rendezvous::{self, Id, Rendezvous};
-use super::selection_setup as selector;
 
 impl Comm {
     /// Initialises rank `rank` of `world_size` over an existing rendezvous

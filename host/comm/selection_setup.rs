@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use crate::algorithm::Transport;
 use super::setup::Setup;
+use crate::algorithm::Transport;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::rendezvous::Rendezvous;

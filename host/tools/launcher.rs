@@ -9,10 +9,15 @@
 //! (their collectives fail within the communicator's timeout) and then
 //! kills what is left, so a launch never hangs.
 
+#![forbid(unsafe_code)]
+
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
 
 use crate::env;
 use crate::error::{Error, Result};
@@ -37,8 +42,8 @@ fn describe(status: ExitStatus) -> String {
 
 /// SIGKILL to the rank's process group, then reap it.
 fn kill_group(child: &mut Child) {
-    // SAFETY: signals the group the launcher created for this child.
-    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+    // The child leads the group the launcher created for it (`process_group(0)`).
+    let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
     let _ = child.kill();
     let _ = child.wait();
 }
