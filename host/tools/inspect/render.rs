@@ -128,7 +128,7 @@ fn wrap(first: &str, items: &[String], width: usize) -> String {
     let mut out = String::new();
     let mut line = first.to_string();
     for item in items {
-        if line.len() + 1 + item.len() > width && line.trim().len() > 0 && line.len() > 4 {
+        if line.len() + 1 + item.len() > width && line.trim().len() > 4 {
             out.push_str(&line);
             out.push('\n');
             line = "    ".to_string();

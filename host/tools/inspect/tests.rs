@@ -283,3 +283,37 @@ fn tool_env_var_names() {
     assert_eq!(tool_env_var("ptxas"), "TP_ALLREDUCE_PTXAS");
     assert_eq!(tool_env_var("nvdisasm"), "TP_ALLREDUCE_NVDISASM");
 }
+
+#[test]
+fn the_rendered_report_of_the_embedded_ptx_fits_120_columns() {
+    let embedded = crate::kernels::embedded();
+    let ptx = embedded.first().expect("PTX is embedded");
+    let kernels: Vec<KernelReport> = analyze_ptx(ptx.text)
+        .into_iter()
+        .map(|stats| KernelReport {
+            name: stats.name.clone(),
+            hot: true,
+            resources: Some(Resources { registers: 40, ..Default::default() }),
+            ptx: stats,
+        })
+        .collect();
+    assert!(kernels.len() > 5, "{} kernels", kernels.len());
+    let report = Report {
+        arch: ptx.arch.to_string(),
+        ptx_origin: "committed",
+        ptxas: std::path::PathBuf::from("/opt/cuda/bin/ptxas"),
+        ptxas_version: Some("V13.0.88".into()),
+        disassembler: None,
+        kernels,
+        out_dir: std::path::PathBuf::from("results/inspect"),
+        files: Vec::new(),
+        notes: vec!["no SASS".into()],
+    };
+    let text = render(&report);
+    let wide: Vec<&str> = text.lines().filter(|l| l.chars().count() > 120).collect();
+    assert!(wide.is_empty(), "lines over 120 columns: {wide:#?}");
+    for k in &report.kernels {
+        assert!(text.contains(&format!("{}*", k.name)), "{} missing", k.name);
+    }
+    assert!(text.contains("summary"), "{text}");
+}
