@@ -217,7 +217,11 @@ fn topo(json: bool) -> CliResult {
     if json {
         emit(t.to_json().map_err(text)? + "\n")
     } else {
-        emit(tp_allreduce::tools::topology_view::render(&t, &(0..t.len()).collect::<Vec<_>>()))
+        let islands = t.islands().map_or("none".to_string(), |i| format!("{:?}", i.groups));
+        emit(
+            tp_allreduce::tools::topology_view::render(&t, &(0..t.len()).collect::<Vec<_>>())
+                + &format!("islands: {islands}\n"),
+        )
     }
 }
 
