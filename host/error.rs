@@ -189,3 +189,11 @@ pub(crate) fn driver(call: &'static str, e: cudarc::driver::DriverError) -> Erro
     let message = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     Error::Driver { call, code, message }
 }
+
+/// `?` on cudarc's driver calls (e.g. `CudaContext::new`, `clone_dtoh`)
+/// inside functions returning this crate's [`Result`].
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        driver("a cudarc driver call", e)
+    }
+}

@@ -4,6 +4,7 @@
 
 mod common;
 
+mod cli;
 mod cpu;
 mod gpu_allreduce;
 mod gpu_errors;
