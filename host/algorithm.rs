@@ -3,6 +3,8 @@
 //! names), the selection, the cost model, the tuning table, the benchmark ids
 //! and the CLI flags.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 use std::str::FromStr;
 

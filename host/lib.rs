@@ -6,6 +6,9 @@
 //!
 //! See README.md for the overview and ARCHITECTURE.md for the design.
 
+// `unsafe` lives only in `driver` (every CUDA driver call), `nccl`, and
+// `comm`'s call path and shared-memory mapping; every other module file says
+// `#![forbid(unsafe_code)]` (`rendezvous` here, for all of its files).
 pub mod algorithm;
 pub mod comm;
 pub mod config;
@@ -15,6 +18,7 @@ pub mod error;
 pub mod kernels;
 pub mod nccl;
 pub mod rank_env;
+#[forbid(unsafe_code)]
 pub mod rendezvous;
 pub mod select;
 

@@ -84,7 +84,9 @@ impl NcclComm {
         for (d, s) in id.internal.iter_mut().zip(root.iter()) {
             *d = *s as std::ffi::c_char;
         }
-        driver::bind(stream.context())?;
+        // NCCL binds the device it joins from the current context; restore
+        // the caller's afterwards.
+        let _context = driver::CurrentContext::bind(stream.context())?;
         let mut comm = MaybeUninit::uninit();
         // SAFETY: `comm` receives a new communicator on success.
         unsafe {

@@ -3,18 +3,20 @@
 //! registration helpers for in-process groups. Both paths run the same
 //! initialisation (`setup::build`); only the rendezvous differs.
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cudarc::driver::{sys, CudaStream};
 use tp_allreduce_kernels::layout::MAX_RANKS;
 
+use super::selection_setup as selector;
 use super::{registry::Registry, setup, Comm};
 use crate::config::Config;
 use crate::driver::{self, KernelModule};
 use crate::error::{Error, Result};
 use crate::rendezvous::{self, Id, Rendezvous};
-use super::selection_setup as selector;
 
 impl Comm {
     /// Initialises rank `rank` of `world_size` over an existing rendezvous
@@ -30,7 +32,7 @@ impl Comm {
         }
         driver::require_driver()?;
         let ctx = stream.context().clone();
-        driver::bind(&ctx)?;
+        let _context = driver::CurrentContext::bind(&ctx)?;
         let module = KernelModule::for_context(&ctx)?;
         let (view, mut notes) = selector::rank_view(&ctx, rank, world, &*rendezvous)?;
         let mut config = config;
@@ -64,6 +66,7 @@ impl Comm {
             selection,
             topology,
             notes,
+            restore_context: driver::RestoreOnDrop::default(),
         })
     }
 

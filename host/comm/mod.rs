@@ -30,10 +30,16 @@
 
 mod call;
 mod group;
+mod ipc;
+mod p2p_check;
 mod registry;
 mod selection_setup;
 pub(crate) mod setup;
 mod shm;
+
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub use ipc::test_hooks;
 
 use std::sync::{Arc, Mutex};
 
@@ -79,6 +85,8 @@ pub struct Comm {
     selection: crate::select::selection::SelectionTable,
     topology: crate::select::topology::Topology,
     notes: Vec<String>,
+    /// Last field: restores the caller's current context after every other field's drop.
+    restore_context: driver::RestoreOnDrop,
 }
 
 /// What a call will do: the algorithm, how the input reaches peers, why.
@@ -178,6 +186,7 @@ impl Comm {
         op: &ReduceOp,
     ) -> Result<()> {
         check_op(op)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         if send.len() != recv.len() {
             return Err(Error::invalid(format!(
                 "all_reduce: send has {} elements, recv has {}",
@@ -196,6 +205,7 @@ impl Comm {
     /// In-place allreduce (sum) of `buf`.
     pub fn all_reduce_in_place<R: DevicePtrMut<T>, T: Element>(&self, buf: &mut R, op: &ReduceOp) -> Result<()> {
         check_op(op)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         let count = buf.len();
         let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
         // SAFETY: as in `all_reduce`.
@@ -238,7 +248,7 @@ impl Comm {
         if overlap {
             return Err(Error::invalid("all_reduce: send and recv overlap without being equal"));
         }
-        driver::bind(&self.ctx)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         for (what, ptr) in [("send", send), ("recv", recv)] {
             self.validate_device_range(what, ptr, bytes, count, dtype)?;
         }
@@ -289,7 +299,7 @@ impl Comm {
 
     /// Waits for the communicator's stream, then checks for device errors.
     pub fn synchronize(&self) -> Result<()> {
-        driver::bind(&self.ctx)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         let synced = driver::synchronize(&self.stream);
         self.check()?;
         synced
@@ -380,7 +390,8 @@ impl Drop for Comm {
     fn drop(&mut self) {
         // Outstanding work may still use our memory: wait for the stream
         // (errors are ignored: nothing useful can be done in drop).
-        if driver::bind(&self.ctx).is_ok() {
+        self.restore_context.save();
+        if let Ok(_context) = driver::CurrentContext::bind(&self.ctx) {
             let _ = driver::synchronize(&self.stream);
         }
     }
