@@ -90,7 +90,7 @@ pub fn device_count() -> usize {
 /// Binds `ctx` to the calling thread and leaves it bound (the CLI tools'
 /// helper for threads they own). The library itself uses
 /// [`CurrentContext::bind`], which restores the caller's context.
-pub fn bind(ctx: &CudaContext) -> Result<()> {
+pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread().map_err(|e| crate::error::driver("cuCtxSetCurrent", e))
 }
 

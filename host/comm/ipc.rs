@@ -202,49 +202,6 @@ fn open_ipc_cached(ctx: &Arc<CudaContext>, handle: &[u8; 64]) -> Result<Arc<IpcM
     Ok(m)
 }
 
-/// Test hooks (feature `tools`, for the test suite only).
-#[cfg(feature = "tools")]
-pub mod test_hooks {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    static FAIL_REGION_IMPORT_ON_RANK: AtomicUsize = AtomicUsize::new(usize::MAX);
-
-    /// While alive, rank `rank` of every communicator initialised in this
-    /// process fails to map its peers' regions over the P2P transport, as a
-    /// failing `cuIpcOpenMemHandle` would. Not for concurrent inits.
-    pub struct FailRegionImport(());
-
-    impl FailRegionImport {
-        pub fn on_rank(rank: usize) -> FailRegionImport {
-            FAIL_REGION_IMPORT_ON_RANK.store(rank, Ordering::SeqCst);
-            FailRegionImport(())
-        }
-    }
-
-    impl Drop for FailRegionImport {
-        fn drop(&mut self) {
-            FAIL_REGION_IMPORT_ON_RANK.store(usize::MAX, Ordering::SeqCst);
-        }
-    }
-
-    pub(crate) fn region_import_fails(rank: usize) -> bool {
-        FAIL_REGION_IMPORT_ON_RANK.load(Ordering::SeqCst) == rank
-    }
-}
-
-/// Whether a test hook makes `rank`'s region imports fail.
-pub(crate) fn injected_region_import_failure(rank: usize) -> bool {
-    #[cfg(feature = "tools")]
-    {
-        test_hooks::region_import_fails(rank)
-    }
-    #[cfg(not(feature = "tools"))]
-    {
-        let _ = rank;
-        false
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

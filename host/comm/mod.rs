@@ -36,10 +36,11 @@ mod registry;
 mod selection_setup;
 pub(crate) mod setup;
 mod shm;
-
 #[cfg(feature = "tools")]
 #[doc(hidden)]
-pub use ipc::test_hooks;
+pub mod test_hooks;
+#[cfg(not(feature = "tools"))]
+mod test_hooks;
 
 use std::sync::{Arc, Mutex};
 

@@ -39,11 +39,12 @@ pub(crate) fn run(
     (base, local_state, handle): (u64, u64, &DeviceMemory),
     (rank, world): (usize, usize),
     rdv: &dyn Rendezvous,
-    salt: u32,
+    (salt, kernel_salt): (u32, u32),
 ) -> Result<Vec<TransportProblem>> {
     // Every rank has mapped every region (the exchange before this ended
     // with an all-gather), so the bursts land in mapped, zeroed memory.
-    module.launch_p2p_check(stream, handle, salt)?;
+    // (`kernel_salt` differs from `salt` only under a test hook.)
+    module.launch_p2p_check(stream, handle, kernel_salt)?;
     driver::synchronize(stream)?;
     let observed = read_observed(stream, base, local_state, world)?;
     let mine = problems(rank, world, salt, &observed);

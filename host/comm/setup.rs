@@ -40,6 +40,7 @@ use tp_allreduce_kernels::layout::{
 use super::ipc::{self, BufferOffer, PeerMapping, Region};
 use super::p2p_check;
 use super::shm::SharedHostRegion;
+use super::test_hooks;
 use crate::algorithm::{Algorithm, Transport};
 use crate::config::{Config, TransportPreference};
 use crate::driver::{self, CurrentContext, DeviceMemory, KernelModule, PinnedHostMemory};
@@ -244,7 +245,8 @@ pub(crate) fn build(
             if config.check_p2p {
                 step = Step::Check;
                 let ptrs = (attempt.region.device_ptr(), attempt.local_state.ptr(), &attempt.handle);
-                problems = p2p_check::run(stream, module, ptrs, (rank, world), rdv, placement.salt)?;
+                let salts = (placement.salt, p2p_check_salt(transport, rank, placement.salt));
+                problems = p2p_check::run(stream, module, ptrs, (rank, world), rdv, salts)?;
             }
         }
         match verdict(config.transport, transport, step, &problems) {
@@ -253,6 +255,15 @@ pub(crate) fn build(
             Verdict::FallBack(why) => (transport, reason) = (Transport::HostStaged, why),
             Verdict::Fail(e) => return Err(e),
         }
+    }
+}
+
+/// The salt this rank's check kernel runs with (another one only under a
+/// test hook, on the P2P transport).
+fn p2p_check_salt(transport: Transport, rank: usize, salt: u32) -> u32 {
+    match transport {
+        Transport::PeerToPeer => test_hooks::p2p_check_kernel_salt(rank, salt),
+        Transport::HostStaged => salt,
     }
 }
 
@@ -532,7 +543,7 @@ fn map_peers(
                 });
                 continue;
             }
-            _ if transport == Transport::PeerToPeer && ipc::injected_region_import_failure(rank) => {
+            _ if transport == Transport::PeerToPeer && test_hooks::region_import_fails(rank) => {
                 Err(Error::Ipc("opening the peer's region failed (injected by a test hook)".into()))
             }
             RegionOffer::Ready(offer) => {

@@ -6,9 +6,11 @@ mod common;
 
 mod cpu;
 mod gpu_allreduce;
+mod gpu_context;
 mod gpu_errors;
 mod gpu_foundation;
 mod gpu_graph;
 mod gpu_timeout;
+mod gpu_transport;
 mod multiprocess;
 mod ptx;
