@@ -3,8 +3,10 @@
 //! current-context guard, RAII owners for the memory the library allocates
 //! or maps (`driver/memory.rs`), and kernel-module loading and launch
 //! (`driver/module.rs`).
-//! No other module of the library calls the driver directly, and no other
-//! module except `comm::call`, `comm::shm` and `nccl` contains `unsafe`.
+//! No other module of the library calls the driver directly. `unsafe` is
+//! confined to this module, `nccl`, `comm` (the raw allreduce entry point
+//! and call path) and `comm::shm` (libc), plus the CLI tools; every other
+//! module file says `#![forbid(unsafe_code)]`.
 //!
 //! # The current context
 //! The driver keeps one *current context* per thread, and so does every

@@ -6,9 +6,10 @@
 //!
 //! See README.md for the overview and ARCHITECTURE.md for the design.
 
-// `unsafe` lives only in `driver` (every CUDA driver call), `nccl`, and
-// `comm`'s call path and shared-memory mapping; every other module file says
-// `#![forbid(unsafe_code)]` (`rendezvous` here, for all of its files).
+// `unsafe` lives only in `driver` (every CUDA driver call), `nccl`, `comm`'s
+// raw entry point and call path, `comm::shm` (libc) and the CLI `tools`;
+// every other module file says `#![forbid(unsafe_code)]` (`rendezvous`
+// here, for all of its files).
 pub mod algorithm;
 pub mod comm;
 pub mod config;

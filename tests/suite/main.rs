@@ -10,6 +10,7 @@ mod gpu_context;
 mod gpu_errors;
 mod gpu_foundation;
 mod gpu_graph;
+mod gpu_mixed_placement;
 mod gpu_timeout;
 mod gpu_transport;
 mod multiprocess;

@@ -87,7 +87,7 @@ fn launcher_names_a_killed_rank_and_does_not_hang() {
 }
 
 /// `Some(reason)` when multi-process GPU tests cannot run here.
-fn multi_process_gpu_unavailable(test: &str) -> bool {
+pub(crate) fn multi_process_gpu_unavailable(test: &str) -> bool {
     if common::gpu(test).is_none() {
         return true;
     }
