@@ -1,5 +1,5 @@
 //! Every CUDA driver call of the library goes through this module: one
-//! checked wrapper ([`cu!`]), device queries that need no context, the
+//! checked wrapper (`cu!`), device queries that need no context, the
 //! current-context guard, RAII owners for the memory the library allocates
 //! or maps (`driver/memory.rs`), and kernel-module loading and launch
 //! (`driver/module.rs`).

@@ -42,7 +42,11 @@ pub(crate) fn run(
     (salt, kernel_salt): (u32, u32),
 ) -> Result<Vec<TransportProblem>> {
     // Every rank has mapped every region (the exchange before this ended
-    // with an all-gather), so the bursts land in mapped, zeroed memory.
+    // with an all-gather), so the bursts land in mapped, zeroed memory. The
+    // kernels wait for each other (bounded by the communicator's timeout):
+    // start them together, behind no earlier work of the callers' streams.
+    driver::synchronize(stream)?;
+    rdv.barrier()?;
     // (`kernel_salt` differs from `salt` only under a test hook.)
     module.launch_p2p_check(stream, handle, kernel_salt)?;
     driver::synchronize(stream)?;
