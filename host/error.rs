@@ -2,6 +2,8 @@
 //! a CUDA, IPC, rendezvous or bad-input error: it returns one of these, and
 //! each message names what failed and what to do about it.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 
 use tp_allreduce_kernels::ids::{AlgorithmId, DeviceErrorCode, Phase};

@@ -5,4 +5,4 @@
 //! themselves live outside the tools, in the library's `elementwise` module.
 #![forbid(unsafe_code)]
 
-pub use crate::elementwise::{affine, affine_in_place, sum};
+pub use crate::driver::elementwise::{affine, affine_in_place, sum};

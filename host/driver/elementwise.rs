@@ -4,9 +4,8 @@
 //! two allreduces in tests and the verify-pass benchmark).
 //!
 //! Used by the tools and the tests only (compiled with the `tools`
-//! feature, reached through `tools::elementwise`). Its `unsafe` is the
-//! kernel launch; it belongs with the other launches (`driver.rs`) once
-//! that module offers a typed launch, and is kept here, small, until then.
+//! feature, reached through `tools::elementwise`). It lives in the driver
+//! room because its `unsafe` is a kernel launch.
 
 use std::sync::Arc;
 
@@ -14,8 +13,8 @@ use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use tp_allreduce_kernels::layout::THREADS_PER_BLOCK;
 use tp_allreduce_kernels::partition::{div_ceil, packs_for};
 
-use crate::comm::Element;
 use crate::driver::{self, DeviceMemory, KernelArgs, KernelModule};
+use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::DType;
 
