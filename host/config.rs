@@ -1,6 +1,8 @@
 //! Communicator configuration. Every rank of a communicator must use the
 //! same values for the fields that shape shared memory (checked at init).
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};

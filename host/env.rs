@@ -28,6 +28,8 @@
 //! | `TP_ALLREDUCE_PTX_ARCHS` | build time: architectures to build | `sm_120,sm_90,sm_89,sm_80` |
 //! | `TP_ALLREDUCE_WRITE_PTX` | build time: also write the built PTX to this folder | unset |
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::time::Duration;
 

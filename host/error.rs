@@ -2,6 +2,8 @@
 //! a CUDA, IPC, rendezvous or bad-input error: it returns one of these, and
 //! each message names what failed and what to do about it.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 
 use tp_allreduce_kernels::ids::{AlgorithmId, DeviceErrorCode, Phase};
@@ -188,4 +190,12 @@ pub(crate) fn driver(call: &'static str, e: cudarc::driver::DriverError) -> Erro
     let code = format!("{:?}", e.0);
     let message = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     Error::Driver { call, code, message }
+}
+
+/// `?` on cudarc's driver calls (e.g. `CudaContext::new`, `clone_dtoh`)
+/// inside functions returning this crate's [`Result`].
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        driver("a cudarc driver call", e)
+    }
 }

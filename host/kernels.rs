@@ -1,6 +1,8 @@
 //! The PTX that `build.rs` embedded, one per architecture, and the pure
 //! rules for choosing one for a device.
 
+#![forbid(unsafe_code)]
+
 use tp_allreduce_kernels::ids::{AlgorithmId, DType};
 
 mod index {

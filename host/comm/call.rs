@@ -4,6 +4,8 @@
 //! message into launches, make the input peer-visible (pull: registered or
 //! staged), launch.
 
+#![allow(unsafe_code)]
+
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
 use tp_allreduce_kernels::ids::DType;
 use tp_allreduce_kernels::layout::ErrorRecord;
@@ -14,7 +16,7 @@ use super::params;
 use super::registry::InputSource;
 use super::{CallPlan, Comm, Element, ReduceOp};
 use crate::algorithm::Algorithm;
-use crate::algorithms::{self, AlgorithmHost};
+use crate::algorithm::{self, AlgorithmHost};
 use crate::driver::{self, KernelArgs};
 use crate::error::DeviceFailure;
 use crate::error::{Error, Result};
@@ -64,6 +66,7 @@ impl Comm {
         op: &ReduceOp,
     ) -> Result<()> {
         check_op(op)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         if send.len() != recv.len() {
             return Err(Error::invalid(format!(
                 "all_reduce: send has {} elements, recv has {}",
@@ -82,6 +85,7 @@ impl Comm {
     /// In-place allreduce (sum) of `buf`.
     pub fn all_reduce_in_place<R: DevicePtrMut<T>, T: Element>(&self, buf: &mut R, op: &ReduceOp) -> Result<()> {
         check_op(op)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         let count = buf.len();
         let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
         // SAFETY: as in `all_reduce`.
@@ -133,7 +137,7 @@ impl Comm {
         if overlap {
             return Err(Error::invalid("all_reduce: send and recv overlap without being equal"));
         }
-        driver::bind(&self.ctx)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         for (what, ptr) in [("send", send), ("recv", recv)] {
             self.validate_device_range(what, ptr, bytes, count, dtype)?;
         }
@@ -282,8 +286,8 @@ impl Comm {
     /// The host side and kernel of `algorithm` for `dtype`, once the one
     /// availability rule allows it here.
     fn prepare(&self, algorithm: Algorithm, dtype: DType) -> Result<(&'static dyn AlgorithmHost, sys::CUfunction)> {
-        algorithms::availability(algorithm, &self.capabilities(), None).map_err(Error::Unsupported)?;
-        let host = algorithms::host(algorithm).ok_or_else(|| Error::invalid("NCCL has no kernel of ours"))?;
+        algorithm::availability(algorithm, &self.capabilities(), None).map_err(Error::Unsupported)?;
+        let host = algorithm::host(algorithm).ok_or_else(|| Error::invalid("NCCL has no kernel of ours"))?;
         Ok((host, self.module.function(&crate::kernels::entry_name(host.kernel(), dtype))?))
     }
 

@@ -3,6 +3,8 @@
 //! registration helpers for in-process groups. Both paths run the same
 //! initialisation (`setup::build`); only the rendezvous differs.
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,7 +32,7 @@ impl Comm {
         }
         driver::require_driver()?;
         let ctx = stream.context().clone();
-        driver::bind(&ctx)?;
+        let _context = driver::CurrentContext::bind(&ctx)?;
         let module = KernelModule::for_context(&ctx)?;
         let (view, mut notes) = selector::rank_view(&ctx, rank, world, &*rendezvous)?;
         let mut config = config;
@@ -67,6 +69,7 @@ impl Comm {
             selection,
             topology,
             notes,
+            restore_context: driver::RestoreOnDrop::default(),
         })
     }
 

@@ -30,11 +30,18 @@
 
 mod call;
 mod group;
+mod ipc;
+mod p2p_check;
 pub(crate) mod params;
 mod registry;
 mod selection_setup;
 pub(crate) mod setup;
 mod shm;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod test_hooks;
+#[cfg(not(feature = "tools"))]
+mod test_hooks;
 
 use std::sync::{Arc, Mutex};
 
@@ -42,26 +49,12 @@ use cudarc::driver::{CudaContext, CudaStream};
 pub use cudarc::nccl::ReduceOp;
 
 pub use crate::config::{Config, TransportPreference};
+pub use crate::element::Element;
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::driver::{self, KernelModule};
 use crate::error::{Error, Result};
 use crate::DType;
-
-/// Element types the allreduce accepts (accumulated in f32).
-pub trait Element: cudarc::driver::DeviceRepr {
-    const DTYPE: DType;
-}
-
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
-}
-impl Element for half::f16 {
-    const DTYPE: DType = DType::F16;
-}
-impl Element for half::bf16 {
-    const DTYPE: DType = DType::Bf16;
-}
 
 /// One rank of a communicator.
 pub struct Comm {
@@ -81,6 +74,8 @@ pub struct Comm {
     selection: crate::select::selection::SelectionTable,
     topology: crate::select::topology::Topology,
     notes: Vec<String>,
+    /// Last field: restores the caller's current context after every other field's drop.
+    restore_context: driver::RestoreOnDrop,
 }
 
 /// What a call will do: the algorithm, how the input reaches peers, why.
@@ -166,7 +161,7 @@ impl Comm {
     /// Takes effect immediately on this rank; every rank must do the same.
     pub fn set_algorithm(&mut self, algorithm: Option<Algorithm>) -> Result<()> {
         if let Some(a) = algorithm {
-            crate::algorithms::availability(a, &self.capabilities(), None).map_err(Error::Unsupported)?;
+            crate::algorithm::availability(a, &self.capabilities(), None).map_err(Error::Unsupported)?;
         }
         self.config.algorithm = algorithm;
         Ok(())
@@ -193,10 +188,10 @@ impl Comm {
     }
 
     /// What this communicator offers, the input of the one availability
-    /// rule (`algorithms::availability`).
-    pub(crate) fn capabilities(&self) -> crate::algorithms::Capabilities {
+    /// rule (`algorithm::availability`).
+    pub(crate) fn capabilities(&self) -> crate::algorithm::Capabilities {
         let islands = &self.setup.islands;
-        crate::algorithms::Capabilities {
+        crate::algorithm::Capabilities {
             world: self.world,
             transport: self.setup.transport,
             island_size: (islands.island_count >= 2).then_some(islands.island_size as usize),
@@ -265,7 +260,7 @@ impl Comm {
 
     /// Waits for the communicator's stream, then checks for device errors.
     pub fn synchronize(&self) -> Result<()> {
-        driver::bind(&self.ctx)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         let synced = driver::synchronize(&self.stream);
         self.check()?;
         synced
@@ -284,7 +279,8 @@ impl Drop for Comm {
     fn drop(&mut self) {
         // Outstanding work may still use our memory: wait for the stream
         // (errors are ignored: nothing useful can be done in drop).
-        if driver::bind(&self.ctx).is_ok() {
+        self.restore_context.save();
+        if let Ok(_context) = driver::CurrentContext::bind(&self.ctx) {
             let _ = driver::synchronize(&self.stream);
         }
     }

@@ -19,7 +19,7 @@ use tp_allreduce_kernels::params::{
 };
 
 use super::setup::Setup;
-use crate::algorithms::ResidentBlocks;
+use crate::algorithm::ResidentBlocks;
 use crate::config::Config;
 use crate::driver::{self, DeviceMemory, KernelModule};
 use crate::error::{Error, Result};
@@ -93,9 +93,9 @@ pub(crate) fn resident_blocks(module: &KernelModule, sms: u32, ranks_on_device: 
 pub(crate) fn seed_counters(signal_block: u64, local_state: u64, seed: u32) -> Result<()> {
     let flags_words = offset_of!(SignalBlock, abort) / 4;
     driver::memcpy_htod(signal_block, bytemuck::cast_slice(&vec![seed; flags_words]))?;
-    // LocalState: every u32 up to the P2P read-back area is a counter,
+    // LocalState: every u32 up to the P2P check results is a counter,
     // except the control words other than the generations.
-    let mut words = vec![seed; offset_of!(LocalState, p2p_read_back) / 4];
+    let mut words = vec![seed; offset_of!(LocalState, p2p_flag_seen) / 4];
     // In the control words only the generations are counters (abort,
     // arrivals and the error claim start at 0).
     let control = offset_of!(LocalState, control) / 4;
@@ -161,12 +161,22 @@ impl SentinelLaunches {
     /// ring order; `None` when tracing is off.
     pub(crate) fn trace_records(&self) -> Result<Option<Vec<TraceRecord>>> {
         let Some(ring) = &self.trace else { return Ok(None) };
-        let mut records = vec![TraceRecord::default(); TRACE_RECORDS];
-        let bytes = TRACE_RECORDS * size_of::<TraceRecord>();
-        // SAFETY: TraceRecord is plain old data (u64/u32 fields, explicit
-        // padding); the slice covers exactly `bytes` bytes.
-        let raw = unsafe { std::slice::from_raw_parts_mut(records.as_mut_ptr() as *mut u8, bytes) };
-        driver::memcpy_dtoh(raw, ring.ptr())?;
+        const WORDS: usize = size_of::<TraceRecord>() / 8;
+        let mut raw = vec![0u64; TRACE_RECORDS * WORDS];
+        driver::memcpy_dtoh(bytemuck::cast_slice_mut(&mut raw), ring.ptr())?;
+        let records = raw
+            .chunks_exact(WORDS)
+            .map(|w| TraceRecord {
+                entry_ns: w[0],
+                loaded_ns: w[1],
+                first_store_ns: w[2],
+                last_poll_ns: w[3],
+                exit_ns: w[4],
+                generation: w[5] as u32,
+                shape: (w[5] >> 32) as u32,
+                _pad: [0; 2],
+            })
+            .collect();
         Ok(Some(records))
     }
 }

@@ -15,15 +15,20 @@
 //! An input that cannot be exported (stream-ordered pool memory) is detected
 //! at capture time and goes through the staging copy instead (captured as a
 //! memcpy node), so capture never produces an unregistrable graph.
+//!
+//! Every public call here restores the caller's current CUDA context.
+
+#![forbid(unsafe_code)]
 
 use cudarc::driver::sys;
 use tp_allreduce_kernels::layout::{PeerPointers, MAX_RANKS};
 
 use serde::{de::DeserializeOwned, Serialize};
 
-use super::setup::{gather_json, import, BufferDescriptor};
+use super::ipc::{self, BufferOffer};
+use super::setup::gather_json;
 use super::Comm;
-use crate::driver;
+use crate::driver::{self, CurrentContext};
 use crate::error::{Error, Result};
 
 /// Where a pull kernel reads this rank's input from.
@@ -181,12 +186,13 @@ impl Comm {
     /// reallocated is refused on that rank (its peers then fail with a
     /// timeout).
     pub fn register_buffer(&self, ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+        let context = CurrentContext::bind(&self.ctx);
         let local = (|| {
+            bound(&context)?;
             self.check()?;
             if ptr == 0 || bytes == 0 {
                 return Err(Error::invalid("register_buffer: null pointer or empty range"));
             }
-            driver::bind(&self.ctx)?;
             let buffer_id = driver::buffer_id(ptr)?;
             let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
             if reg.registered.iter().any(|r| r.ptr == ptr) {
@@ -215,11 +221,13 @@ impl Comm {
     /// returns, or until every rank's communicator is dropped (as for
     /// [`register_buffer`](Self::register_buffer)).
     pub fn register_graph_buffers(&self) -> Result<usize> {
+        let context = CurrentContext::bind(&self.ctx);
         let (pending, calls) = {
             let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
             (std::mem::take(&mut reg.pending_graph), std::mem::take(&mut reg.pending_calls))
         };
-        let patterns = self.gather_outcomes("register_graph_buffers", self.check().map(|()| calls))?;
+        let local = bound(&context).and_then(|()| self.check()).map(|()| calls);
+        let patterns = self.gather_outcomes("register_graph_buffers", local)?;
         if let Some(why) = pattern_mismatch(&patterns) {
             return Err(Error::invalid(format!(
                 "register_graph_buffers: {why}; every rank must capture the same sequence of allreduces, \
@@ -250,9 +258,10 @@ impl Comm {
     /// capturing.
     pub fn deregister_buffers(&self) -> Result<usize> {
         // No kernel may still read a peer's buffer, nor a peer ours.
+        let context = CurrentContext::bind(&self.ctx);
         let idle = (|| {
+            bound(&context)?;
             self.check()?;
-            driver::bind(&self.ctx)?;
             driver::context_synchronize()?;
             self.check()
         })();
@@ -293,29 +302,15 @@ impl Comm {
     }
 
     /// Exchanges this rank's buffers (in order) and writes, for each, the
-    /// table entry holding every rank's address of its i-th buffer.
+    /// table entry holding every rank's address of its i-th buffer. Each peer
+    /// maps the form of a buffer that fits it (see `ipc.rs`): the address when
+    /// it shares the owner's process, the IPC handle otherwise. The caller
+    /// binds the communicator's context.
     fn fill_entries(&self, buffers: &[(u64, usize)]) -> Result<()> {
-        // Registration may run on any thread (group helpers spawn one per rank).
-        let needs_ipc = self.setup.same_process.iter().any(|s| !s);
-        let descs = (|| {
-            driver::bind(&self.ctx)?;
-            let mut descs = Vec::with_capacity(buffers.len());
-            for &(ptr, _) in buffers {
-                let desc = if needs_ipc {
-                    let (base, _) = driver::allocation_range(ptr)?;
-                    // Exported afresh every time, never cached by address: a
-                    // freed buffer's address is reused by later allocations,
-                    // and a cached handle would make peers read the freed one.
-                    let handle = driver::ipc_export(&self.ctx, base)?;
-                    BufferDescriptor::Ipc { handle: handle.to_vec(), offset: ptr - base }
-                } else {
-                    BufferDescriptor::Local { addr: ptr }
-                };
-                descs.push((desc, ptr));
-            }
-            Ok(descs)
-        })();
-        let all: Vec<Vec<(BufferDescriptor, u64)>> = self.gather_outcomes("registering buffers", descs)?;
+        let same_process = &self.setup.same_process;
+        let offers: Result<Vec<BufferOffer>> =
+            buffers.iter().map(|&(ptr, _)| ipc::offer_buffer(&self.ctx, ptr, same_process)).collect();
+        let all: Vec<Vec<BufferOffer>> = self.gather_outcomes("registering buffers", offers)?;
         let filled = (|| {
             let mut entries = vec![PeerPointers::default(); buffers.len()];
             let mut mappings = Vec::new();
@@ -328,11 +323,12 @@ impl Comm {
                         buffers.len()
                     )));
                 }
-                for (i, (desc, addr)) in list.iter().enumerate() {
+                for (i, offer) in list.iter().enumerate() {
                     let address = if p == self.rank {
-                        *addr
+                        offer.addr
                     } else {
-                        let (a, mapping) = import(&self.ctx, desc, *addr, self.setup.same_process[p], 0)?;
+                        let desc = ipc::descriptor_for_peer(offer, same_process[p])?;
+                        let (a, mapping) = ipc::import(&self.ctx, &desc)?;
                         mappings.push(mapping);
                         a
                     };
@@ -354,6 +350,15 @@ impl Comm {
         // way out) takes the others down with it: no rank replays alone.
         self.gather_outcomes("registering buffers", filled)?;
         Ok(())
+    }
+}
+
+/// `Ok` when the communicator's context is bound (the binding's own error
+/// becomes this rank's outcome of a collective step, so peers fail with it).
+fn bound(context: &Result<CurrentContext>) -> Result<()> {
+    match context {
+        Ok(_) => Ok(()),
+        Err(e) => Err(Error::Broken(format!("binding the communicator's CUDA context failed: {e}"))),
     }
 }
 

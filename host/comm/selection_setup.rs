@@ -4,7 +4,7 @@
 //! tuning table when one matches, and the precomputed selection table every
 //! call looks up (a binary search, no allocation).
 
-use std::sync::Arc;
+#![forbid(unsafe_code)]
 
 use cudarc::driver::CudaContext;
 
@@ -20,10 +20,7 @@ use crate::select::tuning::{Loaded, TuningTable};
 
 /// The PCI bus id of the context's device, normalised.
 fn bus_id(ctx: &CudaContext) -> Result<String> {
-    let mut buf = [0 as std::ffi::c_char; 32];
-    crate::driver::cu!(cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, ctx.cu_device()))?;
-    // SAFETY: the driver wrote a NUL-terminated string into `buf`.
-    let raw = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
+    let raw = crate::driver::pci_bus_id(ctx.cu_device())?;
     Ok(crate::select::topology::discover::normalize_bus_id(&raw))
 }
 
@@ -31,12 +28,11 @@ fn bus_id(ctx: &CudaContext) -> Result<String> {
 /// Rank 0 discovers the machine (or takes `TP_ALLREDUCE_TOPOLOGY`) and
 /// sends the view to everyone. Returns the view and notes for the log.
 pub(crate) fn rank_view(
-    ctx: &Arc<CudaContext>,
+    ctx: &CudaContext,
     rank: usize,
     world: usize,
     rdv: &dyn Rendezvous,
 ) -> Result<(Topology, Vec<String>)> {
-    crate::driver::bind(ctx)?;
     let mine = bus_id(ctx)?;
     let ids = rdv.all_gather(mine.as_bytes())?;
     let mut notes = Vec::new();

@@ -4,6 +4,8 @@
 //! the socket rendezvous: bounded waits, errors naming the missing ranks, and
 //! a failure on one rank fails the others' current and later calls.
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 

@@ -3,6 +3,8 @@
 //! keeps other processes out. Hence loopback addresses are the intended use
 //! (this library is for the GPUs of one host); see the module docs.
 
+#![forbid(unsafe_code)]
+
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;

@@ -3,6 +3,8 @@
 //! listens on `rdv.sock` inside it with mode 0600, so only the same user can
 //! connect. Rank 0 removes both when its join phase ends (and on drop).
 
+#![forbid(unsafe_code)]
+
 use std::fs;
 use std::io::{self, Read, Write};
 use std::net::Shutdown;

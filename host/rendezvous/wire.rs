@@ -24,6 +24,8 @@
 //! makes it allocate. [`Frame::check`] checks the frame against what the
 //! receiver expects (job, sender, kind, round).
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 use std::io::{self, Read};
 

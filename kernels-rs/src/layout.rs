@@ -7,7 +7,6 @@
 //! indexed by rank is sized by it and every unrolled rank loop is bounded by it.
 
 use crate::ids::FLAG_PHASES;
-use crate::params::Control;
 pub use crate::partition::PACK_BYTES;
 
 /// Largest world size a communicator supports.
@@ -16,8 +15,10 @@ pub const MAX_RANKS: usize = 8;
 pub const MAX_BLOCKS: usize = 128;
 /// Threads per block of every allreduce kernel.
 pub const THREADS_PER_BLOCK: u32 = 512;
-/// Words of the init-time P2P transfer check, per direction and peer.
-pub const P2P_CHECK_WORDS: usize = 64;
+/// Words of the init-time P2P transfer check, per direction and peer: a
+/// 16 KiB burst of 16-byte stores (several pages, so a broken IOMMU mapping
+/// of one page shows).
+pub const P2P_CHECK_WORDS: usize = 4096;
 /// The bit pattern a sentinel (OneShotPush) receive word holds until its
 /// payload lands ("EMPTY"). Inputs whose elements equal the all-ones pattern
 /// are canonicalised to the type's quiet NaN first, so no real payload word
@@ -42,9 +43,15 @@ pub struct SignalBlock {
     /// it while they wait on this rank so that they fail fast, not by timeout.
     pub abort: u32,
     pub _pad0: [u32; 31],
-    /// Pattern the owner writes at init; peers read it in the P2P check.
+    /// P2P check: `p2p_flag[src]` is [`p2p_flag`]`(src, salt)` once rank
+    /// `src` has written its burst into `p2p_inbox[src]` and its own
+    /// `p2p_outbox` (`st.release.sys` after a block barrier: data before flag).
+    pub p2p_flag: [u32; MAX_RANKS],
+    pub _pad1: [u32; 32 - MAX_RANKS],
+    /// P2P check: the pattern the owner's kernel writes; peers read it
+    /// (non-posted reads) after acquiring the owner's flag.
     pub p2p_outbox: [u32; P2P_CHECK_WORDS],
-    /// `p2p_inbox[src]`: pattern rank `src` wrote in the P2P check.
+    /// P2P check: `p2p_inbox[src]` is the burst rank `src` wrote (posted writes).
     pub p2p_inbox: [[u32; P2P_CHECK_WORDS]; MAX_RANKS],
 }
 
@@ -65,8 +72,43 @@ pub struct LocalState {
     pub ring_sent: [u32; MAX_BLOCKS],
     /// Per-block count of ring messages received from the left neighbour.
     pub ring_received: [u32; MAX_BLOCKS],
-    /// P2P check: what this rank read from each peer's `p2p_outbox`.
-    pub p2p_read_back: [[u32; P2P_CHECK_WORDS]; MAX_RANKS],
+    /// P2P check, per source rank: the last value of its `p2p_flag` this
+    /// rank saw (not [`p2p_flag`]`(src, salt)`: the flag never arrived).
+    pub p2p_flag_seen: [u32; MAX_RANKS],
+    /// P2P check, per source rank: words of its burst into this rank's inbox
+    /// that were wrong when read after its flag.
+    pub p2p_pushed_bad: [u32; MAX_RANKS],
+    /// P2P check, per source rank: words of its outbox read wrong after its flag.
+    pub p2p_pulled_bad: [u32; MAX_RANKS],
+}
+
+/// Rank-local control words, in the rank's private device memory
+/// (`LocalState::control`), never written by peers.
+///
+/// * `abort`: sticky; set by every failing thread of any kernel of this rank
+///   (`st.relaxed.gpu`), together with the peer-visible `SignalBlock::abort`
+///   that peers poll (`st.release.sys`). Sentinel kernels read it at entry
+///   (the flag kernels read the signal block's copy).
+/// * `generation[r]`: launches of sentinel region `r` (`params::RegionId`) started on this rank (wrapping
+///   u32; its parity picks the receive half). Read by every thread at entry
+///   (one `ld.relaxed.gpu.v4` with `abort`), advanced by the last block of a
+///   launch to arrive (`arrivals[r]`), after that block's pushes.
+/// * `error_claim`: elects the one thread that fills the error record
+///   (`atom.cas.gpu`).
+///
+/// Kept in device memory (not in the peer-visible signal block) because the
+/// arrival and claim atomics must never touch host memory, which is where
+/// the signal block lives with the host-staged transport.
+#[repr(C, align(128))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Control {
+    pub abort: u32,
+    pub generation: [u32; 3],
+    /// Blocks of the running launch of region `r` that have read
+    /// `generation[r]` (reset to 0 by the last one). `[3]` is spare.
+    pub arrivals: [u32; 4],
+    pub error_claim: u32,
+    pub _pad: [u32; 23],
 }
 
 /// Where a kernel reports why it stopped. Pinned host memory mapped into the
@@ -342,12 +384,19 @@ impl ScratchLayout {
 
 // Layouts are pinned: a change here must be deliberate (and ARCHITECTURE.md
 // updated), because host and device must agree byte for byte.
-const _: () = assert!(core::mem::size_of::<SignalBlock>() == 43_392);
+const _: () = assert!(core::mem::size_of::<SignalBlock>() == 188_672);
 const _: () = assert!(core::mem::align_of::<SignalBlock>() == 128);
 const _: () = assert!(core::mem::offset_of!(SignalBlock, abort) == 40_960);
-const _: () = assert!(core::mem::offset_of!(SignalBlock, p2p_outbox) == 41_088);
-const _: () = assert!(core::mem::size_of::<LocalState>() == 4_736);
+const _: () = assert!(core::mem::offset_of!(SignalBlock, p2p_flag) == 41_088);
+const _: () = assert!(core::mem::offset_of!(SignalBlock, p2p_outbox) == 41_216);
+const _: () =
+    assert!(core::mem::offset_of!(SignalBlock, p2p_inbox).is_multiple_of(16) && P2P_CHECK_WORDS.is_multiple_of(4));
+const _: () = assert!(core::mem::size_of::<LocalState>() == 2_816);
 const _: () = assert!(core::mem::offset_of!(LocalState, control) == 0);
+const _: () = assert!(core::mem::size_of::<Control>() == 128);
+const _: () = assert!(core::mem::offset_of!(Control, generation) == 4);
+const _: () = assert!(core::mem::offset_of!(Control, arrivals) == 16);
+const _: () = assert!(core::mem::offset_of!(Control, error_claim) == 32);
 const _: () = assert!(core::mem::size_of::<ErrorRecord>() == 64);
 const _: () = assert!(core::mem::size_of::<PeerPointers>() == 8 * MAX_RANKS);
 const _: () = assert!(core::mem::size_of::<IslandLayout>() == 16 + MAX_RANKS * MAX_RANKS);
@@ -358,6 +407,12 @@ const _: () = assert!(
 const _: () = assert!(core::mem::offset_of!(DeviceHandle, scratch_layout) == 32 + 16 * MAX_RANKS);
 const _: () = assert!(MAX_RANKS <= 16, "the device-side rank unrolling covers at most 16 ranks");
 const _: () = assert!(MAX_BLOCKS as u32 * THREADS_PER_BLOCK <= 1 << 20);
+
+/// The value rank `src` releases into every rank's `p2p_flag[src]` in the
+/// init-time P2P check once its data is written. Never 0 (fresh memory).
+pub const fn p2p_flag(src: u32, salt: u32) -> u32 {
+    p2p_pattern(src, u32::MAX - 1, u32::MAX, salt) | 1
+}
 
 /// The word rank `src` writes into rank `dst`'s `p2p_inbox` (or, with
 /// `dst == u32::MAX`, into its own `p2p_outbox`) in the init-time P2P check.

@@ -18,10 +18,12 @@
 //! a test parses each entry's `.param` declaration in the committed PTX and
 //! compares it with `size_of` of the struct the host passes.
 
+pub use crate::layout::Control;
 use crate::layout::MAX_RANKS;
 
 /// The sentinel regions, each with its own generation counter in
-/// [`Control::generation`]. A kernel's region is a constant of the kernel.
+/// [`Control::generation`] (re-exported from `layout`). A kernel's region
+/// is a constant of the kernel.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RegionId {
@@ -30,34 +32,6 @@ pub enum RegionId {
     TwoShotPush = 1,
     /// Reserved for the sentinel Hierarchical (not migrated yet).
     Hierarchical = 2,
-}
-
-/// Rank-local control words, in the rank's private device memory
-/// (`LocalState::control`), never written by peers.
-///
-/// * `abort`: sticky; set by the first failing thread of any kernel of this
-///   rank (`st.release.sys`), together with the peer-visible
-///   `SignalBlock::abort` that peers poll. Every kernel reads it at entry.
-/// * `generation[r]`: launches of region `r` started on this rank (wrapping
-///   u32; its parity picks the receive half). Read by every thread at entry
-///   (one `ld.relaxed.gpu.v4` with `abort`), advanced by the last block of a
-///   launch to arrive (`arrivals[r]`), after that block's pushes.
-/// * `error_claim`: elects the one thread that fills the error record
-///   (`atom.cas.gpu`).
-///
-/// Kept in device memory (not in the peer-visible signal block) because the
-/// arrival and claim atomics must never touch host memory, which is where
-/// the signal block lives with the host-staged transport.
-#[repr(C, align(128))]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Control {
-    pub abort: u32,
-    pub generation: [u32; 3],
-    /// Blocks of the running launch of region `r` that have read
-    /// `generation[r]` (reset to 0 by the last one). `[3]` is spare.
-    pub arrivals: [u32; 4],
-    pub error_claim: u32,
-    pub _pad: [u32; 23],
 }
 
 /// [`SentinelHeader::flags`] bit: record a [`TraceRecord`] per launch.
@@ -164,16 +138,17 @@ pub const fn sentinel_half(generation: u32) -> u32 {
     generation & 1
 }
 
-const _: () = assert!(core::mem::size_of::<Control>() == 128);
-const _: () = assert!(core::mem::offset_of!(Control, generation) == 4);
-const _: () = assert!(core::mem::offset_of!(Control, arrivals) == 16);
-const _: () = assert!(core::mem::offset_of!(Control, error_claim) == 32);
 const _: () = assert!(core::mem::size_of::<SentinelHeader>() == 96);
 const _: () = assert!(core::mem::offset_of!(SentinelHeader, rank) == 64);
 const _: () = assert!(core::mem::size_of::<OneShotPushParams>() == 96 + 3 * 8 * MAX_RANKS);
 const _: () = assert!(core::mem::offset_of!(OneShotPushParams, send_to) == 96);
 const _: () = assert!(core::mem::align_of::<OneShotPushParams>() == 16);
 const _: () = assert!(core::mem::size_of::<TraceRecord>() == 64);
+// The host reads records as eight u64 words: stamps 0-4, then
+// `generation | shape << 32`.
+const _: () = assert!(core::mem::offset_of!(TraceRecord, exit_ns) == 32);
+const _: () = assert!(core::mem::offset_of!(TraceRecord, generation) == 40);
+const _: () = assert!(core::mem::offset_of!(TraceRecord, shape) == 44);
 const _: () = assert!(core::mem::offset_of!(SentinelHeader, abort) == 80);
-// The kernel's RegionId indexes the first three generation words.
-const _: () = assert!(RegionId::Hierarchical as usize == 2);
+// A kernel's RegionId indexes the three generation words.
+const _: () = assert!(RegionId::Hierarchical as usize + 1 == 3);

@@ -279,3 +279,101 @@ fn one_shot_push_capacity_follows_the_world_size() {
     assert_eq!(fixed.one_shot_push_capacity(8), 16 << 10);
     assert!(Config { one_shot_push_max_bytes: 100, ..Config::default() }.validate().is_err());
 }
+
+/// Rust sources under `dir`, as (path relative to the repository, text).
+fn sources(dir: &str) -> Vec<(String, String)> {
+    fn walk(root: &std::path::Path, dir: &std::path::Path, out: &mut Vec<(String, String)>) {
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                walk(root, &path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let rel = path.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+                out.push((rel, std::fs::read_to_string(&path).unwrap()));
+            }
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut out = Vec::new();
+    walk(root, &root.join(dir), &mut out);
+    out.sort();
+    out
+}
+
+/// Issue 12: `unsafe` only in the driver, the call path, shared memory and
+/// NCCL. The crate denies it and exactly these files allow it back.
+#[test]
+fn unsafe_is_allowed_only_in_the_listed_rooms() {
+    let lib = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/host/lib.rs")).unwrap();
+    assert!(lib.contains("#![deny(unsafe_code)]"), "host/lib.rs must deny unsafe code crate-wide");
+    let allowed: Vec<String> = sources("host")
+        .into_iter()
+        .filter(|(_, text)| text.contains("#![allow(unsafe_code)]"))
+        .map(|(path, _)| path)
+        .collect();
+    assert_eq!(allowed, ["host/comm/call.rs", "host/comm/shm.rs", "host/driver.rs", "host/nccl.rs"]);
+    // No per-item escape hatch either.
+    for (path, text) in sources("host") {
+        assert!(!text.contains("#[allow(unsafe_code)]"), "{path} allows unsafe code on an item");
+    }
+}
+
+/// Issue 12: no import loop between the library's top-level modules (nor
+/// between the kernel crate's modules). A module's dependencies are the
+/// `crate::<module>` paths in its non-comment lines.
+#[test]
+fn no_import_loop_between_modules() {
+    for (dir, root_files) in [("host", &["lib.rs", "bin"][..]), ("kernels-rs/src", &["lib.rs"][..])] {
+        let mut edges: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> = Default::default();
+        let files = sources(dir);
+        let module_of = |path: &str| -> Option<String> {
+            let rel = path.strip_prefix(dir)?.trim_start_matches('/');
+            let first = rel.split('/').next()?;
+            if root_files.contains(&first) {
+                return None;
+            }
+            Some(first.trim_end_matches(".rs").to_string())
+        };
+        let modules: std::collections::BTreeSet<String> = files.iter().filter_map(|(p, _)| module_of(p)).collect();
+        for (path, text) in &files {
+            let Some(from) = module_of(path) else { continue };
+            for line in text.lines().map(|l| l.split("//").next().unwrap_or("")) {
+                for part in line.split("crate::").skip(1) {
+                    let to: String = part.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                    if to != from && modules.contains(&to) {
+                        edges.entry(from.clone()).or_default().insert(to);
+                    }
+                }
+            }
+        }
+        // Depth-first search for a cycle.
+        fn visit(
+            m: &str,
+            edges: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+            path: &mut Vec<String>,
+            done: &mut std::collections::BTreeSet<String>,
+        ) -> Option<Vec<String>> {
+            if let Some(i) = path.iter().position(|p| p == m) {
+                return Some(path[i..].to_vec());
+            }
+            if done.contains(m) {
+                return None;
+            }
+            path.push(m.to_string());
+            for next in edges.get(m).into_iter().flatten() {
+                if let Some(cycle) = visit(next, edges, path, done) {
+                    return Some(cycle);
+                }
+            }
+            path.pop();
+            done.insert(m.to_string());
+            None
+        }
+        let mut done = Default::default();
+        for m in &modules {
+            if let Some(cycle) = visit(m, &edges, &mut Vec::new(), &mut done) {
+                panic!("{dir}: import loop {}", cycle.join(" -> "));
+            }
+        }
+    }
+}

@@ -4,13 +4,17 @@
 
 mod common;
 
+mod cli;
 mod cpu;
 mod gpu_allreduce;
+mod gpu_context;
 mod gpu_errors;
 mod gpu_foundation;
 mod gpu_graph;
+mod gpu_mixed_placement;
 mod gpu_streams;
 mod gpu_timeout;
+mod gpu_transport;
 mod gpu_wrap;
 mod multiprocess;
 mod ptx;

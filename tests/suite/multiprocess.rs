@@ -90,9 +90,9 @@ fn launcher_names_a_killed_rank_and_does_not_hang() {
 /// first `min(world, visible GPUs)` GPUs (the launcher places rank r on
 /// `gpus[r % len]`), so the expected world never depends on how many GPUs
 /// the machine has (issue 13 item 6).
-struct Placement {
-    gpus: String,
-    ranks_per_gpu: usize,
+pub(crate) struct Placement {
+    pub gpus: String,
+    pub ranks_per_gpu: usize,
 }
 
 /// The placement of `world` ranks, or `None` (after a visible skip line)
@@ -100,7 +100,7 @@ struct Placement {
 /// MPS (several processes on one GPU time-slice without it: ~4.6 ms per
 /// flag round trip). `TP_ALLREDUCE_REQUIRE_MPS=1` turns the MPS skip into a
 /// failure.
-fn placement(test: &str, world: usize) -> Option<Placement> {
+pub(crate) fn placement(test: &str, world: usize) -> Option<Placement> {
     common::gpu(test)?;
     let gpus = tp_allreduce::driver::device_count().clamp(1, world);
     let ranks_per_gpu = world.div_ceil(gpus);

@@ -34,8 +34,8 @@ use std::fmt;
 
 use tp_allreduce_kernels::ids::DType;
 
+use crate::algorithm::{self, Capabilities};
 use crate::algorithm::{Algorithm, Transport};
-use crate::algorithms::{self, Capabilities};
 use crate::env;
 use crate::error::Result;
 use crate::select::cost_model::{CostModel, NcclTuning, Options};
@@ -106,7 +106,7 @@ impl Constraints {
             one_shot_push_max_bytes: self.one_shot_push_max_bytes,
             nccl_available: self.nccl_available,
         };
-        algorithms::availability(algorithm, &caps, Some(bytes))
+        algorithm::availability(algorithm, &caps, Some(bytes))
     }
 }
 

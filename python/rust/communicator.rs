@@ -1,0 +1,431 @@
+//! `tp_allreduce._core.Communicator`: one rank of a multi-process
+//! communicator, driven with raw device pointers and raw stream handles
+//! (what `tensor.data_ptr()` and `torch.cuda.current_stream().cuda_stream`
+//! give), so this layer needs no PyTorch.
+//!
+//! Every call that can block (init, collectives, registration,
+//! synchronisation) releases the GIL, and every call leaves the calling
+//! thread's current CUDA context (PyTorch's current device) as it found it.
+//!
+//! # Capture copy (expandable segments)
+//! Pull algorithms read peers' inputs, which in a captured graph means
+//! registering them after capture with CUDA IPC. Memory that legacy IPC
+//! cannot export (PyTorch's `expandable_segments:True`, stream-ordered
+//! pools) cannot be registered. The communicator therefore owns a
+//! `cuMemAlloc` buffer of `capture_copy_bytes`, registered once at init
+//! (collective). A call captured on a stream whose plan is a pull algorithm
+//! and whose input is not exportable captures a copy of the input into that
+//! buffer and reduces from there (chunked if larger); nothing of it needs
+//! registration after capture. Push algorithms and eager calls need no
+//! registration at all (eager inputs are staged by the library itself).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys, CudaContext};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tp_allreduce::rendezvous::Id;
+use tp_allreduce::{Algorithm, Comm, Config, DType, Error};
+
+use crate::device::{self, CurrentContext, DeviceBuffer};
+use crate::dtype::{check_call_args, dtype_from_code};
+use crate::errors::{invalid, to_py_err, IntoPyResult};
+use crate::id::PyId;
+
+/// Default size of the capture-copy buffer (the engines' custom-allreduce
+/// limit is 8 MiB).
+pub const DEFAULT_CAPTURE_COPY_BYTES: usize = 8 << 20;
+
+/// What a live communicator holds.
+struct Inner {
+    // Field order is drop order: the communicator (which waits for its
+    // stream) before the buffer its peers may have mapped.
+    comm: Comm,
+    copy_buffer: Option<DeviceBuffer>,
+    captured_copies: AtomicU64,
+    ctx: Arc<CudaContext>,
+}
+
+impl Inner {
+    fn create(
+        rank: usize,
+        world: usize,
+        id: Id,
+        ordinal: usize,
+        algorithm: Option<Algorithm>,
+        capture_copy_bytes: usize,
+    ) -> Result<Inner, Error> {
+        device::require_driver()?;
+        let _restore = CurrentContext::save();
+        let ctx = CudaContext::new(ordinal).map_err(|e| device::driver_error("cuDevicePrimaryCtxRetain", e))?;
+        let stream = ctx.new_stream().map_err(|e| device::driver_error("cuStreamCreate", e))?;
+        let mut config = Config::from_env()?;
+        if algorithm.is_some() {
+            config.algorithm = algorithm;
+        }
+        let comm = Comm::from_rank_with_config(stream, rank, world, id, config)?;
+        let copy_buffer = if capture_copy_bytes > 0 && world > 1 {
+            register_copy_buffer(&comm, &ctx, capture_copy_bytes)?
+        } else {
+            None
+        };
+        Ok(Inner { comm, copy_buffer, captured_copies: AtomicU64::new(0), ctx })
+    }
+
+    /// # Safety
+    /// As `Comm::all_reduce_raw`: live device pointers of this context,
+    /// valid for `count` elements until the stream's work completes; a
+    /// live stream of this context.
+    unsafe fn all_reduce(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        stream: sys::CUstream,
+    ) -> Result<(), Error> {
+        if count == 0 {
+            return Ok(());
+        }
+        device::bind(&self.ctx)?;
+        let elem = dtype.size_bytes();
+        let bytes = count.checked_mul(elem).ok_or_else(|| Error::InvalidUsage("all_reduce: count overflows".into()))?;
+        let buffer = match &self.copy_buffer {
+            Some(b) if device::stream_is_capturing(stream)? && self.needs_copy(send, bytes, dtype, send == recv) => b,
+            // SAFETY: forwarded contract.
+            _ => return unsafe { self.comm.all_reduce_raw(send, recv, count, dtype, stream) },
+        };
+        // Captured pull call on memory peers cannot map: reduce from the
+        // registered buffer, one buffer-full at a time (stream order
+        // serialises the chunks; a pull kernel returns only after every
+        // peer finished reading its input, so the buffer is free again).
+        let chunk = (buffer.bytes() / 16 * 16 / elem).max(1);
+        let mut start = 0;
+        while start < count {
+            let n = chunk.min(count - start);
+            let offset = (start * elem) as u64;
+            // SAFETY: `send + offset` holds `n` elements (caller's contract),
+            // the buffer holds `chunk` >= `n`; `stream` is live.
+            unsafe {
+                device::memcpy_dtod_async(buffer.ptr(), send + offset, n * elem, stream)?;
+                self.comm.all_reduce_raw(buffer.ptr(), recv + offset, n, dtype, stream)?;
+            }
+            self.captured_copies.fetch_add(1, Ordering::Relaxed);
+            start += n;
+        }
+        Ok(())
+    }
+
+    /// Whether a call captured on `send` would make the library record an
+    /// input that registration cannot export.
+    fn needs_copy(&self, send: u64, bytes: usize, dtype: DType, in_place: bool) -> bool {
+        let plan = self.comm.plan_call(bytes, dtype, true, in_place);
+        plan.algorithm.reads_peer_inputs() && !device::pointer_is_ipc_exportable(send)
+    }
+
+    fn register_graph_buffers(&self) -> Result<usize, Error> {
+        device::bind(&self.ctx)?;
+        self.comm.register_graph_buffers()
+    }
+
+    /// Releases every registration (collective), then registers the
+    /// capture-copy buffer again so later captures can use it.
+    fn deregister_buffers(&self) -> Result<usize, Error> {
+        device::bind(&self.ctx)?;
+        let released = self.comm.deregister_buffers()?;
+        if let Some(b) = &self.copy_buffer {
+            self.comm.register_buffer(b.ptr(), b.bytes())?;
+        }
+        Ok(released)
+    }
+
+    fn synchronize(&self, stream: Option<u64>) -> Result<(), Error> {
+        match stream {
+            None => self.comm.synchronize(),
+            Some(s) => {
+                device::bind(&self.ctx)?;
+                // SAFETY: the caller passes a live stream (raw API contract).
+                let synced = unsafe { device::stream_synchronize(s as usize as sys::CUstream) };
+                self.comm.check()?;
+                synced
+            }
+        }
+    }
+}
+
+/// Allocates the capture-copy buffer and registers it (collective). Ranks
+/// first agree that every one of them allocated, so none is left waiting in
+/// the registration; a failed allocation or registration leaves the
+/// communicator without the buffer (noted), never a rank hung.
+fn register_copy_buffer(comm: &Comm, ctx: &Arc<CudaContext>, bytes: usize) -> Result<Option<DeviceBuffer>, Error> {
+    let bytes = bytes.div_ceil(16) * 16;
+    let allocated = DeviceBuffer::alloc(ctx, bytes);
+    let everyone = comm.all_gather_bytes(&[allocated.is_ok() as u8])?;
+    let Ok(buffer) = allocated else { return Ok(None) };
+    if everyone.iter().any(|v| v.first() != Some(&1)) {
+        return Ok(None);
+    }
+    match comm.register_buffer(buffer.ptr(), buffer.bytes()) {
+        Ok(()) => Ok(Some(buffer)),
+        Err(e) if e.breaks_communicator() => Err(e),
+        Err(_) => {
+            // Peers may have mapped it before the step failed: never free it.
+            std::mem::forget(buffer);
+            Ok(None)
+        }
+    }
+}
+
+/// One rank of a communicator (collective constructor).
+#[pyclass(name = "Communicator", module = "tp_allreduce._core")]
+pub struct PyCommunicator {
+    inner: Mutex<Option<Arc<Inner>>>,
+    rank: usize,
+    world: usize,
+    ordinal: usize,
+}
+
+impl PyCommunicator {
+    fn live(&self, py: Python<'_>) -> PyResult<Arc<Inner>> {
+        let guard = self.inner.lock().map_err(|_| to_py_err(py, Error::Broken("state lock poisoned".into())))?;
+        guard.clone().ok_or_else(|| invalid(py, "the communicator is closed"))
+    }
+}
+
+#[pymethods]
+impl PyCommunicator {
+    /// Joins rank `rank` of `world_size` through `id` (an `Id` or its
+    /// string) on CUDA device `device` (an ordinal of this process). Every
+    /// rank must call it; it returns once all joined (bounded by the
+    /// rendezvous timeout). `algorithm` forces one algorithm for every call
+    /// (`None` or `"auto"`: the library's selection); `capture_copy_bytes`
+    /// sizes the buffer that lets graphs capture calls on memory CUDA IPC
+    /// cannot export (0 disables it).
+    #[new]
+    #[pyo3(signature = (rank, world_size, id, device, *, algorithm=None, capture_copy_bytes=DEFAULT_CAPTURE_COPY_BYTES))]
+    fn new(
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        id: &Bound<'_, PyAny>,
+        device: usize,
+        algorithm: Option<&str>,
+        capture_copy_bytes: usize,
+    ) -> PyResult<PyCommunicator> {
+        let id = if let Ok(i) = id.cast::<PyId>() {
+            i.get().id.clone()
+        } else if let Ok(s) = id.extract::<String>() {
+            s.parse::<Id>().py(py)?
+        } else {
+            return Err(invalid(py, "id must be a tp_allreduce Id or its string"));
+        };
+        let algorithm = match algorithm.map(str::trim) {
+            None | Some("") | Some("auto") => None,
+            Some(name) => Some(name.parse::<Algorithm>().py(py)?),
+        };
+        let inner =
+            py.detach(move || Inner::create(rank, world_size, id, device, algorithm, capture_copy_bytes)).py(py)?;
+        Ok(PyCommunicator { inner: Mutex::new(Some(Arc::new(inner))), rank, world: world_size, ordinal: device })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The CUDA device ordinal the communicator runs on.
+    #[getter]
+    fn device(&self) -> usize {
+        self.ordinal
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.lock().map(|g| g.is_none()).unwrap_or(true)
+    }
+
+    /// The transport chosen at init (`p2p` or `host-staged`) and why.
+    #[getter]
+    fn transport(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.live(py)?.comm.transport().to_string())
+    }
+
+    #[getter]
+    fn transport_reason(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.live(py)?.comm.transport_reason().to_string())
+    }
+
+    /// What init decided and why (tuning table, NCCL, topology).
+    #[getter]
+    fn notes(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        Ok(self.live(py)?.comm.notes().to_vec())
+    }
+
+    /// Bytes of the capture-copy buffer (0: none).
+    #[getter]
+    fn capture_copy_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.live(py)?.copy_buffer.as_ref().map_or(0, DeviceBuffer::bytes))
+    }
+
+    /// Captured calls (chunks) that went through the capture copy.
+    #[getter]
+    fn captured_copies(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.live(py)?.captured_copies.load(Ordering::Relaxed))
+    }
+
+    /// Distinct captured inputs waiting for `register_graph_buffers`.
+    #[getter]
+    fn pending_graph_buffers(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.live(py)?.comm.pending_graph_buffers())
+    }
+
+    /// What a call of `nbytes` would do: `(algorithm, transport, reason)`.
+    #[pyo3(signature = (nbytes, dtype, capturing=false, in_place=false))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        nbytes: usize,
+        dtype: u32,
+        capturing: bool,
+        in_place: bool,
+    ) -> PyResult<(String, String, String)> {
+        let dtype = dtype_from_code(py, dtype)?;
+        let p = self.live(py)?.comm.plan_call(nbytes, dtype, capturing, in_place);
+        Ok((p.algorithm.to_string(), p.transport.to_string(), p.reason))
+    }
+
+    /// Allreduce (sum) of `count` elements of `dtype` (a dtype code) from
+    /// device pointer `send_ptr` into `recv_ptr` (equal for in place),
+    /// queued on the stream `stream_ptr` (0: the legacy default stream).
+    /// Collective: every rank issues the same calls in the same order.
+    /// Pointers must be device memory of the communicator's device (checked)
+    /// and stay valid until the stream's work completes; the stream handle
+    /// must be a live stream of that device (not checkable: a made-up handle
+    /// is undefined behaviour, as in every CUDA API).
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        send_ptr: u64,
+        recv_ptr: u64,
+        count: usize,
+        dtype: u32,
+        stream_ptr: u64,
+    ) -> PyResult<()> {
+        let dtype = check_call_args(py, send_ptr, recv_ptr, count, dtype)?;
+        let inner = self.live(py)?;
+        py.detach(move || {
+            let _restore = CurrentContext::save();
+            // SAFETY: the raw API's contract, documented above and passed on
+            // to the caller; the pointers are range-checked by the library.
+            unsafe { inner.all_reduce(send_ptr, recv_ptr, count, dtype, stream_ptr as usize as sys::CUstream) }
+        })
+        .py(py)
+    }
+
+    /// Collective, after capturing the same graph on every rank: registers
+    /// the captured inputs so replays read them in place. Returns how many
+    /// distinct inputs were registered.
+    fn register_graph_buffers(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.live(py)?;
+        py.detach(move || {
+            let _restore = CurrentContext::save();
+            inner.register_graph_buffers()
+        })
+        .py(py)
+    }
+
+    /// Collective: releases every registration (graphs captured before can
+    /// no longer be replayed). Waits for all work on the device.
+    fn deregister_buffers(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.live(py)?;
+        py.detach(move || {
+            let _restore = CurrentContext::save();
+            inner.deregister_buffers()
+        })
+        .py(py)
+    }
+
+    /// Makes `ptr..ptr+nbytes` readable by peers' pull kernels without a
+    /// staging copy (collective; keep it allocated until
+    /// `deregister_buffers` or `close` on every rank).
+    fn register_buffer(&self, py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<()> {
+        let inner = self.live(py)?;
+        py.detach(move || {
+            let _restore = CurrentContext::save();
+            device::bind(&inner.ctx)?;
+            inner.comm.register_buffer(ptr, nbytes)
+        })
+        .py(py)
+    }
+
+    /// Waits for `stream_ptr` (or the communicator's own stream when
+    /// `None`), then raises if a kernel recorded an error (timeout, peer
+    /// abort).
+    #[pyo3(signature = (stream_ptr=None))]
+    fn synchronize(&self, py: Python<'_>, stream_ptr: Option<u64>) -> PyResult<()> {
+        let inner = self.live(py)?;
+        py.detach(move || {
+            let _restore = CurrentContext::save();
+            inner.synchronize(stream_ptr)
+        })
+        .py(py)
+    }
+
+    /// Raises if a kernel recorded an error (no synchronisation).
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.live(py)?;
+        inner.comm.check().py(py)
+    }
+
+    /// Every rank's `data`, in rank order (collective; small messages).
+    fn all_gather_bytes<'py>(&self, py: Python<'py>, data: Vec<u8>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let inner = self.live(py)?;
+        let all = py.detach(move || inner.comm.all_gather_bytes(&data)).py(py)?;
+        Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
+    }
+
+    /// Waits for all work on the device, then releases the communicator.
+    /// Call it on every rank; graphs captured with it must not be replayed
+    /// afterwards. Closing twice is a no-op.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let taken = self.inner.lock().map(|mut g| g.take()).unwrap_or(None);
+        if let Some(inner) = taken {
+            py.detach(move || release(inner));
+        }
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Communicator(rank={}, world_size={}, device={}{})",
+            self.rank,
+            self.world,
+            self.ordinal,
+            if self.closed() { ", closed" } else { "" }
+        )
+    }
+}
+
+impl Drop for PyCommunicator {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.get_mut().ok().and_then(Option::take) {
+            release(inner);
+        }
+    }
+}
+
+/// Waits for every stream of the device (kernels queued on the caller's
+/// streams still use the communicator's memory), then drops it.
+fn release(inner: Arc<Inner>) {
+    let _restore = CurrentContext::save();
+    if device::bind(&inner.ctx).is_ok() {
+        let _ = device::context_synchronize();
+    }
+    drop(inner);
+}

@@ -1,0 +1,129 @@
+"""Torch-free stand-ins for the adapter tests: a process group whose ranks
+are threads, tensors that are lists of floats, a communicator that sums
+them across the threads, and the runtime object the adapters take."""
+
+import threading
+
+ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
+
+
+class FakeTensor:
+    def __init__(self, values, dtype="bfloat16", device="cuda:0", contiguous=True):
+        self.values = list(values)
+        self.dtype = dtype
+        self.device = device
+        self.contiguous = contiguous
+
+    @property
+    def nbytes(self):
+        return len(self.values) * ELEMENT_SIZE[self.dtype]
+
+
+class FakeGroup:
+    """An in-process group of `world` threads with a real collective gather."""
+
+    def __init__(self, world):
+        self.world = world
+        self._barrier = threading.Barrier(world, timeout=10)
+        self._slots = [None] * world
+
+    def gather(self, rank, obj):
+        self._slots[rank] = obj
+        self._barrier.wait()
+        out = list(self._slots)
+        self._barrier.wait()
+        return out
+
+
+class FakeComm:
+    """Sums FakeTensors over the group's threads; records what it was asked."""
+
+    def __init__(self, group, rank):
+        self.group = group
+        self.rank = rank
+        self.calls = []
+        self.closed = False
+
+    def all_reduce(self, t, out=None):
+        assert not self.closed, "call on a closed communicator"
+        self.calls.append(("all_reduce", len(t.values)))
+        everyone = self.group.gather(self.rank, t.values)
+        sums = [sum(column) for column in zip(*everyone)]
+        if out is None:
+            return FakeTensor(sums, t.dtype, t.device)
+        out.values = sums
+        return out
+
+    def register_graph_buffers(self):
+        self.calls.append(("register_graph_buffers",))
+        self.group.gather(self.rank, "register")  # collective, like the real one
+        return sum(1 for c in self.calls if c[0] == "all_reduce")
+
+    def close(self):
+        self.calls.append(("close",))
+        self.closed = True
+
+
+class FakeRuntime:
+    """What the adapter asks PyTorch for, answered by the fakes."""
+
+    def __init__(self, rank, group, *, host="host-a", fail=None):
+        self.rank = rank
+        self.group = group
+        self.host = host
+        self.fail = fail  # exception to raise when making the communicator
+        self.comm = None
+
+    def rank_and_world(self, group):
+        return self.rank, group.world
+
+    def gather_object(self, group, obj):
+        return group.gather(self.rank, obj)
+
+    def hostname(self):
+        return self.host
+
+    def normalize_device(self, device):
+        return device
+
+    def make_communicator(self, group, device, capture_copy_bytes):
+        if self.fail is not None:
+            raise self.fail
+        self.comm = FakeComm(group, self.rank)
+        return self.comm
+
+    def nbytes(self, t):
+        return t.nbytes
+
+    def ineligible(self, t, device):
+        if t.device != device:
+            return "other device"
+        if not t.contiguous:
+            return "not contiguous"
+        if t.dtype not in ("float32", "float16", "bfloat16"):
+            return f"dtype {t.dtype}"
+        return None
+
+
+def run_ranks(world, body):
+    """Runs body(rank) on `world` threads; returns the results in rank order
+    and re-raises the first exception."""
+    results = [None] * world
+    errors = [None] * world
+
+    def target(rank):
+        try:
+            results[rank] = body(rank)
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            errors[rank] = e
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a rank thread hung"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results

@@ -1,0 +1,285 @@
+"""The SGLang adapter's logic with torch-free fakes: SGLang's call sequence
+(construction on every rank, eager calls, warm-up inside capture(),
+captured calls, registration on exit, close), the all-or-nothing
+enablement, and the dispatch patch (directly, through the import hook, the
+.pth switch and `python -m tp_allreduce.sglang`)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+from _fakes import FakeGroup, FakeRuntime, FakeTensor, run_ranks
+from tp_allreduce.integrations import sglang as adapter_module
+from tp_allreduce.integrations.sglang import TpAllreduceCustomAllreduce, dispatch_custom_allreduce, patch
+
+MAX = 8192 * 1024
+
+
+def make(world, per_rank=None):
+    """Adapters for `world` thread ranks; per_rank[r] are FakeRuntime options."""
+    group = FakeGroup(world)
+    per_rank = per_rank or {}
+
+    def body(rank):
+        rt = FakeRuntime(rank, group, **per_rank.get(rank, {}))
+        return TpAllreduceCustomAllreduce(group=group, device=f"cuda:{rank}", runtime=rt)
+
+    return group, run_ranks(world, body)
+
+
+def test_construction_enables_every_rank():
+    _, cas = make(2)
+    for rank, ca in enumerate(cas):
+        assert ca.disabled is False and ca.original_disabled is False
+        assert (ca.rank, ca.world_size, ca.device) == (rank, 2, f"cuda:{rank}")
+        assert ca.max_size == MAX
+
+
+def test_sglang_call_sequence_gives_correct_sums_in_every_phase():
+    _, cas = make(2)
+
+    def body(rank):
+        ca = cas[rank]
+        rt = ca._runtime
+        x = FakeTensor([rank + 1.0, 10.0 * rank, -2.0], device=f"cuda:{rank}")
+        assert ca.should_custom_ar(x)
+        eager = ca.custom_all_reduce(x)
+        assert eager.values == [3.0, 10.0, -4.0], "eager (out of place)"
+        assert x.values == [rank + 1.0, 10.0 * rank, -2.0], "the input is untouched"
+        with ca.capture():
+            assert ca._IS_CAPTURING
+            warm = ca.custom_all_reduce(x)  # warm-up: not inside a graph yet
+            assert warm.values == [3.0, 10.0, -4.0], "warm-up returns the real sum"
+            captured = ca.custom_all_reduce(FakeTensor([1.0] * 4, device=f"cuda:{rank}"))
+            assert captured.values == [2.0] * 4
+            assert ("register_graph_buffers",) not in rt.comm.calls, "not before the context exits"
+        assert not ca._IS_CAPTURING
+        assert rt.comm.calls[-1] == ("register_graph_buffers",), "registered on exit"
+        ca.close()
+        return rt.comm.calls
+
+    calls = run_ranks(2, body)
+    assert (
+        calls[0]
+        == calls[1]
+        == [
+            ("all_reduce", 3),
+            ("all_reduce", 3),
+            ("all_reduce", 4),
+            ("register_graph_buffers",),
+            ("close",),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "tensor, why",
+    [
+        (FakeTensor([0.0] * (MAX // 2)), "as large as max_size (bf16)"),
+        (FakeTensor([0.0] * 8, dtype="int32"), "unsupported dtype"),
+        (FakeTensor([0.0] * 8, contiguous=False), "not contiguous"),
+        (FakeTensor([0.0] * 8, device="cuda:1"), "another device"),
+    ],
+)
+def test_gate_refuses_what_tp_allreduce_does_not_take(tensor, why):
+    _, cas = make(2)
+    ca = cas[0]
+    assert not ca.should_custom_ar(tensor), why
+    assert ca.custom_all_reduce(tensor) is None, why
+    assert ca.should_custom_ar(FakeTensor([0.0] * (MAX // 2 - 1)))
+
+
+def test_world_size_one_makes_no_communicator():
+    group = FakeGroup(1)
+    rt = FakeRuntime(0, group)
+    ca = TpAllreduceCustomAllreduce(group=group, device="cuda:0", runtime=rt)
+    assert ca.disabled and ca.original_disabled and rt.comm is None
+    assert ca.custom_all_reduce(FakeTensor([1.0])) is None
+
+
+def test_a_failure_on_one_rank_disables_every_rank():
+    _, cas = make(2, {1: {"fail": RuntimeError("no P2P between GPU 0 and 1")}})
+    for ca in cas:
+        assert ca.disabled and ca.original_disabled
+        assert "rank 1: RuntimeError: no P2P between GPU 0 and 1" in ca.disabled_reason
+        assert ca.comm is None
+        assert ca.custom_all_reduce(FakeTensor([1.0])) is None
+    assert cas[0]._runtime.comm.closed, "the rank that succeeded closed its communicator"
+
+
+def test_a_group_across_hosts_is_disabled_everywhere():
+    _, cas = make(2, {1: {"host": "host-b"}})
+    for ca in cas:
+        assert ca.disabled and "spans hosts" in ca.disabled_reason
+        assert ca._runtime.comm is None, "no communicator is even attempted"
+
+
+def test_unreadable_group_disables_without_raising():
+    class Broken(FakeRuntime):
+        def rank_and_world(self, group):
+            raise RuntimeError("default process group not initialized")
+
+    ca = TpAllreduceCustomAllreduce(group=None, device="cuda:0", runtime=Broken(0, FakeGroup(1)))
+    assert ca.disabled and "default process group not initialized" in ca.disabled_reason
+
+
+def test_exception_inside_capture_skips_registration():
+    _, cas = make(2)
+
+    def body(rank):
+        ca = cas[rank]
+        with pytest.raises(KeyError):
+            with ca.capture():
+                ca.custom_all_reduce(FakeTensor([1.0], device=f"cuda:{rank}"))
+                raise KeyError("capture failed")
+        assert not ca._IS_CAPTURING
+        return ca._runtime.comm.calls
+
+    for calls in run_ranks(2, body):
+        assert ("register_graph_buffers",) not in calls
+
+
+def test_toggling_disabled_bypasses_calls_but_capture_still_registers():
+    _, cas = make(2)
+
+    def body(rank):
+        ca = cas[rank]
+        with ca.capture():
+            ca.custom_all_reduce(FakeTensor([1.0], device=f"cuda:{rank}"))
+            ca.disabled = True  # what SGLang's piecewise graph runner does
+            assert ca.custom_all_reduce(FakeTensor([1.0], device=f"cuda:{rank}")) is None
+        ca.disabled = ca.original_disabled
+        assert ca.custom_all_reduce(FakeTensor([5.0], device=f"cuda:{rank}")).values == [10.0]
+        return ca._runtime.comm.calls
+
+    for calls in run_ranks(2, body):
+        assert calls == [("all_reduce", 1), ("register_graph_buffers",), ("all_reduce", 1)]
+
+
+def test_close_is_final_and_idempotent():
+    _, cas = make(2)
+    for ca in cas:
+        comm = ca._runtime.comm
+        ca.close()
+        ca.close()
+        assert ca.disabled and comm.closed and comm.calls.count(("close",)) == 1
+        assert ca.custom_all_reduce(FakeTensor([1.0], device=ca.device)) is None
+
+
+def test_fused_allreduce_rmsnorm_falls_back():
+    _, cas = make(2)
+    assert cas[0].fused_allreduce_rmsnorm(FakeTensor([1.0]), FakeTensor([1.0]), FakeTensor([1.0]), 1e-6) is None
+
+
+# ------------------------------------------------------------------ the patch
+def fake_sglang_module():
+    m = types.ModuleType(adapter_module.TARGET_MODULE)
+
+    def original(*args, **kwargs):
+        return "sglang's own class"
+
+    m.dispatch_custom_allreduce = original
+    return m, original
+
+
+def test_patch_replaces_the_dispatcher_for_both_call_styles():
+    m, original = fake_sglang_module()
+    assert patch(m) is True
+    assert m.dispatch_custom_allreduce is dispatch_custom_allreduce
+    assert m._tp_allreduce_original_dispatch is original
+    assert m.dispatch_custom_allreduce() is TpAllreduceCustomAllreduce  # older SGLang
+    assert m.dispatch_custom_allreduce(group="cpu", device="cuda:0") is TpAllreduceCustomAllreduce
+    assert patch(m) is True and m._tp_allreduce_original_dispatch is original, "idempotent"
+
+
+def test_patch_refuses_a_module_without_a_dispatcher():
+    assert patch(types.ModuleType("sglang_without_dispatch")) is False
+
+
+FAKE_SGLANG_FILES = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/distributed/__init__.py": "",
+    "sglang/srt/distributed/device_communicators/__init__.py": "",
+    "sglang/srt/distributed/device_communicators/custom_all_reduce.py": textwrap.dedent(
+        """
+        class CustomAllreduce:
+            pass
+
+        def dispatch_custom_allreduce(*args, **kwargs):
+            return CustomAllreduce
+        """
+    ),
+    "sglang/launch_server.py": textwrap.dedent(
+        """
+        import os, sys
+        from sglang.srt.distributed.device_communicators import custom_all_reduce as m
+        if __name__ == "__main__":
+            cls = m.dispatch_custom_allreduce(group=None, device=None)
+            print("dispatch ->", cls.__module__ + "." + cls.__name__)
+            print("argv ->", " ".join(sys.argv[1:]))
+            print("env ->", os.environ.get("TP_ALLREDUCE_SGLANG"))
+        """
+    ),
+}
+
+
+@pytest.fixture
+def fake_sglang(tmp_path):
+    for rel, text in FAKE_SGLANG_FILES.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def run_python(args, pythonpath, env_switch):
+    env = {k: v for k, v in os.environ.items() if k != "TP_ALLREDUCE_SGLANG"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), os.environ.get("PYTHONPATH", "")) if p)
+    if env_switch is not None:
+        env["TP_ALLREDUCE_SGLANG"] = env_switch
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+DISPATCH_PROBE = (
+    "from sglang.srt.distributed.device_communicators import custom_all_reduce as m;"
+    "c = m.dispatch_custom_allreduce(group=None, device=None); print(c.__module__ + '.' + c.__name__)"
+)
+
+
+def test_import_hook_patches_sglang_when_it_is_imported(fake_sglang):
+    probe = "import tp_allreduce._sglang_hook; " + DISPATCH_PROBE
+    r = run_python(["-c", probe], fake_sglang, env_switch=None)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "tp_allreduce.integrations.sglang.TpAllreduceCustomAllreduce"
+
+
+def pth_installed():
+    import site
+
+    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
+    return any(os.path.exists(os.path.join(d, "tp_allreduce_sglang.pth")) for d in dirs)
+
+
+def test_env_switch_patches_every_process_through_the_pth_file(fake_sglang):
+    if not pth_installed():
+        pytest.skip("tp_allreduce_sglang.pth is not in site-packages (package not installed from the wheel)")
+    on = run_python(["-c", DISPATCH_PROBE], fake_sglang, env_switch="1")
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.strip() == "tp_allreduce.integrations.sglang.TpAllreduceCustomAllreduce"
+    for value in (None, "0"):
+        off = run_python(["-c", DISPATCH_PROBE], fake_sglang, env_switch=value)
+        assert off.returncode == 0, off.stderr
+        assert off.stdout.strip() == "sglang.srt.distributed.device_communicators.custom_all_reduce.CustomAllreduce"
+
+
+def test_module_launcher_runs_sglang_patched_with_the_switch_set(fake_sglang):
+    r = run_python(["-m", "tp_allreduce.sglang", "--model-path", "m", "--tp", "8"], fake_sglang, env_switch=None)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "dispatch -> tp_allreduce.integrations.sglang.TpAllreduceCustomAllreduce" in lines
+    assert "argv -> --model-path m --tp 8" in lines
+    assert "env -> 1" in lines, "worker processes inherit the switch"

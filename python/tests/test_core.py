@@ -1,0 +1,174 @@
+"""The torch-free core (`tp_allreduce._core`): imports, ids, argument checks,
+errors. Runs anywhere; the tests that need a machine without a CUDA driver
+(or with one) say so when skipped."""
+
+import builtins
+import random
+
+import pytest
+import tp_allreduce
+from tp_allreduce import Communicator, Id, check_call_args, errors
+
+F32, F16, BF16 = tp_allreduce.dtypes.F32, tp_allreduce.dtypes.F16, tp_allreduce.dtypes.BF16
+
+
+def test_package_imports_and_reports_a_version():
+    assert tp_allreduce.__version__.count(".") == 2
+    assert isinstance(tp_allreduce.driver_available(), bool)
+    assert tp_allreduce.DEFAULT_CAPTURE_COPY_BYTES == 8 << 20
+
+
+# ------------------------------------------------------------------ ids
+def test_unix_id_round_trips_through_its_string():
+    made = Id.new_unix()
+    try:
+        text = str(made)
+        assert text.startswith("tpar1:unix:")
+        back = Id.parse(text)
+        assert back == made and not (back != made)
+        assert hash(back) == hash(made)
+        assert str(back) == text
+        assert repr(made) == f"Id({text!r})".replace("'", '"')
+    finally:
+        made.remove_files()
+
+
+def test_tcp_id_round_trips_and_ids_differ():
+    port = random.randint(20000, 60000)
+    a = Id.new_tcp(f"127.0.0.1:{port}")
+    b = Id.new_tcp(f"127.0.0.1:{port}")
+    assert str(a).startswith(f"tpar1:tcp:127.0.0.1:{port}:")
+    assert Id.parse(str(a)) == a
+    assert a != b, "each id carries a fresh random job id"
+    assert len({a, Id.parse(str(a)), b}) == 2
+    v6 = Id.new_tcp("[::1]:29500")
+    assert str(v6).startswith("tpar1:tcp:[::1]:29500:") and Id.parse(str(v6)) == v6
+    assert (a == "not an id") is False
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("", "not a tp-allreduce rendezvous id"),
+        ("bogus", "not a tp-allreduce rendezvous id"),
+        ("tpar9:unix:/tmp/x/rdv.sock:" + "0" * 32, "unsupported id version"),
+        ("tpar1:unix:/tmp/x/rdv.sock:" + "z" * 32, "32 lowercase hex digits"),
+        ("tpar1:unix:/tmp/x/rdv.sock:1234", "32 lowercase hex digits"),
+        ("tpar1:tcp:not-an-address:" + "0" * 32, "IP:port"),
+        ("tpar1:carrier-pigeon:x:" + "0" * 32, "unknown transport"),
+        ("tpar1:tcp:127.0.0.1:1 :" + "0" * 32, "printable ASCII"),
+        ("x" * 300, "longer than"),
+    ],
+)
+def test_bad_id_strings_raise_invalid_usage_with_a_reason(text, words):
+    with pytest.raises(errors.InvalidUsage) as info:
+        Id.parse(text)
+    assert words in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_new_tcp_rejects_a_bad_address():
+    with pytest.raises(errors.InvalidUsage, match="IP:port"):
+        Id.new_tcp("localhost")
+
+
+# ------------------------------------------------------------------ dtype codes and argument checks
+def test_dtype_codes_match_sizes_and_names():
+    assert (tp_allreduce._core.dtype_size(F32), tp_allreduce._core.dtype_name(F32)) == (4, "f32")
+    assert (tp_allreduce._core.dtype_size(F16), tp_allreduce._core.dtype_name(F16)) == (2, "f16")
+    assert (tp_allreduce._core.dtype_size(BF16), tp_allreduce._core.dtype_name(BF16)) == (2, "bf16")
+    assert len({F32, F16, BF16}) == 3
+
+
+@pytest.mark.parametrize("code", [3, 7, 255, 2**31])
+def test_unknown_dtype_codes_raise(code):
+    with pytest.raises(errors.InvalidUsage, match=f"unknown dtype code {code}"):
+        tp_allreduce._core.dtype_size(code)
+    with pytest.raises(errors.InvalidUsage, match="valid: 0 = f32, 1 = f16, 2 = bf16"):
+        check_call_args(4096, 8192, 16, code)
+
+
+def test_valid_call_arguments_pass():
+    assert check_call_args(0x1000, 0x2000, 1024, BF16) == "bf16"
+    assert check_call_args(0x1000, 0x1000, 1024, F32) == "f32", "in place is allowed"
+    assert check_call_args(0, 0, 0, F16) == "f16", "an empty call touches no pointer"
+
+
+@pytest.mark.parametrize(
+    "send, recv, count, dtype, words",
+    [
+        (0, 0x2000, 4, BF16, "null device pointer"),
+        (0x1000, 0, 4, F32, "null device pointer"),
+        (0x1001, 0x2000, 4, BF16, "aligned to the 2-byte size of bf16"),
+        (0x1000, 0x2002, 4, F32, "aligned to the 4-byte size of f32"),
+        (0x1000, 0x1008, 16, F32, "overlap without being equal"),
+        (0x1008, 0x1000, 16, F32, "overlap without being equal"),
+        (0x1000, 0x2000, 2**62, F32, "overflow"),
+        (2**64 - 16, 0x2000, 8, F32, "overflow"),
+    ],
+)
+def test_bad_call_arguments_raise_instead_of_crashing(send, recv, count, dtype, words):
+    with pytest.raises(errors.InvalidUsage, match=words):
+        check_call_args(send, recv, count, dtype)
+
+
+def test_negative_or_huge_integers_are_python_errors():
+    with pytest.raises(OverflowError):
+        check_call_args(-1, 0x2000, 4, BF16)
+    with pytest.raises(OverflowError):
+        check_call_args(0x1000, 0x2000, -4, BF16)
+    with pytest.raises(OverflowError):
+        check_call_args(2**64, 0x2000, 4, BF16)
+    with pytest.raises(TypeError):
+        check_call_args("0x1000", 0x2000, 4, BF16)
+
+
+def test_pointer_exportability_rejects_null():
+    with pytest.raises(errors.InvalidUsage, match="null pointer"):
+        tp_allreduce.pointer_is_ipc_exportable(0)
+
+
+# ------------------------------------------------------------------ communicator construction
+def test_communicator_rejects_a_bad_id_before_touching_the_gpu():
+    with pytest.raises(errors.InvalidUsage, match="invalid rendezvous id"):
+        Communicator(0, 2, "not-an-id", 0)
+    with pytest.raises(errors.InvalidUsage, match="Id or its string"):
+        Communicator(0, 2, 12345, 0)
+
+
+def test_communicator_rejects_an_unknown_algorithm():
+    made = Id.new_unix()
+    try:
+        with pytest.raises(errors.InvalidUsage, match="unknown algorithm `fastest`"):
+            Communicator(0, 2, made, 0, algorithm="fastest")
+    finally:
+        made.remove_files()
+
+
+def test_communicator_without_a_driver_raises_no_driver_error():
+    if tp_allreduce.driver_available():
+        pytest.skip("a CUDA driver is present here (this test is for machines without one)")
+    made = Id.new_unix()
+    try:
+        with pytest.raises(errors.NoDriverError, match="no CUDA driver") as info:
+            Communicator(0, 2, made, 0)
+        assert isinstance(info.value, errors.DriverError)
+        with pytest.raises(errors.NoDriverError):
+            tp_allreduce.pointer_is_ipc_exportable(0x1000)
+    finally:
+        made.remove_files()
+
+
+# ------------------------------------------------------------------ exception hierarchy
+def test_exception_hierarchy():
+    e = errors
+    for name in e.__all__:
+        assert issubclass(getattr(e, name), e.TpAllreduceError), name
+        assert getattr(tp_allreduce, name) is getattr(e, name), "re-exported at the top level"
+    assert issubclass(e.InvalidUsage, ValueError)
+    assert issubclass(e.TimeoutError, builtins.TimeoutError)
+    assert issubclass(e.DeviceTimeout, e.TimeoutError)
+    assert issubclass(e.RendezvousTimeout, e.TimeoutError)
+    assert issubclass(e.RendezvousTimeout, e.RendezvousError)
+    assert issubclass(e.NoDriverError, e.DriverError)
+    assert not issubclass(e.Unsupported, ValueError)

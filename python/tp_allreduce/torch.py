@@ -1,0 +1,200 @@
+"""The PyTorch API.
+
+    import torch.distributed as dist
+    from tp_allreduce.torch import Communicator
+
+    comm = Communicator.from_group(gloo_group, torch.device("cuda", local_rank))
+    y = comm.all_reduce(x)            # out of place (or out=...)
+    comm.all_reduce_(x)               # in place
+    with comm.capture():              # registers graph inputs on exit
+        with torch.cuda.graph(g):
+            y = comm.all_reduce(x)
+    g.replay()
+
+Calls are queued on PyTorch's current stream of the tensor's device, may be
+captured in CUDA graphs, release the GIL while they block and leave the
+current device as they found it. Every rank must issue the same calls
+(sizes, dtypes, order), like any collective.
+
+Memory from ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` works:
+eager calls never need registration, and a captured call whose input CUDA
+IPC cannot export is captured as a copy into a buffer the communicator
+registered at creation (``capture_copy_bytes``; see ``tp_allreduce._core``).
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from . import _core, dtypes
+from .errors import InvalidUsage, RendezvousError
+
+__all__ = ["Communicator", "normalize_device", "is_ipc_exportable"]
+
+
+def normalize_device(device) -> torch.device:
+    """``cuda:N`` as a ``torch.device`` from an int, a string or a device;
+    ``None`` or ``"cuda"`` mean the current CUDA device."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise InvalidUsage(f"tp-allreduce runs on CUDA devices, got {device}")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def is_ipc_exportable(tensor: torch.Tensor) -> bool:
+    """Whether CUDA IPC can export ``tensor``'s memory (False under
+    ``expandable_segments:True``)."""
+    return _core.pointer_is_ipc_exportable(tensor.data_ptr())
+
+
+def _global_rank(group, group_rank: int) -> int:
+    get = getattr(dist, "get_global_rank", None)
+    if get is not None:
+        return get(group, group_rank)
+    return dist.get_process_group_ranks(group)[group_rank]
+
+
+class Communicator:
+    """One rank of a tp-allreduce communicator on one CUDA device."""
+
+    def __init__(self, core: "_core.Communicator", device: torch.device):
+        self._core = core
+        self.device = device
+
+    @classmethod
+    def from_group(
+        cls,
+        group=None,
+        device=None,
+        *,
+        algorithm=None,
+        capture_copy_bytes: int = _core.DEFAULT_CAPTURE_COPY_BYTES,
+    ) -> "Communicator":
+        """Collective over ``group`` (a ``torch.distributed`` process group,
+        typically gloo: only a small id string crosses it): rank 0 creates
+        the rendezvous id, broadcasts it, and every rank joins on ``device``.
+        The ranks must be processes of one host."""
+        group = group if group is not None else dist.group.WORLD
+        rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        device = normalize_device(device)
+        box = [None]
+        if rank == 0:
+            try:
+                box[0] = ("id", str(_core.Id.new_unix()))
+            except Exception as e:  # every rank must learn it, or they wait forever
+                box[0] = ("error", f"{type(e).__name__}: {e}")
+        dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
+        kind, value = box[0]
+        if kind != "id":
+            raise RendezvousError(f"rank 0 could not create the rendezvous id: {value}")
+        core = _core.Communicator(
+            rank, world, value, device.index, algorithm=algorithm, capture_copy_bytes=capture_copy_bytes
+        )
+        return cls(core, device)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._core.world_size
+
+    @property
+    def core(self) -> "_core.Communicator":
+        """The raw-pointer communicator underneath."""
+        return self._core
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    # ------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+        """Sum of ``tensor`` over the ranks, into ``out`` (a new tensor when
+        ``None``); returns ``out``."""
+        code = self._check(tensor, "tensor")
+        if out is None:
+            out = torch.empty_like(tensor)
+        else:
+            self._check(out, "out")
+            if out.dtype != tensor.dtype or out.numel() != tensor.numel():
+                got, want = f"{out.dtype} x {out.numel()}", f"{tensor.dtype} x {tensor.numel()}"
+                raise InvalidUsage(f"out must match the input: got {got}, input {want}")
+        self._launch(tensor, out, code)
+        return out
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum of ``tensor`` over the ranks; returns ``tensor``."""
+        code = self._check(tensor, "tensor")
+        self._launch(tensor, tensor, code)
+        return tensor
+
+    def _launch(self, src: torch.Tensor, dst: torch.Tensor, code: int) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._core.all_reduce(src.data_ptr(), dst.data_ptr(), src.numel(), code, stream)
+
+    def _check(self, t, what: str) -> int:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidUsage(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != self.device:
+            raise InvalidUsage(f"{what} is on {t.device}, but this communicator runs on {self.device}")
+        if not t.is_contiguous():
+            raise InvalidUsage(f"{what} must be contiguous (call .contiguous() first)")
+        return dtypes.code_of(t.dtype)
+
+    # ------------------------------------------------------------ graphs
+    @contextlib.contextmanager
+    def capture(self):
+        """Context for capturing CUDA graphs that contain allreduces: on a
+        normal exit it registers their inputs (collective: every rank must
+        capture the same calls). Graphs must not be replayed before."""
+        yield self
+        self.register_graph_buffers()
+
+    def register_graph_buffers(self) -> int:
+        """Collective, after capture: registers captured inputs; returns how many."""
+        return self._core.register_graph_buffers()
+
+    def deregister_buffers(self) -> int:
+        """Collective: releases every registration (graphs captured before
+        can no longer be replayed). Waits for all work on the device."""
+        return self._core.deregister_buffers()
+
+    def plan(self, nbytes: int, dtype=torch.bfloat16, capturing: bool = False):
+        """``(algorithm, transport, reason)`` for a call of ``nbytes``."""
+        return self._core.plan(nbytes, dtypes.code_of(dtype), capturing)
+
+    # ------------------------------------------------------------ lifecycle
+    def synchronize(self) -> None:
+        """Waits for the current stream of the device; raises if a kernel
+        recorded an error (timeout, peer abort)."""
+        self._core.synchronize(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def check(self) -> None:
+        """Raises if a kernel recorded an error (no synchronisation)."""
+        self._core.check()
+
+    def close(self) -> None:
+        """Waits for the device and releases the communicator (call it on
+        every rank; do not replay graphs captured with it afterwards)."""
+        self._core.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self) -> str:
+        return f"tp_allreduce.torch.Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device})"
