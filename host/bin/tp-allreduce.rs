@@ -149,6 +149,18 @@ struct TuneArgs {
     /// Islands for the hierarchical algorithm (ranks per island).
     #[arg(long)]
     island_size: Option<usize>,
+    /// Size buckets to measure, e.g. `4K,42K,1M` (`default`: 1 KB .. 64 MB
+    /// doubling + 42 KB).
+    #[arg(long, value_parser = parse_sizes)]
+    sizes: Option<SizeList>,
+    /// Launch shapes of one-shot-push: `default` (the default rule) or
+    /// `full` (sweep blocks x threads, verified, slowest rank; the winner
+    /// goes into the table).
+    #[arg(long, value_enum, default_value_t = bench::Shapes::Default)]
+    shapes: bench::Shapes,
+    /// Write every measured shape (JSON) here.
+    #[arg(long)]
+    report: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -238,7 +250,7 @@ fn tune(args: TuneArgs) -> CliResult {
     }
     config.algorithm = None;
     let opts = Options {
-        sizes: tp_allreduce::select::tuning::default_buckets(),
+        sizes: args.sizes.map(|s| s.0).unwrap_or_else(tp_allreduce::select::tuning::default_buckets),
         dtype: args.dtype,
         selections: Vec::new(),
         include_nccl: true,
@@ -250,11 +262,26 @@ fn tune(args: TuneArgs) -> CliResult {
         ranks_per_gpu: args.ranks_per_gpu,
         config: config.clone(),
     };
-    let outcome = bench::tune(&opts, args.out).map_err(text)?;
-    let toml = outcome.table.to_toml_string().map_err(text)?;
-    let winners: Vec<&str> = toml
-        .lines()
-        .filter(|l| l.starts_with("bytes") || l.starts_with("winner =") || l.starts_with("dtype"))
+    let outcome = bench::tune(&opts, args.out, args.shapes).map_err(text)?;
+    if let Some(path) = &args.report {
+        let json = serde_json::to_string_pretty(&outcome.sweep).map_err(text)?;
+        std::fs::write(path, json).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    let winners: Vec<String> = outcome
+        .table
+        .entries
+        .iter()
+        .map(|e| {
+            let results: Vec<String> = e
+                .results
+                .iter()
+                .map(|r| match r.shape() {
+                    Some((b, t)) => format!("{} {:.2} us ({b}x{t})", r.algorithm, r.median_us),
+                    None => format!("{} {:.2} us", r.algorithm, r.median_us),
+                })
+                .collect();
+            format!("{} {:>8}: winner {}; {}", e.dtype.name(), e.bytes, e.winner, results.join(", "))
+        })
         .collect();
     emit(format!(
         "tuned {} measurements in {:.1} s; table written to {}\n{}\n",

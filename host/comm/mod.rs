@@ -220,15 +220,16 @@ impl Comm {
         Ok(())
     }
 
-    /// The per-launch timestamps the sentinel kernels recorded
-    /// (`Config::trace`), one record per generation modulo
-    /// `TRACE_RECORDS`, after the work queued so far completed on the
-    /// communicator's stream. `None` when tracing is off. Diagnostics (`bench
-    /// --trace`).
-    pub fn trace_records(&self) -> Result<Option<Vec<tp_allreduce_kernels::params::TraceRecord>>> {
-        driver::bind(&self.ctx)?;
+    /// The per-launch timestamps the sentinel kernels recorded since the
+    /// last call (`Config::trace`; one record per generation modulo
+    /// `TRACE_RECORDS`, unused ones zero), once the work queued so far on
+    /// the communicator's stream completed; the ring is cleared. `None` when
+    /// tracing is off. Diagnostics (`bench --trace`); call it only while
+    /// this rank's calls are idle.
+    pub fn take_trace_records(&self) -> Result<Option<Vec<tp_allreduce_kernels::params::TraceRecord>>> {
+        let _bound = driver::CurrentContext::bind(&self.ctx)?;
         driver::synchronize(&self.stream)?;
-        self.sentinel.trace_records()
+        self.sentinel.take_trace_records()
     }
 
     /// Test-only: this rank's protocol counters after its stream's work:
@@ -240,7 +241,7 @@ impl Comm {
         use std::mem::offset_of;
         use tp_allreduce_kernels::layout::LocalState;
         use tp_allreduce_kernels::params::Control;
-        driver::bind(&self.ctx)?;
+        let _bound = driver::CurrentContext::bind(&self.ctx)?;
         driver::synchronize(&self.stream)?;
         let base = self.setup.local_state.ptr();
         let read = |offset: usize| -> Result<u32> {

@@ -158,8 +158,8 @@ impl SentinelLaunches {
     }
 
     /// The trace ring's records (after the stream was synchronised), in
-    /// ring order; `None` when tracing is off.
-    pub(crate) fn trace_records(&self) -> Result<Option<Vec<TraceRecord>>> {
+    /// ring order, and clears the ring; `None` when tracing is off.
+    pub(crate) fn take_trace_records(&self) -> Result<Option<Vec<TraceRecord>>> {
         let Some(ring) = &self.trace else { return Ok(None) };
         const WORDS: usize = size_of::<TraceRecord>() / 8;
         let mut raw = vec![0u64; TRACE_RECORDS * WORDS];
@@ -177,6 +177,7 @@ impl SentinelLaunches {
                 _pad: [0; 2],
             })
             .collect();
+        driver::memset_d8(ring.ptr(), 0, TRACE_RECORDS * size_of::<TraceRecord>())?;
         Ok(Some(records))
     }
 }

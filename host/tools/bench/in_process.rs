@@ -10,6 +10,7 @@ use super::report::{self, Report};
 use super::scenarios::{large_message_efficiency, launch_floor, verify_pass};
 use super::stats::{measurement, set_speedups, Measurement, RowKey};
 use super::timing::time_collective;
+use super::trace::{summarize, TraceSummary};
 use super::{Mode, Options, Scenarios, Selection};
 use crate::algorithm::Algorithm;
 use crate::comm::Comm;
@@ -37,13 +38,14 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
     let selections = usable_selections(&mut comms[0], &opts.selections, &mut notes);
     let progress = Progress::new(total_steps(opts.sizes.len(), selections.len(), nccl.is_some(), scenarios));
     let mut measurements = Vec::new();
+    let mut trace = Vec::new();
     for (i, &bytes) in opts.sizes.iter().enumerate() {
         let mut bufs = Buffers::new(&ranks, bytes, opts.dtype, 0x5EED ^ (i as u64) << 20)?;
         measurements.extend(measure_size(
             &ranks,
             &mut comms,
             nccl.as_deref(),
-            &selections,
+            (&selections, &mut trace),
             &mut bufs,
             opts,
             &progress,
@@ -90,6 +92,7 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
         verify_pass: verify,
         efficiency,
         launch_floor_us,
+        trace,
         ..Report::for_run("tp-allreduce bench", command_line, &ranks.contexts[0])
     })
 }
@@ -117,7 +120,7 @@ fn measure_size(
     ranks: &Ranks,
     comms: &mut [Comm],
     nccl: Option<&[NcclComm]>,
-    selections: &[Selection],
+    (selections, trace): (&[Selection], &mut Vec<TraceSummary>),
     bufs: &mut Buffers,
     opts: &Options,
     progress: &Progress,
@@ -134,6 +137,11 @@ fn measure_size(
         let mut samples = time_collective(&group, ranks, bufs, opts)?;
         let key = RowKey { bytes, dtype, selection: &sel.name(), ran: &ran, world, mode: opts.mode };
         rows.push(measurement(key, &mut samples));
+        for (r, c) in comms.iter().enumerate() {
+            if let Some(records) = c.take_trace_records()? {
+                trace.extend(summarize(&records, bytes, &sel.name(), r));
+            }
+        }
         settle();
     }
     if let Some(n) = nccl {

@@ -14,7 +14,8 @@
 //! | `timing.rs` | capture, replay, CUDA-event timing |
 //! | `in_process.rs` | `bench` in one process |
 //! | `scenarios.rs` | verify pass, launch floor, large-message efficiency |
-//! | `tune.rs` | `tune` |
+//! | `tune.rs` | `tune` (with the launch-shape sweep) |
+//! | `trace.rs` | `--trace`: per-launch timestamps of one-shot-push, medians |
 //! | `processes.rs` | `bench --processes`: one process per rank |
 //! | `report.rs`, `plot.rs` | tables, CSV, JSON, compare, the SVG plot |
 //! | `progress.rs` | the progress bar |
@@ -31,6 +32,7 @@ pub mod report;
 pub mod scenarios;
 pub mod stats;
 pub mod timing;
+pub mod trace;
 pub mod tune;
 
 use serde::{Deserialize, Serialize};
@@ -46,7 +48,7 @@ pub use options::BenchArgs;
 pub use ranks::{Buffers, Ranks};
 pub use stats::Measurement;
 pub use timing::time_collective;
-pub use tune::{tune, TuneOutcome};
+pub use tune::{tune, Shapes, TuneOutcome};
 
 /// What to run for one row: our selection, a forced algorithm, or NCCL.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -71,6 +71,19 @@ pub struct BenchArgs {
     /// NCCL rows are then graph-captured too). Ranks sharing a GPU need MPS.
     #[arg(long)]
     pub processes: bool,
+    /// Launch shape `BLOCKSxTHREADS` of every one-shot-push launch (as
+    /// `TP_ALLREDUCE_SHAPE`).
+    #[arg(long, value_parser = parse_shape)]
+    pub shape: Option<(u32, u32)>,
+    /// Record per-launch timestamps of one-shot-push and print the median
+    /// breakdown per size and rank (launch gap, prologue, wait, tail).
+    #[arg(long)]
+    pub trace: bool,
+}
+
+/// `64x512` (see [`crate::env::parse_launch_shape`]).
+pub fn parse_shape(s: &str) -> Result<(u32, u32), String> {
+    crate::env::parse_launch_shape(s)
 }
 
 /// `4K`, `42KB`, `8M`, `1000`, `1.5K` (powers of 1024).
@@ -142,6 +155,10 @@ impl BenchArgs {
         if self.island_size.is_some() {
             config.island_size = self.island_size;
         }
+        if self.shape.is_some() {
+            config.launch_shape = self.shape;
+        }
+        config.trace |= self.trace;
         let opts = Options {
             sizes: self.sizes.0.clone(),
             dtype: self.dtype,

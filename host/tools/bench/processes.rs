@@ -16,6 +16,7 @@ use super::report::{self, Report, VerifyPass};
 use super::scenarios::{VERIFY_PASS_ALLREDUCES, VERIFY_PASS_BYTES};
 use super::stats::{measurement, percentiles, set_speedups, Measurement, RowKey};
 use super::timing::{elapsed_us, event, launch, record};
+use super::trace::{summarize, TraceSummary};
 use super::{Mode, Options, Scenarios};
 use crate::comm::Comm;
 use crate::driver;
@@ -198,7 +199,7 @@ fn measure_size(
     env: &RankEnv,
     (opts, selections): (&Options, &[super::Selection]),
     (i, bytes): (usize, usize),
-    progress: &Progress,
+    (progress, trace): (&Progress, &mut Vec<TraceSummary>),
 ) -> Result<Vec<Measurement>> {
     let world = env.world_size;
     let mut bufs = RankBuffers::new(comm, env, bytes, opts.dtype, i)?;
@@ -213,6 +214,9 @@ fn measure_size(
         let mut samples = time_row(comm, Runner::Ours(comm), &mut bufs, opts, check)?;
         let key = RowKey { bytes, dtype, selection: &sel.name(), ran: algorithm.name(), world, mode: opts.mode };
         rows.push(measurement(key, &mut samples));
+        if let Some(records) = comm.take_trace_records()? {
+            trace.extend(summarize(&records, bytes, &sel.name(), env.rank));
+        }
     }
     comm.set_algorithm(None)?;
     if let Some(nccl) = comm.nccl().filter(|_| opts.include_nccl) {
@@ -244,9 +248,20 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
     let steps = opts.sizes.len() * (selections.len() + with_nccl as usize);
     let progress = if env.rank == 0 { Progress::new(steps) } else { Progress::hidden(steps) };
     let mut measurements = Vec::new();
+    let mut trace = Vec::new();
     for (i, &bytes) in opts.sizes.iter().enumerate() {
-        measurements.extend(measure_size(&mut comm, env, (opts, &selections), (i, bytes), &progress)?);
+        let row = measure_size(&mut comm, env, (opts, &selections), (i, bytes), (&progress, &mut trace))?;
+        measurements.extend(row);
     }
+    // Every rank's trace, to rank 0 (a collective even when tracing is off).
+    let encoded = serde_json::to_vec(&trace).map_err(|e| Error::Config(format!("encoding the trace: {e}")))?;
+    let mut trace: Vec<TraceSummary> = Vec::new();
+    for (r, bytes) in comm.all_gather_bytes(&encoded)?.iter().enumerate() {
+        let mine: Vec<TraceSummary> = serde_json::from_slice(bytes)
+            .map_err(|e| Error::Config(format!("rank {r} sent an undecodable trace: {e}")))?;
+        trace.extend(mine);
+    }
+    trace.sort_by(|a, b| (a.bytes, &a.selection, a.rank).cmp(&(b.bytes, &b.selection, b.rank)));
     progress.finish();
     let mut verify = Vec::new();
     if scenarios.verify_pass {
@@ -268,6 +283,7 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
         notes,
         measurements,
         verify_pass: verify,
+        trace,
         ..Report::for_run("tp-allreduce bench --processes", command_line, &ctx)
     }))
 }

@@ -41,6 +41,9 @@ pub struct Report {
     /// replaying graphs at once (what any per-call kernel costs here).
     #[serde(default)]
     pub launch_floor_us: Option<f64>,
+    /// `--trace`: where each sentinel row's time goes, per rank.
+    #[serde(default)]
+    pub trace: Vec<super::trace::TraceSummary>,
 }
 
 impl Report {
@@ -128,6 +131,7 @@ pub fn render_table(r: &Report) -> String {
         ]);
     }
     out.push_str(&table::render(&t));
+    out.push_str(&super::trace::render(&r.trace));
     render_scenarios(r, &mut out);
     for n in &r.notes {
         let _ = writeln!(out, "note: {n}");

@@ -26,6 +26,7 @@
 mod cfg;
 pub mod ptx;
 pub mod render;
+pub mod sass;
 pub mod tools;
 
 pub use ptx::{analyze_ptx, entry_names, parse_functions, Access, MemOp, PtxFunction, PtxStats, Space};
@@ -51,6 +52,8 @@ pub struct KernelReport {
     /// `None` when ptxas did not report the function.
     pub resources: Option<Resources>,
     pub ptx: PtxStats,
+    /// Sentinel kernels with SASS: the path to the first peer store.
+    pub first_peer_store: Option<sass::FirstPeerStore>,
 }
 
 /// What [`inspect`] found for one architecture.
@@ -103,13 +106,15 @@ pub fn inspect(arch: &str, out_dir: &Path) -> Result<Report> {
         fs::remove_dir_all(&sass_dir).map_err(|e| Error::io(format!("removing {}", sass_dir.display()), e))?;
     }
     let disassembler = find_disassembler();
+    let mut per_kernel_sass = Vec::new();
     match &disassembler {
         Some(tool) => {
             let sass = disassemble(tool, &cubin)?;
             write_file(&sass_file, &sass, &mut files)?;
             fs::create_dir_all(&sass_dir).map_err(|e| Error::io(format!("creating {}", sass_dir.display()), e))?;
-            for (name, text) in split_sass(&sass) {
-                write_file(&sass_dir.join(format!("{name}.sass")), &text, &mut files)?;
+            per_kernel_sass = split_sass(&sass);
+            for (name, text) in &per_kernel_sass {
+                write_file(&sass_dir.join(format!("{name}.sass")), text, &mut files)?;
             }
         }
         None => notes.push(format!(
@@ -125,6 +130,10 @@ pub fn inspect(arch: &str, out_dir: &Path) -> Result<Report> {
             name: stats.name.clone(),
             hot: hot.contains(&stats.name),
             resources: assembly.resources.get(&stats.name).copied(),
+            first_peer_store: per_kernel_sass
+                .iter()
+                .find(|(n, _)| *n == stats.name && kernels::is_sentinel_entry(n))
+                .and_then(|(_, text)| sass::first_peer_store(text)),
             ptx: stats,
         })
         .collect();

@@ -41,6 +41,14 @@ pub fn render(report: &Report) -> String {
          loads/stores; bar s/r: bar.sync/bar.red; gtimer: %globaltimer reads\n",
     );
     out.push_str(&table::render(&memory_table(report)));
+    let paths: Vec<_> = report.kernels.iter().filter_map(|k| k.first_peer_store.map(|p| (&k.name, p))).collect();
+    if !paths.is_empty() {
+        out.push_str("\nsentinel kernels, entry -> first peer store (SASS, program order; LDG and BAR before it):\n");
+        for (name, p) in paths {
+            let _ =
+                writeln!(out, "  {name}: {} instructions, {} LDG, {} BAR", p.instructions, p.global_loads, p.barriers);
+        }
+    }
     out.push_str("\nmemory-ordering detail (static counts by space, qualifier and width; fences; atomics):\n");
     for k in &report.kernels {
         out.push_str(&detail(&k.name, &k.ptx));

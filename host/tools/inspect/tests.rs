@@ -294,6 +294,7 @@ fn the_rendered_report_of_the_embedded_ptx_fits_120_columns() {
             name: stats.name.clone(),
             hot: true,
             resources: Some(Resources { registers: 40, ..Default::default() }),
+            first_peer_store: Some(super::sass::FirstPeerStore { instructions: 159, global_loads: 10, barriers: 0 }),
             ptx: stats,
         })
         .collect();
@@ -316,4 +317,31 @@ fn the_rendered_report_of_the_embedded_ptx_fits_120_columns() {
         assert!(text.contains(&format!("{}*", k.name)), "{} missing", k.name);
     }
     assert!(text.contains("summary"), "{text}");
+}
+
+/// The sentinel kernels' SASS (when ptxas and a disassembler are installed):
+/// no block barrier before the first peer store, and the path to it stays
+/// short (the old OneShotPush needed ~280 instructions and a barrier).
+#[test]
+fn sentinel_kernels_reach_their_first_peer_store_without_a_barrier() {
+    let (Some(ptxas), Some(disassembler)) = (find_tool("ptxas"), find_disassembler()) else {
+        eprintln!("skipped: ptxas or a disassembler not found (bash .ci/tools.sh)");
+        return;
+    };
+    for p in crate::kernels::embedded() {
+        let dir = std::env::temp_dir().join(format!("tp-allreduce-sass-{}-{}", std::process::id(), p.arch));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (file, cubin) = (dir.join("k.ptx"), dir.join("k.cubin"));
+        std::fs::write(&file, p.text).unwrap();
+        assemble(&ptxas, p.arch, &file, &cubin).unwrap();
+        let sass = disassemble(&disassembler, &cubin).unwrap();
+        for (name, text) in split_sass(&sass).iter().filter(|(n, _)| crate::kernels::is_sentinel_entry(n)) {
+            let path =
+                super::sass::first_peer_store(text).unwrap_or_else(|| panic!("{} {name}: no peer store", p.arch));
+            eprintln!("{} {name}: {path:?}", p.arch);
+            assert_eq!(path.barriers, 0, "{} {name}", p.arch);
+            assert!(path.instructions <= 260, "{} {name}: {path:?}", p.arch);
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
