@@ -21,6 +21,7 @@ mkdir -p .dev .peers
 
 cargo build --release --bin tp-allreduce
 cp target/release/tp-allreduce .dev/tp-allreduce
+cargo test --release --no-run --test suite
 suite=$(cargo test --release --no-run --test suite --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys
 for l in sys.stdin:

@@ -18,7 +18,7 @@ use std::time::Duration;
 use cudarc::driver::CudaContext;
 use rand::rngs::StdRng;
 use rand::Rng;
-use tp_allreduce::driver::{self, DeviceMemory};
+use tp_allreduce::driver;
 use tp_allreduce::{Algorithm, Comm, Config};
 
 use crate::common::{self, TestElem};
@@ -45,7 +45,9 @@ fn contexts(first: &Arc<CudaContext>, world: usize) -> Vec<Arc<CudaContext>> {
 }
 
 /// One batch of `BATCH` calls of random sizes on every rank; checks all.
-/// Returns the element counts of the calls.
+/// Returns the element counts of the calls. Buffers go through each rank's
+/// own stream (cudarc binds the rank's context), so ranks may sit on
+/// different GPUs.
 fn batch<T: TestElem + bytemuck::Pod>(
     comms: &[Comm],
     rng: &mut StdRng,
@@ -57,30 +59,28 @@ fn batch<T: TestElem + bytemuck::Pod>(
     let offsets: Vec<usize> = counts.iter().scan(0, |o, &n| Some(std::mem::replace(o, *o + n))).collect();
     let total: usize = counts.iter().sum();
     let inputs: Vec<Vec<T>> = (0..world).map(|_| common::random_vec::<T>(rng, total)).collect();
+    let mut poison: Vec<T> = vec![T::zeroed(); total];
+    bytemuck::cast_slice_mut::<T, u8>(&mut poison).fill(common::POISON);
     let mut ins = Vec::new();
     let mut outs = Vec::new();
     for (r, c) in comms.iter().enumerate() {
-        let input = DeviceMemory::alloc(c.context(), total * elem).map_err(|e| e.to_string())?;
-        driver::memcpy_htod(input.ptr(), bytemuck::cast_slice(&inputs[r])).map_err(|e| e.to_string())?;
-        let output = DeviceMemory::alloc(c.context(), total * elem).map_err(|e| e.to_string())?;
-        driver::memset_d8(output.ptr(), common::POISON, total * elem).map_err(|e| e.to_string())?;
-        ins.push(input);
-        outs.push(output);
+        let s = c.stream();
+        ins.push(s.clone_htod(&inputs[r]).map_err(|e| format!("rank {r}: htod: {e:?}"))?);
+        outs.push(s.clone_htod(&poison).map_err(|e| format!("rank {r}: htod: {e:?}"))?);
     }
     for (&n, &at) in counts.iter().zip(&offsets) {
         for (r, c) in comms.iter().enumerate() {
-            let off = (at * elem) as u64;
-            // SAFETY: both views lie inside live buffers of `total` elements.
-            unsafe { c.all_reduce_raw(ins[r].ptr() + off, outs[r].ptr() + off, n, T::DTYPE, c.stream().cu_stream()) }
-                .map_err(|e| format!("rank {r}: {e}"))?;
+            let s = c.stream();
+            let (src, dst) = (common::ptr_of(&s, &ins[r], at), common::ptr_of(&s, &outs[r], at));
+            // SAFETY: both views lie inside live buffers of `total` elements
+            // on the rank's stream.
+            unsafe { c.all_reduce_raw(src, dst, n, T::DTYPE, s.cu_stream()) }.map_err(|e| format!("rank {r}: {e}"))?;
         }
     }
     let mut results = Vec::new();
     for (r, c) in comms.iter().enumerate() {
         c.synchronize().map_err(|e| format!("rank {r}: {e}"))?;
-        let mut host = vec![T::default(); total];
-        driver::memcpy_dtoh(bytemuck::cast_slice_mut(&mut host), outs[r].ptr()).map_err(|e| e.to_string())?;
-        results.push(host);
+        results.push(c.stream().clone_dtoh(&outs[r]).map_err(|e| format!("rank {r}: dtoh: {e:?}"))?);
     }
     for (k, (&n, &at)) in counts.iter().zip(&offsets).enumerate() {
         let call_inputs: Vec<Vec<T>> = inputs.iter().map(|v| v[at..at + n].to_vec()).collect();

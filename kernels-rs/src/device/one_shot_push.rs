@@ -1,6 +1,7 @@
 //! OneShotPush: every rank writes its whole message into its slot of every
 //! peer's receive region; completion travels in the payload (a sentinel
-//! protocol, "Lamport" push as in TensorRT-LLM / FlashInfer). No barrier
+//! protocol, "Lamport" push as in TensorRT-LLM / FlashInfer: docs/SOURCES.md
+//! F19, F20). No barrier
 //! between ranks, no flags, no per-block state: any grid and block size.
 //!
 //! ```text
