@@ -47,7 +47,7 @@ if [ ! -f .peers/flashinfer-pcie/run_peer_bench.py ]; then
     echo "set PEERS_SRC to the folder holding run_peer_bench.py (the FlashInfer peer benchmark)" >&2
     exit 1
   }
-  cp -r "$PEERS_SRC" .peers/flashinfer-pcie
+  cp -r "$PEERS_SRC" .peers/flashinfer-pcie && chmod -R u+w .peers/flashinfer-pcie
 fi
 rm -rf .peers/flashinfer-pcie/__pycache__
 

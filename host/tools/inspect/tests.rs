@@ -325,7 +325,10 @@ fn the_rendered_report_of_the_embedded_ptx_fits_120_columns() {
 #[test]
 fn sentinel_kernels_reach_their_first_peer_store_without_a_barrier() {
     let (Some(ptxas), Some(disassembler)) = (find_tool("ptxas"), find_disassembler()) else {
-        eprintln!("skipped: ptxas or a disassembler not found (bash .ci/tools.sh)");
+        eprintln!(
+            "skipped: ptxas or a disassembler not found, run bash .ci/tools.sh \
+             (sentinel_kernels_reach_their_first_peer_store_without_a_barrier)"
+        );
         return;
     };
     for p in crate::kernels::embedded() {
