@@ -40,6 +40,7 @@ use tp_allreduce_kernels::layout::{
 use super::ipc::{self, BufferOffer, PeerMapping, Region};
 use super::p2p_check;
 use super::shm::SharedHostRegion;
+use super::teardown::LocalGroup;
 use super::test_hooks;
 use crate::algorithm::Geometry;
 use crate::algorithm::Transport;
@@ -76,15 +77,22 @@ pub(crate) struct Setup {
     pub transport: Transport,
     pub transport_reason: String,
     pub ranks_on_device: usize,
+    /// NCCL backs the `Nccl` algorithm: the same on every rank (no two
+    /// ranks share a GPU and every rank asks for it).
+    pub nccl_eligible: bool,
     pub same_process: Vec<bool>,
     pub layout: ScratchLayout,
     pub islands: IslandLayout,
     pub offsets: RegionOffsets,
     pub pull_max_blocks: u32,
     pub ring_blocks: u32,
-    pub region: Region,
+    /// Shared with the teardown, which frees it once no peer can touch it.
+    pub region: Arc<Region>,
     /// Held for their `Drop` (peers' regions stay mapped while we run).
-    pub _peer_mappings: Vec<PeerMapping>,
+    pub peer_mappings: Vec<PeerMapping>,
+    /// This process's ranks of the communicator (see `teardown.rs`); taken
+    /// by the communicator's drop or `close`.
+    pub local_group: Option<Arc<LocalGroup>>,
     pub _local_state: DeviceMemory,
     pub handle: DeviceMemory,
     pub error_record: PinnedHostMemory,
@@ -227,6 +235,9 @@ pub(crate) fn build(
     let ctx = stream.context().clone();
     let _bound = CurrentContext::bind(&ctx)?;
     let placement = agree_placement(&ctx, module, rank, rdv, config)?;
+    // Joined before the next round, so no rank of this process can leave
+    // before every one of them has joined.
+    let local_group = super::teardown::join(&placement.job, placement.same_process.iter().any(|same| !same));
     let unreachable = reachability(&ctx, &placement, rdv)?;
     let (mut transport, mut reason) = initial_transport(config.transport, &unreachable)?;
     let islands = island_layout(rank, world, config.island_size)?;
@@ -244,7 +255,10 @@ pub(crate) fn build(
             }
         }
         match verdict(config.transport, transport, step, &problems) {
-            Verdict::Keep => return Ok(attempt.into_setup(transport, reason, &placement, islands, config)),
+            Verdict::Keep => {
+                let setup = attempt.into_setup(transport, reason, &placement, islands, config);
+                return Ok(Setup { local_group: Some(local_group), ..setup });
+            }
             // `attempt` is dropped here: its memory and mappings released.
             Verdict::FallBack(why) => (transport, reason) = (Transport::HostStaged, why),
             Verdict::Fail(e) => return Err(e),
@@ -271,6 +285,7 @@ struct Hello {
     shape: String,
     salt: u32,
     job: String,
+    nccl_fallback: bool,
 }
 
 /// What step 1 agreed.
@@ -279,6 +294,8 @@ struct Placement {
     /// `same_process[p]`: rank p runs in this rank's process.
     same_process: Vec<bool>,
     ranks_on_device: usize,
+    /// Every rank on its own GPU and asking for NCCL (same on every rank).
+    nccl_eligible: bool,
     push_blocks: u32,
     pull_max_blocks: u32,
     ring_blocks: u32,
@@ -310,8 +327,15 @@ fn agree_placement(
         shape: config.shape_fingerprint(),
         salt,
         job: format!("{:016x}", (salt as u64) << 32 | rand_u32() as u64),
+        nccl_fallback: config.nccl_fallback,
     };
     let hellos = gather_json(rdv, &hello)?;
+    if hellos.len() != rdv.world_size() || rank >= hellos.len() {
+        return Err(Error::Protocol {
+            from: "rendezvous".into(),
+            what: format!("{} hellos for a world of {}", hellos.len(), rdv.world_size()),
+        });
+    }
     for (r, h) in hellos.iter().enumerate() {
         if h.shape != hello.shape {
             return Err(Error::invalid(format!(
@@ -320,24 +344,39 @@ fn agree_placement(
             )));
         }
     }
-    let ranks_on = |uuid: &str| hellos.iter().filter(|h| h.device_uuid == uuid).count();
-    // Every rank's blocks must fit on its GPU together with the blocks of
-    // the other ranks sharing it; all ranks use the smallest such limit.
-    let resident_limit = hellos
-        .iter()
-        .map(|h| (h.sms as usize * h.blocks_per_sm.max(1) as usize / ranks_on(&h.device_uuid)).max(1))
-        .min()
-        .unwrap_or(1) as u32;
-    Ok(Placement {
-        same_process: hellos.iter().map(|h| h.process == hello.process).collect(),
-        ranks_on_device: ranks_on(&hello.device_uuid),
-        push_blocks: config.push_blocks.min(resident_limit),
-        pull_max_blocks: config.pull_max_blocks.min(resident_limit),
-        ring_blocks: config.ring_blocks.min(resident_limit),
-        salt: hellos[0].salt,
-        job: hellos[0].job.clone(),
-        hellos,
-    })
+    Ok(Placement::from_hellos(hellos, rank, config))
+}
+
+impl Placement {
+    /// What rank `me` derives from every rank's hello. Pure. Everything but
+    /// `same_process` and `ranks_on_device` is the same on every rank: it
+    /// depends on the gathered hellos only (ranks per GPU may differ).
+    fn from_hellos(hellos: Vec<Hello>, me: usize, config: &Config) -> Placement {
+        let ranks_on = |uuid: &str| hellos.iter().filter(|h| h.device_uuid == uuid).count();
+        // Every rank's blocks must fit on its GPU together with the blocks of
+        // the other ranks sharing it; all ranks use the smallest such limit.
+        let resident_limit = hellos
+            .iter()
+            .map(|h| (h.sms as usize * h.blocks_per_sm.max(1) as usize / ranks_on(&h.device_uuid)).max(1))
+            .min()
+            .unwrap_or(1) as u32;
+        // NCCL cannot run two ranks on one GPU; creating it is collective, so
+        // the decision must not depend on this rank's own GPU (with 3 ranks
+        // on 2 GPUs the lone rank would enter NCCL's rounds alone).
+        let nccl_eligible = hellos.len() > 1 && hellos.iter().all(|h| h.nccl_fallback && ranks_on(&h.device_uuid) == 1);
+        let mine = &hellos[me];
+        Placement {
+            same_process: hellos.iter().map(|h| h.process == mine.process).collect(),
+            ranks_on_device: ranks_on(&mine.device_uuid),
+            nccl_eligible,
+            push_blocks: config.push_blocks.min(resident_limit),
+            pull_max_blocks: config.pull_max_blocks.min(resident_limit),
+            ring_blocks: config.ring_blocks.min(resident_limit),
+            salt: hellos[0].salt,
+            job: hellos[0].job.clone(),
+            hellos,
+        }
+    }
 }
 
 /// Step 2: the rank pairs without P2P access. Devices are identified by
@@ -422,14 +461,16 @@ impl Attempt {
             transport,
             transport_reason,
             ranks_on_device: placement.ranks_on_device,
+            nccl_eligible: placement.nccl_eligible,
             same_process: placement.same_process.clone(),
             layout: self.layout,
             islands,
             offsets: self.offsets,
             pull_max_blocks: placement.pull_max_blocks,
             ring_blocks: placement.ring_blocks,
-            region: self.region,
-            _peer_mappings: self.peer_mappings,
+            region: Arc::new(self.region),
+            peer_mappings: self.peer_mappings,
+            local_group: None,
             _local_state: self.local_state,
             handle: self.handle,
             error_record: self.error_record,
@@ -676,6 +717,54 @@ mod tests {
         assert!(matches!(initial_transport(FORCE_P2P, &[(1, 0)]), Err(Error::Unsupported(_))));
         assert_eq!(initial_transport(FORCE_HOST, &[]).unwrap().0, Transport::HostStaged);
         assert_eq!(initial_transport(FORCE_P2P, &[]).unwrap().0, Transport::PeerToPeer);
+    }
+
+    fn hello(process: &str, gpu: &str, sms: u32) -> Hello {
+        Hello {
+            process: process.into(),
+            device_uuid: gpu.into(),
+            ordinal: 0,
+            sms,
+            blocks_per_sm: 1,
+            shape: String::new(),
+            salt: 7,
+            job: "job".into(),
+            nccl_fallback: true,
+        }
+    }
+
+    /// Issue 13 item 7: 3 ranks on 2 GPUs. Before, whether NCCL was created
+    /// (a collective) depended on the rank's own GPU: the lone rank on GPU 1
+    /// entered NCCL's rounds while the others compared selection tables.
+    #[test]
+    fn an_uneven_placement_gives_every_rank_the_same_group_decisions() {
+        let hellos = vec![hello("p", "gpu-a", 132), hello("p", "gpu-a", 132), hello("p", "gpu-b", 132)];
+        let config = Config::default();
+        let seen: Vec<Placement> = (0..3).map(|me| Placement::from_hellos(hellos.clone(), me, &config)).collect();
+        assert_eq!(seen.iter().map(|p| p.ranks_on_device).collect::<Vec<_>>(), [2, 2, 1]);
+        for p in &seen {
+            assert!(!p.nccl_eligible, "two ranks share gpu-a: NCCL cannot run on any rank");
+            let limits = (p.push_blocks, p.pull_max_blocks, p.ring_blocks, p.salt, &p.job);
+            assert_eq!(limits, (seen[0].push_blocks, seen[0].pull_max_blocks, seen[0].ring_blocks, 7, &seen[0].job));
+            assert_eq!(p.same_process, [true, true, true]);
+        }
+        // 132 SMs shared by two ranks: 66 blocks each, the smallest limit.
+        assert_eq!(seen[0].pull_max_blocks, config.pull_max_blocks.min(66));
+    }
+
+    #[test]
+    fn nccl_needs_distinct_gpus_and_every_rank_asking_for_it() {
+        let config = Config::default();
+        let distinct = vec![hello("p", "gpu-a", 132), hello("q", "gpu-b", 132)];
+        assert!(Placement::from_hellos(distinct.clone(), 1, &config).nccl_eligible);
+        let mut one_declines = distinct.clone();
+        one_declines[1].nccl_fallback = false;
+        for me in 0..2 {
+            assert!(!Placement::from_hellos(one_declines.clone(), me, &config).nccl_eligible);
+        }
+        assert!(!Placement::from_hellos(vec![hello("p", "gpu-a", 132)], 0, &config).nccl_eligible);
+        let mixed = Placement::from_hellos(distinct, 0, &config);
+        assert_eq!(mixed.same_process, [true, false]);
     }
 
     #[test]
