@@ -27,6 +27,14 @@
 //! device copy); `register_buffer` makes a buffer zero-copy; in a captured
 //! graph each call records its input and `register_graph_buffers` (after
 //! capture, on every rank) makes the replays zero-copy. See ARCHITECTURE.md.
+//!
+//! # Teardown
+//! Dropping a communicator waits for its context's work; the memory peers
+//! touch is freed only when no peer can touch it any more (the last
+//! communicator of the group in this process, after bounded barriers with
+//! ranks in other processes). Dropping the ranks of an in-process group one
+//! after the other, in any order, right after unsynchronised calls is safe.
+//! [`Comm::close`] does the same and reports errors.
 
 mod call;
 mod group;

@@ -38,6 +38,11 @@ use crate::rendezvous::Rendezvous;
 /// How long a communicator's drop waits in each teardown barrier.
 pub(crate) const DROP_BARRIER_BOUND: Duration = Duration::from_secs(10);
 
+/// What every rank contributes to a teardown barrier: a peer still in
+/// another collective receives it instead of the data it expects (and
+/// fails), and is told apart from a peer that is tearing down too.
+const TEARDOWN_MARKER: &[u8] = b"tp-allreduce teardown barrier";
+
 /// What one rank leaves behind.
 pub(crate) struct Departed {
     /// Memory peers write into or read from (the region): freed last.
@@ -108,7 +113,8 @@ impl LocalGroup {
 }
 
 /// A barrier on every rendezvous at once (the ranks of this process, one
-/// helper thread each), waiting at most `bound` in all.
+/// helper thread each), waiting at most `bound` in all. Every rank must
+/// contribute the teardown marker.
 fn barrier_all(rendezvous: &[Arc<dyn Rendezvous>], bound: Duration, what: &str) -> Result<()> {
     let deadline = Instant::now() + bound;
     let (sender, receiver) = mpsc::channel();
@@ -117,7 +123,14 @@ fn barrier_all(rendezvous: &[Arc<dyn Rendezvous>], bound: Duration, what: &str) 
         std::thread::Builder::new()
             .name("tp-allreduce-teardown".into())
             .spawn(move || {
-                let outcome = rdv.barrier();
+                let outcome = rdv.all_gather(TEARDOWN_MARKER).and_then(|all| {
+                    match all.iter().position(|contribution| contribution != TEARDOWN_MARKER) {
+                        Some(peer) => {
+                            Err(Error::Rendezvous(format!("rank {peer} was in another collective, not tearing down")))
+                        }
+                        None => Ok(()),
+                    }
+                });
                 let _ = sender.send((rdv.rank(), outcome));
             })
             .map_err(|e| Error::Rendezvous(format!("teardown {what}: cannot start a thread: {e}")))?;
@@ -233,6 +246,21 @@ mod tests {
             "{log:?}"
         );
         drop(rdv);
+    }
+
+    #[test]
+    fn a_peer_still_in_another_collective_is_not_taken_for_a_departed_one() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let rdv = rendezvous(2);
+        let busy = rdv[1].clone();
+        let peer = std::thread::spawn(move || busy.all_gather(b"registration outcome"));
+        let group = join("test-busy-peer", true);
+        let err = group.leave(departed(0, &log, rdv[0].clone()), Duration::from_secs(30)).unwrap_err();
+        assert!(err.to_string().contains("rank 1 was in another collective"), "{err}");
+        assert!(log.lock().unwrap().contains(&"freed region 0".to_string()));
+        // The busy peer got the marker, not an outcome it could mistake for one.
+        let got = peer.join().unwrap().unwrap();
+        assert_eq!(got[0], TEARDOWN_MARKER);
     }
 
     #[test]
