@@ -230,9 +230,9 @@ impl Comm {
     /// the bound of each barrier. Returns the first error of waiting for the
     /// device or of the barriers (a rank of another process that did not
     /// arrive is named); the memory is released in every case. Call it on
-    /// every rank, like `drop`.
+    /// every rank, like `drop`. In a group of ranks of one process, only the
+    /// last one to go runs the barriers, so only its `close` can report them.
     pub fn close(mut self) -> Result<()> {
-        self.restore_context.save();
         let bound = self.config.rendezvous_timeout;
         self.leave(bound)
     }
