@@ -251,7 +251,7 @@ impl Comm {
         let departed = teardown::Departed {
             memory: Box::new(self.setup.region.clone()),
             mappings: Box::new((std::mem::take(&mut self.setup.peer_mappings), registered)),
-            rendezvous: self.rendezvous.clone(),
+            rendezvous: group.meets_other_processes().then(|| self.rendezvous.clone()),
         };
         let released = group.leave(departed, bound);
         synced.and(released)

@@ -11,19 +11,20 @@
 //! * The ranks of one communicator that live in this process (an in-process
 //!   group, or the local ranks of a mixed placement) share one
 //!   [`LocalGroup`]. A communicator that goes (drop or `close`) first waits
-//!   for its context, then hands the group its region, its mappings of the
-//!   peers' memory and its rendezvous ([`Departed`]). Nothing is freed
-//!   until the last communicator of the group in this process goes. No
-//!   barrier here: one thread may drop its ranks one after the other.
+//!   for its context, then hands the group its region and its mappings of
+//!   the peers' memory ([`Departed`]). Nothing is freed until the last
+//!   communicator of the group in this process goes. No barrier here: one
+//!   thread may drop its ranks one after the other.
 //! * When some rank runs in another process, that last communicator then
-//!   meets the other processes, with every departed rank of this process
-//!   taking part: barrier 1 (every rank's device work is done), close this
-//!   process's mappings of the others' memory, barrier 2 (nobody maps
-//!   anybody's memory any more), free. Each barrier is bounded; a dead or
-//!   stuck peer costs the bound, never a hang, and the memory is freed
-//!   anyway. Waiting on the rendezvous runs on helper threads so that the
-//!   bound holds whatever the rendezvous's own timeout is; a thread that
-//!   outlives the bound ends with the rendezvous's timeout.
+//!   meets the other processes, every departed rank of this process taking
+//!   part (their rendezvous are kept for it): barrier 1 (every rank's device
+//!   work is done), close this process's mappings of the others' memory,
+//!   barrier 2 (nobody maps anybody's memory any more), free. Each barrier
+//!   is bounded; a dead or stuck peer costs the bound, never a hang, and
+//!   the memory is freed anyway. Waiting on the rendezvous runs on helper
+//!   threads so that the bound holds whatever the rendezvous's own timeout
+//!   is; a thread that outlives the bound ends with the rendezvous's
+//!   timeout.
 
 #![forbid(unsafe_code)]
 
@@ -49,7 +50,10 @@ pub(crate) struct Departed {
     pub memory: Box<dyn Any + Send>,
     /// This rank's mappings of peers' memory: closed between the barriers.
     pub mappings: Box<dyn Any + Send>,
-    pub rendezvous: Arc<dyn Rendezvous>,
+    /// Kept for the barriers when some rank runs in another process
+    /// ([`LocalGroup::meets_other_processes`]); otherwise dropped at once,
+    /// so that the ranks still running learn that this one left.
+    pub rendezvous: Option<Arc<dyn Rendezvous>>,
 }
 
 /// The ranks of one communicator in this process.
@@ -79,6 +83,11 @@ pub(crate) fn join(job: &str, cross_process: bool) -> Arc<LocalGroup> {
 }
 
 impl LocalGroup {
+    /// Whether the last rank to leave meets ranks of other processes.
+    pub fn meets_other_processes(&self) -> bool {
+        self.cross_process
+    }
+
     /// Hands over what a rank leaves behind (its device work already
     /// waited for). The last rank of this process to leave frees everything
     /// held, after the barriers with other processes (each bounded by
@@ -96,7 +105,7 @@ impl LocalGroup {
         if !self.cross_process || departed.is_empty() {
             return Ok(());
         }
-        let rendezvous: Vec<Arc<dyn Rendezvous>> = departed.iter().map(|d| d.rendezvous.clone()).collect();
+        let rendezvous: Vec<Arc<dyn Rendezvous>> = departed.iter().filter_map(|d| d.rendezvous.clone()).collect();
         let work_done = barrier_all(&rendezvous, bound, "barrier 1 (device work done)");
         let mut memory = Vec::with_capacity(departed.len());
         for d in departed {
@@ -171,7 +180,7 @@ mod tests {
         }
     }
 
-    fn departed(rank: usize, log: &Arc<Mutex<Vec<String>>>, rdv: Arc<dyn Rendezvous>) -> Departed {
+    fn departed(rank: usize, log: &Arc<Mutex<Vec<String>>>, rdv: Option<Arc<dyn Rendezvous>>) -> Departed {
         let logged = |what: &str| Logged { name: format!("{what} {rank}"), log: log.clone() };
         Departed { memory: Box::new(logged("region")), mappings: Box::new(logged("mappings")), rendezvous: rdv }
     }
@@ -183,14 +192,14 @@ mod tests {
     #[test]
     fn in_process_ranks_keep_every_region_until_the_last_one_leaves() {
         let log = Arc::new(Mutex::new(Vec::new()));
-        let rdv = rendezvous(3);
         let members: Vec<_> = (0..3).map(|_| join("test-in-process", false)).collect();
         assert!(Arc::ptr_eq(&members[0], &members[2]), "ranks of one job share a group");
         // One thread drops the ranks one after the other (no barrier: it
         // would wait for ranks this thread has not dropped yet).
         for (rank, member) in members.into_iter().enumerate() {
             assert!(log.lock().unwrap().is_empty(), "freed before rank {rank} left: {:?}", log.lock().unwrap());
-            member.leave(departed(rank, &log, rdv[rank].clone()), Duration::from_secs(5)).unwrap();
+            assert!(!member.meets_other_processes());
+            member.leave(departed(rank, &log, None), Duration::from_secs(5)).unwrap();
         }
         let log = log.lock().unwrap();
         assert_eq!(log.len(), 6, "{log:?}");
@@ -212,7 +221,7 @@ mod tests {
         let outcomes: Vec<Result<()>> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..2)
                 .map(|rank| {
-                    let (log, rdv) = (log.clone(), rdv[rank].clone());
+                    let (log, rdv) = (log.clone(), Some(rdv[rank].clone()));
                     scope.spawn(move || {
                         let group = join(&format!("test-cross-{rank}"), true);
                         group.leave(departed(rank, &log, rdv), Duration::from_secs(20))
@@ -237,7 +246,7 @@ mod tests {
         let rdv = rendezvous(2);
         let group = join("test-dead-peer", true);
         // Rank 1 never arrives (its rendezvous stays alive, as a stuck peer's would).
-        let err = group.leave(departed(0, &log, rdv[0].clone()), Duration::from_millis(200)).unwrap_err();
+        let err = group.leave(departed(0, &log, Some(rdv[0].clone())), Duration::from_millis(200)).unwrap_err();
         assert!(matches!(err, Error::RendezvousTimeout { .. }), "{err}");
         assert!(err.to_string().contains("barrier 1"), "{err}");
         let log = log.lock().unwrap();
@@ -255,7 +264,7 @@ mod tests {
         let busy = rdv[1].clone();
         let peer = std::thread::spawn(move || busy.all_gather(b"registration outcome"));
         let group = join("test-busy-peer", true);
-        let err = group.leave(departed(0, &log, rdv[0].clone()), Duration::from_secs(30)).unwrap_err();
+        let err = group.leave(departed(0, &log, Some(rdv[0].clone())), Duration::from_secs(30)).unwrap_err();
         assert!(err.to_string().contains("rank 1 was in another collective"), "{err}");
         assert!(log.lock().unwrap().contains(&"freed region 0".to_string()));
         // The busy peer got the marker, not an outcome it could mistake for one.
@@ -269,7 +278,7 @@ mod tests {
         let mut rdv = rendezvous(2);
         drop(rdv.pop()); // rank 1's rendezvous is dropped: it died.
         let group = join("test-gone-peer", true);
-        let err = group.leave(departed(0, &log, rdv[0].clone()), Duration::from_secs(30)).unwrap_err();
+        let err = group.leave(departed(0, &log, Some(rdv[0].clone())), Duration::from_secs(30)).unwrap_err();
         assert!(matches!(err, Error::Rendezvous(_)), "{err}");
         assert!(log.lock().unwrap().contains(&"freed region 0".to_string()));
     }
