@@ -29,6 +29,7 @@
 //! capture, on every rank) makes the replays zero-copy. See ARCHITECTURE.md.
 
 mod call;
+mod fd_passing;
 mod group;
 mod ipc;
 mod p2p_check;
