@@ -42,6 +42,7 @@ mod shm;
 pub mod test_hooks;
 #[cfg(not(feature = "tools"))]
 mod test_hooks;
+mod vmm_buffers;
 
 use std::sync::{Arc, Mutex};
 

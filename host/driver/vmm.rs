@@ -152,10 +152,11 @@ pub fn walk_chunks(
 
 /// The id that tells the allocation registered at `ptr` from a later one
 /// at the same address: the buffer id for `cuMemAlloc` memory, the physical
-/// allocation's id for cuMem memory (its range outlives its chunks).
+/// allocation's id for cuMem memory (its range outlives its chunks; where
+/// the driver knows neither id, the chunk's start, which tells less).
 pub fn allocation_id(ptr: sys::CUdeviceptr, backing: Backing) -> Result<u64> {
     match backing {
-        Backing::Vmm => physical_id(ptr).or_else(|_| buffer_id(ptr)),
+        Backing::Vmm => physical_id(ptr).or_else(|_| buffer_id(ptr)).or_else(|_| allocation_range(ptr).map(|r| r.0)),
         _ => buffer_id(ptr),
     }
 }
