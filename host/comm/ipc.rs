@@ -183,11 +183,11 @@ pub(crate) fn offer_step(
         return Ok((StepOffer { buffers: offers, vmm: None }, None));
     }
     let list: Vec<(u64, usize)> = cumem.iter().map(|&i| (offers[i].addr, offers[i].bytes as usize)).collect();
-    let (placements, published, exports) = vmm_buffers::export(&list)?;
-    for (&i, (run, offset)) in cumem.iter().zip(placements) {
-        offers[i].cross_process = Some(CrossProcess::Vmm { run, offset });
+    let exported = vmm_buffers::export(&list)?;
+    for (&i, at) in cumem.iter().zip(exported.placements) {
+        offers[i].cross_process = Some(CrossProcess::Vmm { run: at.run, offset: at.offset });
     }
-    Ok((StepOffer { buffers: offers, vmm: Some(published) }, Some(exports)))
+    Ok((StepOffer { buffers: offers, vmm: Some(exported.published) }, Some(exported.exports)))
 }
 
 /// Keeps a peer's buffer mapped in this rank (held only for its `Drop`).

@@ -77,10 +77,20 @@ impl Run {
     }
 }
 
-/// Groups the chunks behind `buffers` (each: its address and its chunks)
-/// into runs; returns them and, per buffer, (run index, offset of the
-/// buffer from the run's start). Pure.
-pub(crate) fn plan_runs(buffers: &[(u64, Vec<(u64, u64)>)]) -> Result<(Vec<Run>, Vec<(u32, u64)>)> {
+/// Where a buffer lies in its owner's runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct InRun {
+    pub run: u32,
+    /// From the run's start to the buffer.
+    pub offset: u64,
+}
+
+/// A buffer's address and its chunks, (start, size) each.
+pub(crate) type BufferChunks = (u64, Vec<(u64, u64)>);
+
+/// Groups the chunks behind `buffers` into runs; returns them and where
+/// each buffer lies in them. Pure.
+pub(crate) fn plan_runs(buffers: &[BufferChunks]) -> Result<(Vec<Run>, Vec<InRun>)> {
     let mut chunks: Vec<(u64, u64)> = buffers.iter().flat_map(|(_, c)| c.iter().copied()).collect();
     chunks.sort_unstable();
     chunks.dedup();
@@ -103,7 +113,7 @@ pub(crate) fn plan_runs(buffers: &[(u64, Vec<(u64, u64)>)]) -> Result<(Vec<Run>,
         .map(|&(ptr, _)| {
             let index = runs.partition_point(|r| r.start() <= ptr).checked_sub(1);
             match index.filter(|&i| ptr < runs[i].end()) {
-                Some(i) => Ok((i as u32, ptr - runs[i].start())),
+                Some(i) => Ok(InRun { run: i as u32, offset: ptr - runs[i].start() }),
                 None => Err(Error::Ipc(format!("the buffer at {ptr:#x} lies in none of its chunks"))),
             }
         })
@@ -132,9 +142,16 @@ impl VmmExports {
     }
 }
 
-/// Exports the cuMem buffers `buffers` (address, bytes): returns, per
-/// buffer, (run, offset), what to publish and what to serve.
-pub(crate) fn export(buffers: &[(u64, usize)]) -> Result<(Vec<(u32, u64)>, VmmExport, VmmExports)> {
+/// The cuMem buffers of one step, exported: where each lies in the runs,
+/// what to publish and what to serve.
+pub(crate) struct Exported {
+    pub placements: Vec<InRun>,
+    pub published: VmmExport,
+    pub exports: VmmExports,
+}
+
+/// Exports the cuMem buffers `buffers` (address, bytes).
+pub(crate) fn export(buffers: &[(u64, usize)]) -> Result<Exported> {
     let mut found = Vec::with_capacity(buffers.len());
     for &(ptr, bytes) in buffers {
         let chunks = exportable_chunks(ptr, bytes).map_err(|why| {
@@ -155,7 +172,7 @@ pub(crate) fn export(buffers: &[(u64, usize)]) -> Result<(Vec<(u32, u64)>, VmmEx
         runs: runs.iter().map(|r| r.chunks.iter().map(|c| c.1).collect()).collect(),
         socket: server.address(),
     };
-    Ok((placements, published, VmmExports { server, fds }))
+    Ok(Exported { placements, published, exports: VmmExports { server, fds } })
 }
 
 /// Fetches and imports, as rank `me`, the chunks a peer published (their
@@ -236,7 +253,8 @@ mod tests {
         assert_eq!(runs.len(), 2);
         assert_eq!(runs[0].chunks, [chunk(0, 2 * MIB), chunk(1, 2 * MIB)], "chunk 1 exported once");
         assert_eq!(runs[1].chunks, [chunk(5, 2 * MIB)]);
-        assert_eq!(placements, [(0, 2 * MIB - 64), (0, 3 * MIB), (1, 4096)]);
+        let at = |run, offset| InRun { run, offset };
+        assert_eq!(placements, [at(0, 2 * MIB - 64), at(0, 3 * MIB), at(1, 4096)]);
     }
 
     #[test]
@@ -246,7 +264,7 @@ mod tests {
         let (runs, placements) = plan_runs(&[a, b]).unwrap();
         assert_eq!(runs.len(), 1, "chunks 0, 1, 2 are neighbours");
         assert_eq!(runs[0].chunks.len(), 3);
-        assert_eq!(placements, [(0, 4 * MIB), (0, 0)]);
+        assert_eq!(placements, [InRun { run: 0, offset: 4 * MIB }, InRun { run: 0, offset: 0 }]);
     }
 
     #[test]
@@ -257,7 +275,7 @@ mod tests {
         let small = (BASE + 20 * MIB, 2 * MIB);
         let (runs, placements) = plan_runs(&[(BASE + 20 * MIB - 8, vec![big, small])]).unwrap();
         assert_eq!(runs, [Run { chunks: vec![big, small] }]);
-        assert_eq!(placements, [(0, 20 * MIB - 8)]);
+        assert_eq!(placements, [InRun { run: 0, offset: 20 * MIB - 8 }]);
     }
 
     #[test]

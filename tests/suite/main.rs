@@ -15,5 +15,7 @@ mod gpu_mixed_placement;
 mod gpu_streams;
 mod gpu_timeout;
 mod gpu_transport;
+mod gpu_vmm;
+mod gpu_vmm_processes;
 mod multiprocess;
 mod ptx;
