@@ -29,7 +29,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeSet;
-use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -251,9 +251,7 @@ pub(crate) fn fetch_fds(
         )
     })?;
     set_timeouts(&stream, deadline)?;
-    (&stream)
-        .write_all(&encode_request(&address.nonce, rank))
-        .map_err(|e| io_error("sending a descriptor request", e, deadline))?;
+    send_all(&stream, &encode_request(&address.nonce, rank), &[], deadline, "sending a descriptor request")?;
     receive_fds(&stream, expected, deadline, on_batch)
 }
 
@@ -305,17 +303,27 @@ pub(crate) fn send_fds(stream: &UnixStream, fds: &[OwnedFd], deadline: Deadline)
 
 fn send_batch(stream: &UnixStream, header: &[u8; HEADER_LEN], fds: &[RawFd], deadline: Deadline) -> Result<()> {
     set_timeouts(stream, deadline)?;
+    send_all(stream, header, fds, deadline, "sending file descriptors")
+}
+
+/// Sends all of `bytes`, with `fds` attached to the first part. Never
+/// raises SIGPIPE (a peer that hung up is an error), whatever the host
+/// process does with that signal.
+fn send_all(stream: &UnixStream, bytes: &[u8], fds: &[RawFd], deadline: Deadline, what: &str) -> Result<()> {
     let rights = [ControlMessage::ScmRights(fds)];
-    let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &rights };
-    let sent = loop {
-        match sendmsg::<()>(stream.as_raw_fd(), &[IoSlice::new(header)], cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+    let mut cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &rights };
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        match sendmsg::<()>(stream.as_raw_fd(), &[IoSlice::new(rest)], cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
             Err(Errno::EINTR) => continue,
-            other => break other.map_err(|e| errno_error("sending file descriptors", e, deadline))?,
+            Err(e) => return Err(errno_error(what, e, deadline)),
+            Ok(0) => return Err(Error::Ipc(format!("{what}: the peer stopped reading"))),
+            Ok(sent) => {
+                // The descriptors travel with the first byte; the rest is plain data.
+                cmsgs = &[];
+                rest = &rest[sent.min(rest.len())..];
+            }
         }
-    };
-    // The descriptors travel with the first byte; the rest is plain data.
-    if sent < HEADER_LEN {
-        (&*stream).write_all(&header[sent..]).map_err(|e| io_error("sending file descriptors", e, deadline))?;
     }
     Ok(())
 }

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext};
 
 use super::memory::pointer_attribute;
-use super::{allocation_range, buffer_id, cu, is_pool_memory, CurrentContext};
+use super::{allocation_range, buffer_id, cu, is_pool_memory, memory_location, CurrentContext, MemoryLocation};
 use crate::error::{Error, Result};
 
 const POSIX_FD: sys::CUmemAllocationHandleType =
@@ -39,7 +39,9 @@ const POSIX_FD: sys::CUmemAllocationHandleType =
 /// What backs an address, as far as sharing it with another process goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backing {
-    /// One `cuMemAlloc` allocation: exportable with `cuIpcGetMemHandle`.
+    /// One `cuMemAlloc` allocation: exportable with `cuIpcGetMemHandle`
+    /// (also device memory the driver does not call IPC-capable but that is
+    /// neither cuMem nor pool memory: exporting it is tried, as before).
     LegacyIpc,
     /// cuMem memory: physical chunks mapped into a reserved range.
     Vmm,
@@ -65,7 +67,10 @@ pub fn backing(ptr: sys::CUdeviceptr) -> Backing {
     if ChunkHandle::retain(ptr).is_ok() {
         return Backing::Vmm;
     }
-    Backing::Other
+    match memory_location(ptr) {
+        Ok(MemoryLocation::Device { .. }) => Backing::LegacyIpc,
+        _ => Backing::Other,
+    }
 }
 
 /// One physical allocation mapped into a cuMem range.
