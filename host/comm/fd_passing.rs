@@ -55,6 +55,8 @@ const BATCH_MAGIC: &[u8; 4] = b"TPFD";
 const HEADER_LEN: usize = 16;
 const DIR_PREFIX: &str = "tpar-fd-";
 const SOCKET_NAME: &str = "fd.sock";
+/// How long a connection may take to send its request.
+const REQUEST_WAIT: Duration = Duration::from_secs(5);
 /// `sun_path` holds 108 bytes including the terminating NUL.
 const MAX_SOCKET_PATH: usize = 107;
 
@@ -174,6 +176,10 @@ impl FdServer {
     ) -> Result<usize> {
         stream.set_nonblocking(false).map_err(|e| Error::io("configuring a descriptor connection", e))?;
         set_timeouts(stream, deadline)?;
+        // A fetcher asks as soon as it connects: a silent connection must not
+        // hold up the ranks behind it for the whole step.
+        let ask = deadline.remaining().unwrap_or_default().min(REQUEST_WAIT).max(Duration::from_millis(1));
+        stream.set_read_timeout(Some(ask)).map_err(|e| Error::io("setting descriptor socket timeouts", e))?;
         let mut request = [0u8; REQUEST_LEN];
         (&*stream).read_exact(&mut request).map_err(|e| io_error("reading a descriptor request", e, deadline))?;
         let (nonce, rank) = decode_request(&request)?;
