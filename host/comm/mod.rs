@@ -37,6 +37,7 @@
 //! [`Comm::close`] does the same and reports errors.
 
 mod call;
+mod fd_passing;
 mod group;
 mod ipc;
 mod p2p_check;
@@ -50,6 +51,7 @@ mod teardown;
 pub mod test_hooks;
 #[cfg(not(feature = "tools"))]
 mod test_hooks;
+mod vmm_buffers;
 
 use std::sync::{Arc, Mutex};
 

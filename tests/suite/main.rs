@@ -17,6 +17,8 @@ mod gpu_teardown;
 mod gpu_timeout;
 mod gpu_transport;
 mod gpu_uneven_placement;
+mod gpu_vmm;
+mod gpu_vmm_processes;
 mod multiprocess;
 mod multiprocess_host_staged;
 mod multiprocess_teardown;
