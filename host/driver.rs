@@ -29,6 +29,7 @@
 pub(crate) mod elementwise;
 mod memory;
 mod module;
+pub mod vmm;
 
 use std::ffi::c_void;
 use std::marker::PhantomData;

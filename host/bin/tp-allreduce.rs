@@ -209,6 +209,9 @@ struct SelftestArgs {
     /// Islands for the hierarchical algorithm (ranks per island).
     #[arg(long)]
     island_size: Option<usize>,
+    /// Graph replays per algorithm (default: 200 with --quick, else 300).
+    #[arg(long)]
+    replays: Option<usize>,
 }
 
 fn plan(args: PlanArgs) -> CliResult {
@@ -441,7 +444,7 @@ fn selftest_options(
         dtypes: DType::ALL.to_vec(),
         algorithms,
         graph_allreduces: if args.quick { 50 } else { 60 },
-        graph_replays: if args.quick { 200 } else { 300 },
+        graph_replays: args.replays.unwrap_or(if args.quick { 200 } else { 300 }),
         seed,
         fault,
         config,

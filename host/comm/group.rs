@@ -39,7 +39,9 @@ impl Comm {
         config.island_size = selector::island_size(&view, &config);
         let setup = setup::build(&stream, rank, world, &*rendezvous, &config, &module)?;
         let sentinel = super::params::SentinelLaunches::build(&ctx, &setup, rank, &config)?;
-        let nccl = if config.nccl_fallback && setup.ranks_on_device == 1 && world > 1 {
+        // Decided from the gathered placement, the same on every rank: NCCL's
+        // creation is collective.
+        let nccl = if setup.nccl_eligible {
             match crate::nccl::NcclComm::from_rendezvous(&stream, &*rendezvous) {
                 Ok(n) => n,
                 Err(e) => {
@@ -64,7 +66,7 @@ impl Comm {
             registry: Mutex::new(Registry::default()),
             broken: Mutex::new(None),
             order: Mutex::new(Default::default()),
-            rendezvous,
+            rendezvous: Arc::from(rendezvous),
             nccl,
             selection,
             topology,

@@ -12,9 +12,16 @@
 //! cannot `cuIpcOpenMemHandle` its own allocation) and the others the
 //! handle.
 //!
+//! Registered buffers of cuMem (VMM) memory — PyTorch's expandable
+//! segments — have no IPC handle: their physical chunks travel as file
+//! descriptors over the owner's own socket, and a peer maps them into a
+//! range of its own (`vmm_buffers.rs`); the offer says where in those runs
+//! each buffer lies ([`CrossProcess::Vmm`]).
+//!
 //! Same-process device memory of another GPU needs peer access from this
 //! rank's context to the owner's; host memory never does
-//! ([`peer_access_needed`]).
+//! ([`peer_access_needed`]); cuMem memory is mapped again for the peer's
+//! device instead (peer access does not cover it).
 
 #![forbid(unsafe_code)]
 
@@ -25,6 +32,8 @@ use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
 
 use super::shm::SharedHostRegion;
+use super::vmm_buffers::{self, VmmExport, VmmExports};
+use crate::driver::vmm::{self, Backing, VmmMapping};
 use crate::driver::{self, DeviceMemory, IpcMapping, MemoryLocation, PinnedHostMemory, RetainedPrimaryContext};
 use crate::error::{Error, Result};
 
@@ -53,6 +62,8 @@ impl Region {
 pub(crate) struct BufferOffer {
     /// The buffer's address in the owner's process.
     pub addr: u64,
+    /// Its length (what a peer maps of a cuMem buffer).
+    pub bytes: u64,
     /// How a peer in another process maps it; `None` when every peer shares
     /// the owner's process.
     pub cross_process: Option<CrossProcess>,
@@ -65,13 +76,25 @@ pub(crate) enum CrossProcess {
     Ipc { handle: Vec<u8>, offset: u64 },
     /// POSIX shared memory of `bytes` bytes (host-staged across processes).
     Shm { name: String, bytes: u64 },
+    /// cuMem memory: `offset` bytes into run `run` of the owner's
+    /// [`VmmExport`] of this registration step.
+    Vmm { run: u32, offset: u64 },
+}
+
+/// What a rank publishes in one registration step: its buffers, in order,
+/// and the cuMem chunks behind those that are cuMem memory.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct StepOffer {
+    pub buffers: Vec<BufferOffer>,
+    pub vmm: Option<VmmExport>,
 }
 
 /// How one peer reaches a buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum BufferDescriptor {
-    /// Same process: the address itself.
-    Local { addr: u64 },
+    /// Same process: the address itself (and the length, for cuMem memory
+    /// that must be mapped again for another device).
+    Local { addr: u64, bytes: u64 },
     /// Another process: the IPC handle or shared-memory name.
     Remote(CrossProcess),
 }
@@ -88,7 +111,7 @@ pub(crate) fn cross_process_needed(same_process: &[bool]) -> bool {
 /// which only a misbehaving or mismatched peer does).
 pub(crate) fn descriptor_for_peer(offer: &BufferOffer, same_process: bool) -> Result<BufferDescriptor> {
     if same_process {
-        return Ok(BufferDescriptor::Local { addr: offer.addr });
+        return Ok(BufferDescriptor::Local { addr: offer.addr, bytes: offer.bytes });
     }
     match &offer.cross_process {
         Some(form) => Ok(BufferDescriptor::Remote(form.clone())),
@@ -117,21 +140,54 @@ pub(crate) fn offer_region(
             ))
         }
     };
-    Ok(BufferOffer { addr, cross_process })
+    Ok(BufferOffer { addr, bytes: bytes as u64, cross_process })
 }
 
-/// What this rank offers for a registered device buffer at `ptr`. The IPC
-/// handle is exported afresh every time, never cached by address: a freed
+/// What this rank offers for the registered device buffers `buffers`
+/// (address, bytes) of one step, and the cuMem chunks it must then serve
+/// to the ranks in other processes. `cuMemAlloc` memory goes as an IPC
+/// handle, exported afresh every time, never cached by address: a freed
 /// buffer's address is reused by later allocations, and a cached handle
-/// would make peers read the freed one.
-pub(crate) fn offer_buffer(ctx: &CudaContext, ptr: u64, same_process: &[bool]) -> Result<BufferOffer> {
-    let cross_process = if cross_process_needed(same_process) {
-        let (base, _) = driver::allocation_range(ptr)?;
-        Some(CrossProcess::Ipc { handle: driver::ipc_export(ctx, base)?.to_vec(), offset: ptr - base })
-    } else {
-        None
-    };
-    Ok(BufferOffer { addr: ptr, cross_process })
+/// would make peers read the freed one. cuMem memory goes as descriptors
+/// (see `vmm_buffers.rs`); anything else cannot reach another process.
+pub(crate) fn offer_step(
+    ctx: &CudaContext,
+    buffers: &[(u64, usize)],
+    same_process: &[bool],
+) -> Result<(StepOffer, Option<VmmExports>)> {
+    let mut offers: Vec<BufferOffer> =
+        buffers.iter().map(|&(addr, bytes)| BufferOffer { addr, bytes: bytes as u64, cross_process: None }).collect();
+    if !cross_process_needed(same_process) {
+        return Ok((StepOffer { buffers: offers, vmm: None }, None));
+    }
+    let mut cumem = Vec::new();
+    for (i, offer) in offers.iter_mut().enumerate() {
+        let ptr = offer.addr;
+        match vmm::backing(ptr) {
+            Backing::Vmm => cumem.push(i),
+            Backing::LegacyIpc => {
+                let (base, _) = driver::allocation_range(ptr)?;
+                let handle = driver::ipc_export(ctx, base)?.to_vec();
+                offer.cross_process = Some(CrossProcess::Ipc { handle, offset: ptr - base });
+            }
+            _ => {
+                let why = vmm_buffers::cross_process_obstacle(ptr, offer.bytes as usize).unwrap_or_default();
+                return Err(Error::Unsupported(format!(
+                    "{why}; allocate buffers that peers in other processes read with cuMemAlloc or cuMemCreate \
+                     (with a POSIX file-descriptor handle type), or leave them unregistered (they are staged)"
+                )));
+            }
+        }
+    }
+    if cumem.is_empty() {
+        return Ok((StepOffer { buffers: offers, vmm: None }, None));
+    }
+    let list: Vec<(u64, usize)> = cumem.iter().map(|&i| (offers[i].addr, offers[i].bytes as usize)).collect();
+    let exported = vmm_buffers::export(&list)?;
+    for (&i, at) in cumem.iter().zip(exported.placements) {
+        offers[i].cross_process = Some(CrossProcess::Vmm { run: at.run, offset: at.offset });
+    }
+    Ok((StepOffer { buffers: offers, vmm: Some(exported.published) }, Some(exported.exports)))
 }
 
 /// Keeps a peer's buffer mapped in this rank (held only for its `Drop`).
@@ -143,13 +199,37 @@ pub(crate) enum PeerMapping {
     PeerContext(#[allow(dead_code)] RetainedPrimaryContext),
     Ipc(#[allow(dead_code)] Arc<IpcMapping>),
     Shm(#[allow(dead_code)] SharedHostRegion),
+    /// cuMem chunks mapped into a range of this rank's own.
+    Vmm(#[allow(dead_code)] VmmMapping),
 }
 
 /// Maps a peer's buffer described by `desc` into this rank; returns its
-/// address here.
+/// address here. A cuMem buffer of another process needs its owner's runs
+/// mapped first: see [`import_registered`].
 pub(crate) fn import(ctx: &Arc<CudaContext>, desc: &BufferDescriptor) -> Result<(u64, PeerMapping)> {
+    import_registered(ctx, desc, &[])
+}
+
+/// [`import`], where `runs` holds where this rank mapped each run of the
+/// owner's [`VmmExport`] of the step.
+pub(crate) fn import_registered(
+    ctx: &Arc<CudaContext>,
+    desc: &BufferDescriptor,
+    runs: &[u64],
+) -> Result<(u64, PeerMapping)> {
     match desc {
-        BufferDescriptor::Local { addr } => Ok((*addr, enable_access_to(ctx, *addr)?)),
+        BufferDescriptor::Local { addr, bytes } => {
+            if vmm::backing(*addr) == Backing::Vmm {
+                return Ok(match vmm_buffers::remap_in_process(ctx, *addr, *bytes as usize)? {
+                    Some((here, mapping)) => (here, PeerMapping::Vmm(mapping)),
+                    None => (*addr, PeerMapping::None),
+                });
+            }
+            Ok((*addr, enable_access_to(ctx, *addr)?))
+        }
+        BufferDescriptor::Remote(CrossProcess::Vmm { run, offset }) => {
+            Ok((address_in_runs(runs, *run, *offset)?, PeerMapping::None))
+        }
         BufferDescriptor::Remote(CrossProcess::Ipc { handle, offset }) => {
             let handle: [u8; 64] = handle
                 .as_slice()
@@ -163,6 +243,15 @@ pub(crate) fn import(ctx: &Arc<CudaContext>, desc: &BufferDescriptor) -> Result<
             Ok((region.device_ptr(), PeerMapping::Shm(region)))
         }
     }
+}
+
+/// Where a peer's cuMem buffer `offset` bytes into run `run` of its export
+/// lies in this rank, given where this rank mapped each run (`runs`).
+fn address_in_runs(runs: &[u64], run: u32, offset: u64) -> Result<u64> {
+    runs.get(run as usize).map(|start| start + offset).ok_or_else(|| Error::Protocol {
+        from: "peer".into(),
+        what: format!("a cuMem buffer in run {run} of an export with {} runs", runs.len()),
+    })
 }
 
 /// Whether reading memory at `location` from a context on device
@@ -213,8 +302,8 @@ mod tests {
     #[test]
     fn every_rank_in_one_process_offers_addresses_only() {
         assert!(!cross_process_needed(&[true, true, true]));
-        let offer = BufferOffer { addr: 0x1000, cross_process: None };
-        assert_eq!(descriptor_for_peer(&offer, true).unwrap(), BufferDescriptor::Local { addr: 0x1000 });
+        let offer = BufferOffer { addr: 0x1000, bytes: 64, cross_process: None };
+        assert_eq!(descriptor_for_peer(&offer, true).unwrap(), BufferDescriptor::Local { addr: 0x1000, bytes: 64 });
     }
 
     #[test]
@@ -226,12 +315,13 @@ mod tests {
         for me in 0..3 {
             assert!(cross_process_needed(&same(me)), "rank {me}");
         }
-        let offers: Vec<BufferOffer> =
-            (0..3).map(|r| BufferOffer { addr: 0x1000 * (r as u64 + 1), cross_process: Some(ipc(r as u8)) }).collect();
+        let offers: Vec<BufferOffer> = (0..3)
+            .map(|r| BufferOffer { addr: 0x1000 * (r as u64 + 1), bytes: 64, cross_process: Some(ipc(r as u8)) })
+            .collect();
         // What rank `me` imports from rank `owner`.
         let import = |me: usize, owner: usize| descriptor_for_peer(&offers[owner], same(me)[owner]).unwrap();
-        assert_eq!(import(1, 0), BufferDescriptor::Local { addr: 0x1000 }, "same process: the address");
-        assert_eq!(import(0, 1), BufferDescriptor::Local { addr: 0x2000 });
+        assert_eq!(import(1, 0), BufferDescriptor::Local { addr: 0x1000, bytes: 64 }, "same process: the address");
+        assert_eq!(import(0, 1), BufferDescriptor::Local { addr: 0x2000, bytes: 64 });
         assert_eq!(import(2, 0), BufferDescriptor::Remote(ipc(0)), "other process: the handle");
         assert_eq!(import(2, 1), BufferDescriptor::Remote(ipc(1)));
         assert_eq!(import(0, 2), BufferDescriptor::Remote(ipc(2)));
@@ -241,14 +331,17 @@ mod tests {
     #[test]
     fn host_staged_mixed_placement_uses_the_shared_memory_name_across_processes() {
         let shm = CrossProcess::Shm { name: "/tpar-job-0".into(), bytes: 4096 };
-        let offer = BufferOffer { addr: 0x7f00_0000_0000, cross_process: Some(shm.clone()) };
+        let offer = BufferOffer { addr: 0x7f00_0000_0000, bytes: 4096, cross_process: Some(shm.clone()) };
         assert_eq!(descriptor_for_peer(&offer, false).unwrap(), BufferDescriptor::Remote(shm));
-        assert_eq!(descriptor_for_peer(&offer, true).unwrap(), BufferDescriptor::Local { addr: 0x7f00_0000_0000 });
+        assert_eq!(
+            descriptor_for_peer(&offer, true).unwrap(),
+            BufferDescriptor::Local { addr: 0x7f00_0000_0000, bytes: 4096 }
+        );
     }
 
     #[test]
     fn a_peer_in_another_process_without_a_handle_is_refused() {
-        let offer = BufferOffer { addr: 0x1000, cross_process: None };
+        let offer = BufferOffer { addr: 0x1000, bytes: 64, cross_process: None };
         let e = descriptor_for_peer(&offer, false).unwrap_err();
         assert!(matches!(e, Error::Protocol { .. }), "{e}");
     }
@@ -267,8 +360,30 @@ mod tests {
 
     #[test]
     fn offers_round_trip_through_the_rendezvous_encoding() {
-        let offer = BufferOffer { addr: 42, cross_process: Some(ipc(7)) };
+        let offer = BufferOffer { addr: 42, bytes: 64, cross_process: Some(ipc(7)) };
         let bytes = serde_json::to_vec(&offer).unwrap();
         assert_eq!(serde_json::from_slice::<BufferOffer>(&bytes).unwrap(), offer);
+    }
+
+    #[test]
+    fn a_cumem_buffer_goes_to_other_processes_as_its_place_in_the_owners_runs() {
+        // Rank 0 (process A) registers a cuMem buffer; rank 1 shares its
+        // process, rank 2 does not.
+        let vmm = CrossProcess::Vmm { run: 1, offset: 0x1234 };
+        let offer = BufferOffer { addr: 0x7f00_0020_1234, bytes: 4096, cross_process: Some(vmm.clone()) };
+        assert_eq!(
+            descriptor_for_peer(&offer, true).unwrap(),
+            BufferDescriptor::Local { addr: 0x7f00_0020_1234, bytes: 4096 },
+            "same process: the address"
+        );
+        assert_eq!(descriptor_for_peer(&offer, false).unwrap(), BufferDescriptor::Remote(vmm.clone()));
+        // Rank 2 mapped the owner's two runs at these addresses.
+        let runs = [0x7e00_0000_0000u64, 0x7e00_1000_0000];
+        assert_eq!(address_in_runs(&runs, 1, 0x1234).unwrap(), 0x7e00_1000_1234);
+        let e = address_in_runs(&runs[..1], 1, 0x1234).unwrap_err();
+        assert!(matches!(e, Error::Protocol { .. }), "a run the owner did not export: {e}");
+        let step = StepOffer { buffers: vec![offer], vmm: None };
+        let bytes = serde_json::to_vec(&step).unwrap();
+        assert_eq!(serde_json::from_slice::<StepOffer>(&bytes).unwrap(), step);
     }
 }

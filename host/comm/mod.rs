@@ -27,8 +27,17 @@
 //! device copy); `register_buffer` makes a buffer zero-copy; in a captured
 //! graph each call records its input and `register_graph_buffers` (after
 //! capture, on every rank) makes the replays zero-copy. See ARCHITECTURE.md.
+//!
+//! # Teardown
+//! Dropping a communicator waits for its context's work; the memory peers
+//! touch is freed only when no peer can touch it any more (the last
+//! communicator of the group in this process, after bounded barriers with
+//! ranks in other processes). Dropping the ranks of an in-process group one
+//! after the other, in any order, right after unsynchronised calls is safe.
+//! [`Comm::close`] does the same and reports errors.
 
 mod call;
+mod fd_passing;
 mod group;
 mod ipc;
 mod p2p_check;
@@ -37,11 +46,13 @@ mod registry;
 mod selection_setup;
 pub(crate) mod setup;
 mod shm;
+mod teardown;
 #[cfg(feature = "tools")]
 #[doc(hidden)]
 pub mod test_hooks;
 #[cfg(not(feature = "tools"))]
 mod test_hooks;
+mod vmm_buffers;
 
 use std::sync::{Arc, Mutex};
 
@@ -69,7 +80,7 @@ pub struct Comm {
     registry: Mutex<registry::Registry>,
     broken: Mutex<Option<String>>,
     order: Mutex<call::CallOrder>,
-    rendezvous: Box<dyn crate::rendezvous::Rendezvous>,
+    rendezvous: Arc<dyn crate::rendezvous::Rendezvous>,
     nccl: Option<crate::nccl::NcclComm>,
     selection: crate::select::selection::SelectionTable,
     topology: crate::select::topology::Topology,
@@ -276,13 +287,59 @@ impl Comm {
     }
 }
 
+impl Comm {
+    /// Collective teardown that reports what went wrong: what `drop` does
+    /// (see [`Drop`](#impl-Drop-for-Comm)), with the rendezvous timeout as
+    /// the bound of each barrier. Returns the first error of waiting for the
+    /// device or of the barriers (a rank of another process that did not
+    /// arrive is named); the memory is released in every case. Call it on
+    /// every rank, like `drop`. In a group of ranks of one process, only the
+    /// last one to go runs the barriers, so only its `close` can report them.
+    pub fn close(mut self) -> Result<()> {
+        let bound = self.config.rendezvous_timeout;
+        self.leave(bound)
+    }
+
+    /// Waits for this rank's device work, then hands its peer-visible
+    /// memory to the process's group of ranks (`teardown.rs`), which frees
+    /// it once no peer can touch it any more. Idempotent.
+    fn leave(&mut self, bound: std::time::Duration) -> Result<()> {
+        let Some(group) = self.setup.local_group.take() else {
+            return Ok(());
+        };
+        // A call or a graph replay may have run on any stream of the
+        // context: wait for all of them.
+        let synced = driver::CurrentContext::bind(&self.ctx).and_then(|_context| driver::context_synchronize());
+        let registered = self.setup.registered_mappings.get_mut().map(std::mem::take).unwrap_or_default();
+        let departed = teardown::Departed {
+            memory: Box::new(self.setup.region.clone()),
+            mappings: Box::new((std::mem::take(&mut self.setup.peer_mappings), registered)),
+            rendezvous: group.meets_other_processes().then(|| self.rendezvous.clone()),
+        };
+        let released = group.leave(departed, bound);
+        synced.and(released)
+    }
+}
+
+/// Dropping a communicator waits for all work of its CUDA context (a call
+/// may have run on any of its streams), then releases its memory in a way
+/// that is safe while peers still run:
+///
+/// * Ranks of this process: the memory peers write into (flags, credits,
+///   pushed data) stays allocated until the last communicator of the group
+///   in this process is dropped, so dropping ranks one after the other from
+///   one thread, in any order, right after unsynchronised calls, is safe;
+///   a rank that keeps calling after a peer left gets `Error::Timeout` and
+///   writes only into memory that is still allocated.
+/// * Ranks in other processes: the last communicator of this process meets
+///   them in two barriers (work done; mappings of each other's memory
+///   closed) before freeing, each bounded by min(rendezvous timeout, 10 s);
+///   a dead peer costs that bound, never a hang. Errors are ignored;
+///   [`Comm::close`] reports them.
 impl Drop for Comm {
     fn drop(&mut self) {
-        // Outstanding work may still use our memory: wait for the stream
-        // (errors are ignored: nothing useful can be done in drop).
         self.restore_context.save();
-        if let Ok(_context) = driver::CurrentContext::bind(&self.ctx) {
-            let _ = driver::synchronize(&self.stream);
-        }
+        let bound = self.config.rendezvous_timeout.min(teardown::DROP_BARRIER_BOUND);
+        let _ = self.leave(bound);
     }
 }

@@ -1,7 +1,7 @@
 //! Communicator initialisation, the same for ranks that are threads of one
 //! process and for ranks that are processes ([`build`]):
 //!
-//! 1. **Placement** (all-gather): process token, GPU UUID, SM count,
+//! 1. **Placement** (all-gather, `setup/placement.rs`): process token, GPU UUID, SM count,
 //!    occupancy, configuration shape. Ranks sharing a GPU are counted and the
 //!    per-launch block limits agreed so that every block of every rank can be
 //!    resident at once (the cross-rank barriers need it).
@@ -30,16 +30,17 @@
 use std::mem::size_of;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tp_allreduce_kernels::layout::{
     DeviceHandle, ErrorRecord, IslandLayout, LocalState, PeerPointers, ScratchConfig, ScratchLayout, SignalBlock,
-    PACK_BYTES, SENTINEL_EMPTY_WORD, THREADS_PER_BLOCK,
+    PACK_BYTES, SENTINEL_EMPTY_WORD,
 };
 
 use super::ipc::{self, BufferOffer, PeerMapping, Region};
 use super::p2p_check;
 use super::shm::SharedHostRegion;
+use super::teardown::LocalGroup;
 use super::test_hooks;
 use crate::algorithm::Transport;
 use crate::algorithm::{Geometry, ResidentBlocks};
@@ -47,6 +48,9 @@ use crate::config::{Config, TransportPreference};
 use crate::driver::{self, CurrentContext, DeviceMemory, KernelModule, PinnedHostMemory};
 use crate::error::{Error, Result};
 use crate::rendezvous::Rendezvous;
+use placement::{agree_placement, Placement};
+
+mod placement;
 
 /// A random token identifying this process (pids collide across containers).
 pub(crate) fn process_token() -> &'static str {
@@ -76,15 +80,22 @@ pub(crate) struct Setup {
     pub transport: Transport,
     pub transport_reason: String,
     pub ranks_on_device: usize,
+    /// NCCL backs the `Nccl` algorithm: the same on every rank (no two
+    /// ranks share a GPU and every rank asks for it).
+    pub nccl_eligible: bool,
     pub same_process: Vec<bool>,
     pub layout: ScratchLayout,
     pub islands: IslandLayout,
     pub offsets: RegionOffsets,
     pub pull_max_blocks: u32,
     pub ring_blocks: u32,
-    pub region: Region,
+    /// Shared with the teardown, which frees it once no peer can touch it.
+    pub region: Arc<Region>,
     /// Held for their `Drop` (peers' regions stay mapped while we run).
-    pub _peer_mappings: Vec<PeerMapping>,
+    pub peer_mappings: Vec<PeerMapping>,
+    /// This process's ranks of the communicator (see `teardown.rs`); taken
+    /// by the communicator's drop or `close`.
+    pub local_group: Option<Arc<LocalGroup>>,
     pub local_state: DeviceMemory,
     pub handle: DeviceMemory,
     pub error_record: PinnedHostMemory,
@@ -232,9 +243,13 @@ pub(crate) fn build(
     let ctx = stream.context().clone();
     let _bound = CurrentContext::bind(&ctx)?;
     let placement = agree_placement(&ctx, module, rank, rdv, config)?;
+    // Joined before the next round, so no rank of this process can leave
+    // before every one of them has joined.
+    let local_group = super::teardown::join(&placement.job, placement.same_process.iter().any(|same| !same));
     let unreachable = reachability(&ctx, &placement, rdv)?;
     let (mut transport, mut reason) = initial_transport(config.transport, &unreachable)?;
     let islands = island_layout(rank, world, config.island_size)?;
+    let resident = super::params::resident_blocks(module, placement.hellos[rank].sms, placement.ranks_on_device)?;
     loop {
         let mut attempt = allocate(&ctx, (rank, world), config, transport, &placement, &islands)?;
         let (mut problems, peer_bases) = map_peers(&ctx, (rank, world), rdv, transport, &placement, &mut attempt)?;
@@ -249,7 +264,11 @@ pub(crate) fn build(
             }
         }
         match verdict(config.transport, transport, step, &problems) {
-            Verdict::Keep => return Ok(attempt.into_setup(transport, reason, &placement, islands, config, peer_bases)),
+            Verdict::Keep => {
+                let sentinel = (peer_bases, resident);
+                let setup = attempt.into_setup(transport, reason, &placement, islands, config, sentinel);
+                return Ok(Setup { local_group: Some(local_group), ..setup });
+            }
             // `attempt` is dropped here: its memory and mappings released.
             Verdict::FallBack(why) => (transport, reason) = (Transport::HostStaged, why),
             Verdict::Fail(e) => return Err(e),
@@ -264,88 +283,6 @@ fn p2p_check_salt(transport: Transport, rank: usize, salt: u32) -> u32 {
         Transport::PeerToPeer => test_hooks::p2p_check_kernel_salt(rank, salt),
         Transport::HostStaged => salt,
     }
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Hello {
-    process: String,
-    device_uuid: String,
-    ordinal: usize,
-    sms: u32,
-    blocks_per_sm: u32,
-    shape: String,
-    salt: u32,
-    job: String,
-}
-
-/// What step 1 agreed.
-struct Placement {
-    hellos: Vec<Hello>,
-    /// `same_process[p]`: rank p runs in this rank's process.
-    same_process: Vec<bool>,
-    ranks_on_device: usize,
-    push_blocks: u32,
-    pull_max_blocks: u32,
-    ring_blocks: u32,
-    /// Resident blocks of a sentinel kernel per block size on this rank.
-    sentinel_resident: ResidentBlocks,
-    /// Rank 0's salt (P2P check patterns) and job id (shared-memory names).
-    salt: u32,
-    job: String,
-}
-
-/// Step 1: who is where, and the block limits every rank uses.
-fn agree_placement(
-    ctx: &CudaContext,
-    module: &KernelModule,
-    rank: usize,
-    rdv: &dyn Rendezvous,
-    config: &Config,
-) -> Result<Placement> {
-    let sms = driver::device_attribute(ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-    let mut blocks_per_sm = u32::MAX;
-    for name in crate::kernels::hot_entries() {
-        blocks_per_sm = blocks_per_sm.min(module.max_blocks_per_sm(&name, THREADS_PER_BLOCK)?);
-    }
-    let salt: u32 = rand_u32();
-    let hello = Hello {
-        process: process_token().to_string(),
-        device_uuid: driver::device_uuid(ctx.cu_device())?,
-        ordinal: ctx.ordinal(),
-        sms,
-        blocks_per_sm,
-        shape: config.shape_fingerprint(),
-        salt,
-        job: format!("{:016x}", (salt as u64) << 32 | rand_u32() as u64),
-    };
-    let hellos = gather_json(rdv, &hello)?;
-    for (r, h) in hellos.iter().enumerate() {
-        if h.shape != hello.shape {
-            return Err(Error::invalid(format!(
-                "rank {r} uses a different configuration than rank {rank}:\n  rank {r}: {}\n  rank {rank}: {}",
-                h.shape, hello.shape
-            )));
-        }
-    }
-    let ranks_on = |uuid: &str| hellos.iter().filter(|h| h.device_uuid == uuid).count();
-    // Every rank's blocks must fit on its GPU together with the blocks of
-    // the other ranks sharing it; all ranks use the smallest such limit.
-    let resident_limit = hellos
-        .iter()
-        .map(|h| (h.sms as usize * h.blocks_per_sm.max(1) as usize / ranks_on(&h.device_uuid)).max(1))
-        .min()
-        .unwrap_or(1) as u32;
-    Ok(Placement {
-        same_process: hellos.iter().map(|h| h.process == hello.process).collect(),
-        ranks_on_device: ranks_on(&hello.device_uuid),
-        push_blocks: config.push_blocks.min(resident_limit),
-        pull_max_blocks: config.pull_max_blocks.min(resident_limit),
-        ring_blocks: config.ring_blocks.min(resident_limit),
-        sentinel_resident: super::params::resident_blocks(module, sms, ranks_on(&hello.device_uuid))?,
-        salt: hellos[0].salt,
-        job: hellos[0].job.clone(),
-        hellos,
-    })
 }
 
 /// Step 2: the rank pairs without P2P access. Devices are identified by
@@ -395,16 +332,6 @@ fn island_layout(rank: usize, world: usize, island_size: Option<usize>) -> Resul
     Ok(layout)
 }
 
-fn rand_u32() -> u32 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    let token = u128::from_str_radix(process_token(), 16).unwrap_or(0);
-    let mut x = (t ^ token ^ (t >> 64)) as u64;
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x as u32
-}
-
 /// One try of steps 3-5 with one transport.
 struct Attempt {
     layout: ScratchLayout,
@@ -425,20 +352,22 @@ impl Attempt {
         placement: &Placement,
         islands: IslandLayout,
         config: &Config,
-        region_bases: Vec<u64>,
+        (region_bases, sentinel_resident): (Vec<u64>, ResidentBlocks),
     ) -> Setup {
         Setup {
             transport,
             transport_reason,
             ranks_on_device: placement.ranks_on_device,
+            nccl_eligible: placement.nccl_eligible,
             same_process: placement.same_process.clone(),
             layout: self.layout,
             islands,
             offsets: self.offsets,
             pull_max_blocks: placement.pull_max_blocks,
             ring_blocks: placement.ring_blocks,
-            region: self.region,
-            _peer_mappings: self.peer_mappings,
+            region: Arc::new(self.region),
+            peer_mappings: self.peer_mappings,
+            local_group: None,
             local_state: self.local_state,
             handle: self.handle,
             error_record: self.error_record,
@@ -446,7 +375,7 @@ impl Attempt {
             table_capacity: config.max_registered_buffers,
             registered_mappings: Mutex::new(Vec::new()),
             region_bases,
-            sentinel_resident: placement.sentinel_resident,
+            sentinel_resident,
         }
     }
 }

@@ -254,7 +254,11 @@ pub fn buffer_id(ptr: sys::CUdeviceptr) -> Result<u64> {
 ///
 /// # Safety
 /// `T` must be the C type the driver writes for `attribute`.
-unsafe fn pointer_attribute<T: Copy>(ptr: sys::CUdeviceptr, attribute: sys::CUpointer_attribute, init: T) -> Result<T> {
+pub(super) unsafe fn pointer_attribute<T: Copy>(
+    ptr: sys::CUdeviceptr,
+    attribute: sys::CUpointer_attribute,
+    init: T,
+) -> Result<T> {
     let mut value = init;
     cu!(cuPointerGetAttribute(&mut value as *mut T as *mut c_void, attribute, ptr))?;
     Ok(value)

@@ -332,14 +332,18 @@ fn graph_check(comm: &Comm, env: &RankEnv, opts: &SelftestOptions, algorithm: Al
         x[0].copy_bytes_from_host(&random_bits(DType::F32, n, seed ^ env.rank as u64).0)?;
         graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
         comm.synchronize()?;
-        let expect = layered_reference(&inputs, layers, world, scale);
-        let out = y[layers - 1].to_host_bytes()?;
-        let got = decode(DType::F32, &out);
-        if let Some(i) = (0..n).find(|&i| (got[i] - expect[i]).abs() > 1e-3 * (1.0 + expect[i].abs())) {
-            return Err(Error::InvalidUsage(format!(
-                "{algorithm} graph replay {rep}: element {i} is {} want {}",
-                got[i], expect[i]
-            )));
+        // Every layer: an error in one rank's early layer shrinks by the
+        // world size per later layer, so the last one alone would hide it.
+        let mut out = Vec::new();
+        for (l, expect) in layered_reference(&inputs, layers, world, scale).iter().enumerate() {
+            out = y[l].to_host_bytes()?;
+            let got = decode(DType::F32, &out);
+            if let Some(i) = (0..n).find(|&i| (got[i] - expect[i]).abs() > 1e-3 * (1.0 + expect[i].abs())) {
+                return Err(Error::InvalidUsage(format!(
+                    "{algorithm} graph replay {rep}, allreduce {l}: element {i} is {} want {}",
+                    got[i], expect[i]
+                )));
+            }
         }
         agree(comm, &out, &format!("{algorithm} graph replay {rep}"))?;
     }
@@ -348,16 +352,18 @@ fn graph_check(comm: &Comm, env: &RankEnv, opts: &SelftestOptions, algorithm: Al
     Ok(opts.graph_replays)
 }
 
-/// The last layer's allreduce output of [`graph_check`] in f64.
-fn layered_reference(inputs: &[Vec<f64>], layers: usize, world: usize, scale: f32) -> Vec<f64> {
+/// Every layer's allreduce output of [`graph_check`] in f64.
+fn layered_reference(inputs: &[Vec<f64>], layers: usize, world: usize, scale: f32) -> Vec<Vec<f64>> {
     let n = inputs.first().map_or(0, Vec::len);
     let mut expect: Vec<f64> = (0..n).map(|i| inputs.iter().map(|v| v[i]).sum()).collect();
-    for _ in 0..layers.saturating_sub(1) {
+    let mut all = Vec::with_capacity(layers);
+    for _ in 0..layers {
+        all.push(expect.clone());
         for v in expect.iter_mut() {
             *v = world as f64 * (*v * scale as f64 + 0.25);
         }
     }
-    expect
+    all
 }
 
 #[cfg(test)]
@@ -369,8 +375,8 @@ mod tests {
         // 2 ranks, 3 layers: s, then 2 * (s/2 + 0.25) twice.
         let inputs = vec![vec![1.0, -0.5], vec![0.5, 0.25]];
         let got = layered_reference(&inputs, 3, 2, 0.5);
-        assert_eq!(got, [1.5 + 1.0, -0.25 + 1.0]);
-        assert_eq!(layered_reference(&inputs, 1, 2, 0.5), [1.5, -0.25]);
+        assert_eq!(got, [vec![1.5, -0.25], vec![1.5 + 0.5, -0.25 + 0.5], vec![1.5 + 1.0, -0.25 + 1.0]]);
+        assert_eq!(layered_reference(&inputs, 1, 2, 0.5), [[1.5, -0.25]]);
     }
 
     #[test]

@@ -13,13 +13,13 @@ use crate::common;
 
 /// The CLI binary (`TP_ALLREDUCE_BIN` overrides the build-time path, for
 /// test binaries copied to another machine).
-fn bin() -> PathBuf {
+pub(crate) fn bin() -> PathBuf {
     std::env::var_os("TP_ALLREDUCE_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tp-allreduce")))
 }
 
-fn launch(args: &[&str], env: &[(&str, &str)]) -> Output {
+pub(crate) fn launch(args: &[&str], env: &[(&str, &str)]) -> Output {
     let exe = bin();
     let mut cmd = Command::new(&exe);
     cmd.arg("launch").args(args);
@@ -34,12 +34,12 @@ fn launch(args: &[&str], env: &[(&str, &str)]) -> Output {
     cmd.output().unwrap_or_else(|e| panic!("running {}: {e}", exe.display()))
 }
 
-fn text(o: &Output) -> String {
+pub(crate) fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
 /// A private runtime directory so leftovers are visible.
-fn scratch_dir(name: &str) -> PathBuf {
+pub(crate) fn scratch_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("tpar-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
