@@ -248,7 +248,7 @@ fn one_shot_push_sentinel_edge_cases() {
             );
         }
     };
-    // Repeat so that every receive generation (3 slots) sees the specials.
+    // Repeat so that both receive halves see the specials several times.
     for rep in 0..7 {
         let mut outs = Vec::new();
         let mut ins = Vec::new();
