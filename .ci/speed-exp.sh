@@ -19,50 +19,16 @@
 # and JSON), tuning.toml, sweep.json, peer_bench.json.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CUDA_DEVICE_MAX_CONNECTIONS=32 TP_ALLREDUCE_TIMEOUT_MS=5000
+export TP_ALLREDUCE_TIMEOUT_MS=5000
 OUT=${OUT:-results/speed-exp}
 BUDGET=${BUDGET:-500}          # seconds for all steps together
 SIZES=${SIZES:-4K,16K,42K,64K,256K,1M,8M}
 NEW=.dev/tp-allreduce OLD=.dev/tp-allreduce-old SUITE=.dev/suite PEER=.peers/flashinfer-pcie/run_peer_bench.py
 mkdir -p "$OUT"
 W=$(mktemp -d /tmp/speed-exp.XXXXXX)
-LOG=$W/log.txt
-START=$SECONDS
-# cudarc loads libnccl.so; the NCCL wheel ships libnccl.so.2.
-if NCCL_DIR=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null); then
-  mkdir -p /tmp/nccl && ln -sf "$NCCL_DIR/libnccl.so.2" /tmp/nccl/libnccl.so && export LD_LIBRARY_PATH=/tmp/nccl:${LD_LIBRARY_PATH:-}
-fi
+source .ci/steps.sh
 # Untuned steps must not find a cached table.
 export TP_ALLREDUCE_TUNING_FILE=$W/no-tuning-table.toml
-
-# Kills process `$1` and everything it started, by process id.
-kill_tree() {
-  local c
-  for c in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$c"; done
-  kill -KILL "$1" 2>/dev/null
-}
-
-# step NAME LIMIT CMD...: runs CMD with its output in $W/NAME.log, bounded by
-# LIMIT seconds and by what is left of the budget.
-step() {
-  local name=$1 limit=$2; shift 2
-  local left=$((BUDGET - (SECONDS - START)))
-  if [ "$left" -lt 25 ]; then
-    echo "=== $name: skipped (out of time)" | tee -a "$LOG"; echo "$name skipped 0" >> "$W/steps.txt"; return
-  fi
-  local t=$((limit < left ? limit : left)) s=$SECONDS
-  echo "=== $name (limit ${t}s): $*" | tee -a "$LOG"
-  "$@" > "$W/$name.log" 2>&1 &
-  local pid=$!
-  ( sleep "$t"; echo "(killed after ${t}s)" >> "$W/$name.log"; kill_tree "$pid" ) &
-  local dog=$!
-  wait "$pid"; local rc=$?
-  kill_tree "$dog"; wait "$dog" 2>/dev/null
-  grep -vE '^\s*\[[0-9]+/|^\s*$' "$W/$name.log" | tail -n 30 | tee -a "$LOG"
-  echo "=== $name: exit $rc after $((SECONDS - s)) s" | tee -a "$LOG"
-  echo "$name $rc $((SECONDS - s))" >> "$W/steps.txt"
-}
 
 nvidia-smi --query-gpu=index,name,driver_version --format=csv > "$W/gpus.txt" 2>&1
 nvidia-smi topo -m > "$W/topo.txt" 2>&1
@@ -93,13 +59,11 @@ if [ -f "$W/tuning.toml" ]; then
 fi
 
 # 6. 8 ranks on GPU 0 (processes sharing a GPU need MPS).
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-if nvidia-cuda-mps-control -d >> "$LOG" 2>&1; then
+if mps_start; then
   M="bench --processes --gpus 0 --ranks-per-gpu 8 --sizes 4K,42K,64K --repeats 10 --no-verify-pass"
   step mps8-new 50 "$NEW" $M --algorithms auto,one-shot-push --trace --out "$W/mps8-new"
   step mps8-old 50 "$OLD" $M --algorithms auto,one-shot-push --out "$W/mps8-old"
-  echo quit | nvidia-cuda-mps-control >> "$LOG" 2>&1
+  mps_stop
 else
   echo "=== mps8: MPS did not start, skipped" | tee -a "$LOG"
 fi

@@ -8,7 +8,7 @@ use std::io::Read;
 use std::process::{Command, Output, Stdio};
 
 fn tp_allreduce(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tp-allreduce"));
+    let mut cmd = Command::new(crate::multiprocess::bin());
     cmd.args(args).env_remove("TP_ALLREDUCE_TOPOLOGY");
     for (k, v) in env {
         cmd.env(k, v);
@@ -112,7 +112,7 @@ fn large_results_file() -> std::path::PathBuf {
 #[test]
 fn report_into_a_closed_pipe_stops_quietly() {
     let path = large_results_file();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tp-allreduce"))
+    let mut child = Command::new(crate::multiprocess::bin())
         .arg("report")
         .arg(&path)
         .stdout(Stdio::piped())
