@@ -60,10 +60,13 @@ fi
 
 # 6. 8 ranks on GPU 0 (processes sharing a GPU need MPS).
 if mps_start; then
+  # MPS caps connections across its clients: 2 per process for 8 processes.
+  export CUDA_DEVICE_MAX_CONNECTIONS=2
   M="bench --processes --gpus 0 --ranks-per-gpu 8 --sizes 4K,42K,64K --repeats 10 --no-verify-pass"
   step mps8-new 50 "$NEW" $M --algorithms auto,one-shot-push --trace --out "$W/mps8-new"
   step mps8-old 50 "$OLD" $M --algorithms auto,one-shot-push --out "$W/mps8-old"
   mps_stop
+  export CUDA_DEVICE_MAX_CONNECTIONS=32
 else
   echo "=== mps8: MPS did not start, skipped" | tee -a "$LOG"
 fi

@@ -149,7 +149,9 @@ unsafe fn one_shot_push<E: Element, const W: u32>(p: OneShotPushParams) {
                     }
                 });
                 for_each_rank!(K => {
-                    if K / POLL_GROUP == $group && K as u32 == rank {
+                    // The own term before slot `rank` (source rank+1); the
+                    // last rank has no such slot and adds it after the loop.
+                    if K / POLL_GROUP == $group && K as u32 == rank && (K as u32) + 1 < world {
                         E::accumulate(&mut acc, &mine);
                     }
                     if K / POLL_GROUP == $group && (K as u32) + 1 < world {
