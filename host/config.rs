@@ -30,6 +30,12 @@ pub struct Config {
     /// records which rank it waited for and exits; the call returns
     /// `Error::Timeout` at the next check and the communicator is broken.
     pub timeout: Duration,
+    /// Bound of a wait on a peer that has shown nothing of the current call
+    /// yet: it may not have launched the call (first-call JIT, a model
+    /// still loading). Once a wait of the call succeeded, `timeout` applies.
+    /// A peer process that dies is noticed by the communicator's watchdog
+    /// within ~0.1 s, whatever this bound.
+    pub launch_timeout: Duration,
     /// Bound of every rendezvous step at init and registration.
     pub rendezvous_timeout: Duration,
     /// Largest message one kernel launch handles and the size of the eager
@@ -89,6 +95,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             timeout: Duration::from_secs(5),
+            launch_timeout: Duration::from_secs(60),
             rendezvous_timeout: Duration::from_secs(60),
             max_chunk_bytes: 8 << 20,
             one_shot_push_max_bytes: Config::ONE_SHOT_PUSH_AUTO,
@@ -185,6 +192,12 @@ impl Config {
         if self.timeout.is_zero() || self.rendezvous_timeout.is_zero() {
             return Err(Error::invalid("timeouts must be positive"));
         }
+        if self.launch_timeout < self.timeout {
+            return Err(Error::invalid(format!(
+                "launch_timeout ({:?}) must be at least timeout ({:?})",
+                self.launch_timeout, self.timeout
+            )));
+        }
         Ok(())
     }
 }
@@ -202,6 +215,10 @@ impl Config {
         }
         if let Some(t) = env::timeout()? {
             c.timeout = t;
+            c.launch_timeout = c.launch_timeout.max(t);
+        }
+        if let Some(t) = env::launch_timeout()? {
+            c.launch_timeout = t;
         }
         if let Some(n) = env::island_size()? {
             c.island_size = Some(n);
@@ -232,4 +249,12 @@ pub fn resolve_one_shot_push_max_bytes(configured: usize, world: usize) -> usize
     let budget = 8usize << 20;
     let pack = tp_allreduce_kernels::layout::PACK_BYTES;
     (budget / world.saturating_sub(1).max(1)) / pack * pack
+}
+
+impl Config {
+    /// `(timeout, launch_timeout)` in nanoseconds, as the kernels read them.
+    pub(crate) fn wait_bounds_ns(&self) -> (u64, u64) {
+        let ns = |d: Duration| d.as_nanos().min(u64::MAX as u128) as u64;
+        (ns(self.timeout), ns(self.launch_timeout))
+    }
 }

@@ -230,6 +230,16 @@ pub fn memcpy_htod(dst: sys::CUdeviceptr, src: &[u8]) -> Result<()> {
     cu!(cuStreamSynchronize(LEGACY_STREAM))
 }
 
+/// Writes `value` to the u32 at `dst` now, on `stream` (a non-blocking
+/// stream of `dst`'s context, so the write is not queued behind kernels on
+/// the legacy stream or the caller's streams), and waits for it.
+pub fn write_u32_now(stream: &cudarc::driver::CudaStream, dst: sys::CUdeviceptr, value: u32) -> Result<()> {
+    let _bound = CurrentContext::bind(stream.context())?;
+    let bytes = value.to_ne_bytes();
+    cu!(cuMemcpyHtoDAsync_v2(dst, bytes.as_ptr() as *const c_void, bytes.len(), stream.cu_stream()))?;
+    cu!(cuStreamSynchronize(stream.cu_stream()))
+}
+
 /// Copies device memory to `dst` (synchronous for pageable memory; like
 /// every copy it is not ordered after work on non-blocking streams, so
 /// synchronise the producing stream first).

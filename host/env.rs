@@ -10,7 +10,8 @@
 //! | `TP_ALLREDUCE_TOPOLOGY` | model with this embedded topology instead of discovering the machine (communicators and `plan`) | discovery |
 //! | `TP_ALLREDUCE_TUNING_FILE` | tuning table to load (TOML, see `select::tuning`) | `$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml` |
 //! | `TP_ALLREDUCE_TRANSPORT` | force the transport: `p2p` or `host-staged` | auto (P2P if every pair passes the check) |
-//! | `TP_ALLREDUCE_TIMEOUT_MS` | bound of every device-side wait on a peer, in ms | `5000` |
+//! | `TP_ALLREDUCE_TIMEOUT_MS` | bound of a device-side wait on a peer that already started the call, in ms | `5000` |
+//! | `TP_ALLREDUCE_LAUNCH_TIMEOUT_MS` | bound of a device-side wait on a peer that has not shown the call yet, in ms | `60000` (at least the timeout) |
 //! | `TP_ALLREDUCE_ISLAND_SIZE` | ranks per island for `hierarchical` (consecutive ranks) | from the topology |
 //! | `TP_ALLREDUCE_PUSH_BLOCKS` | most blocks per flag-based push-kernel launch (two-shot-push, hierarchical) | `16` |
 //! | `TP_ALLREDUCE_SHAPE` | launch shape `BLOCKSxTHREADS` of every one-shot-push launch (overrides tuning and the default rule) | tuning table, else the default rule |
@@ -49,6 +50,7 @@ pub const TOPOLOGY: &str = "TP_ALLREDUCE_TOPOLOGY";
 pub const TUNING_FILE: &str = "TP_ALLREDUCE_TUNING_FILE";
 pub const TRANSPORT: &str = "TP_ALLREDUCE_TRANSPORT";
 pub const TIMEOUT_MS: &str = "TP_ALLREDUCE_TIMEOUT_MS";
+pub const LAUNCH_TIMEOUT_MS: &str = "TP_ALLREDUCE_LAUNCH_TIMEOUT_MS";
 pub const ISLAND_SIZE: &str = "TP_ALLREDUCE_ISLAND_SIZE";
 pub const PUSH_BLOCKS: &str = "TP_ALLREDUCE_PUSH_BLOCKS";
 pub const SHAPE: &str = "TP_ALLREDUCE_SHAPE";
@@ -78,7 +80,16 @@ pub const VARS: &[EnvVar] = &[
         default: "$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml",
     },
     EnvVar { name: TRANSPORT, meaning: "force the transport: p2p or host-staged", default: "auto" },
-    EnvVar { name: TIMEOUT_MS, meaning: "bound of every device-side wait on a peer, in ms", default: "5000" },
+    EnvVar {
+        name: TIMEOUT_MS,
+        meaning: "bound of a device-side wait on a peer that already started the call, in ms",
+        default: "5000",
+    },
+    EnvVar {
+        name: LAUNCH_TIMEOUT_MS,
+        meaning: "bound of a device-side wait on a peer that has not shown the call yet, in ms",
+        default: "60000 (at least the timeout)",
+    },
     EnvVar { name: ISLAND_SIZE, meaning: "ranks per island for hierarchical", default: "from the topology" },
     EnvVar {
         name: PUSH_BLOCKS,
@@ -158,6 +169,11 @@ pub fn transport() -> Result<Option<Transport>> {
 /// `TP_ALLREDUCE_TIMEOUT_MS`, if set.
 pub fn timeout() -> Result<Option<Duration>> {
     var(TIMEOUT_MS).map(|v| parse(TIMEOUT_MS, &v).map(Duration::from_millis)).transpose()
+}
+
+/// `TP_ALLREDUCE_LAUNCH_TIMEOUT_MS`, if set.
+pub fn launch_timeout() -> Result<Option<Duration>> {
+    var(LAUNCH_TIMEOUT_MS).map(|v| parse(LAUNCH_TIMEOUT_MS, &v).map(Duration::from_millis)).transpose()
 }
 
 /// `TP_ALLREDUCE_ISLAND_SIZE`, if set.

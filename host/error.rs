@@ -133,7 +133,7 @@ impl DeviceFailure {
     pub fn into_error(self) -> Error {
         match self.code {
             Some(DeviceErrorCode::Timeout) => Error::Timeout(self),
-            Some(DeviceErrorCode::PeerAborted) => Error::PeerAborted(self),
+            Some(DeviceErrorCode::PeerAborted | DeviceErrorCode::PeerExited) => Error::PeerAborted(self),
             _ => Error::Device(self),
         }
     }
@@ -179,6 +179,14 @@ impl fmt::Display for DeviceFailure {
                 self.rank, algo, self.expected
             ),
             Some(DeviceErrorCode::P2pMismatch) => write!(f, "rank {}: P2P check mismatch", self.rank),
+            Some(DeviceErrorCode::PeerExited) => write!(
+                f,
+                "rank {}: the process of rank {} exited while the communicator was in use (noticed by the \
+                 watchdog after {:.1} ms); the communicator is broken",
+                self.rank,
+                self.peer.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),
+                self.waited_ns as f64 / 1e6
+            ),
             _ => write!(f, "rank {}: unknown device error code", self.rank),
         }
     }

@@ -203,6 +203,9 @@ struct SelftestArgs {
     /// `R:K`: rank R SIGKILLs itself after K calls (fault test).
     #[arg(long)]
     fault: Option<String>,
+    /// `R:MS`: rank R sleeps MS milliseconds before its first call (launch skew).
+    #[arg(long)]
+    delay_first_call: Option<String>,
     /// Seed shared by all ranks (default: from TP_ALLREDUCE_TEST_SEED or the job).
     #[arg(long)]
     seed: Option<u64>,
@@ -428,6 +431,14 @@ fn selftest_options(
             Some((r.parse().map_err(|_| "bad fault rank")?, k.parse().map_err(|_| "bad fault call count")?))
         }
     };
+    let delay_first_call = match &args.delay_first_call {
+        None => None,
+        Some(d) => {
+            let (r, ms) = d.split_once(':').ok_or("--delay-first-call takes RANK:MILLISECONDS")?;
+            let ms: u64 = ms.parse().map_err(|_| "bad delay in milliseconds")?;
+            Some((r.parse().map_err(|_| "bad delay rank")?, std::time::Duration::from_millis(ms)))
+        }
+    };
     let job_seed = || u64::from_le_bytes(env.id.job_id()[..8].try_into().expect("8 bytes of the job id"));
     let seed = args.seed.or_else(tp_allreduce::env::test_seed).unwrap_or_else(job_seed);
     let mut config = Config::from_env().map_err(text)?;
@@ -447,6 +458,7 @@ fn selftest_options(
         graph_replays: args.replays.unwrap_or(if args.quick { 200 } else { 300 }),
         seed,
         fault,
+        delay_first_call,
         config,
     })
 }

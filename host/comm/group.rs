@@ -54,6 +54,7 @@ impl Comm {
         };
         let (selection, topology, more) = selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
         notes.extend(more);
+        let watchdog = super::watchdog::Watchdog::start(&ctx, setup.watched_peers.clone(), setup.abort_targets(rank))?;
         Ok(Comm {
             rank,
             world,
@@ -71,6 +72,7 @@ impl Comm {
             selection,
             topology,
             notes,
+            watchdog,
             restore_context: driver::RestoreOnDrop::default(),
         })
     }

@@ -53,6 +53,7 @@ pub mod test_hooks;
 #[cfg(not(feature = "tools"))]
 mod test_hooks;
 mod vmm_buffers;
+pub(crate) mod watchdog;
 
 use std::sync::{Arc, Mutex};
 
@@ -85,6 +86,8 @@ pub struct Comm {
     selection: crate::select::selection::SelectionTable,
     topology: crate::select::topology::Topology,
     notes: Vec<String>,
+    /// Watches the peers in other processes (stopped first at teardown).
+    watchdog: Option<watchdog::Watchdog>,
     /// Last field: restores the caller's current context after every other field's drop.
     restore_context: driver::RestoreOnDrop,
 }
@@ -304,6 +307,8 @@ impl Comm {
     /// memory to the process's group of ranks (`teardown.rs`), which frees
     /// it once no peer can touch it any more. Idempotent.
     fn leave(&mut self, bound: std::time::Duration) -> Result<()> {
+        // Peers exit after teardown: nothing to watch from here on.
+        drop(self.watchdog.take());
         let Some(group) = self.setup.local_group.take() else {
             return Ok(());
         };

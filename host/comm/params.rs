@@ -42,7 +42,11 @@ pub(crate) struct RankMemory {
 
 /// The OneShotPush parameters of `rank`, all but the per-launch fields.
 /// Pure: the slot arithmetic is tested on the CPU.
-pub(crate) fn one_shot_push_template(rank: usize, mem: &RankMemory, timeout_ns: u64) -> OneShotPushParams {
+pub(crate) fn one_shot_push_template(
+    rank: usize,
+    mem: &RankMemory,
+    (timeout_ns, launch_timeout_ns): (u64, u64),
+) -> OneShotPushParams {
     let world = mem.region_bases.len();
     let scratch = |r: usize| mem.region_bases[r] + mem.scratch_offset;
     let abort_of = |r: usize| mem.region_bases[r] + offset_of!(SignalBlock, abort) as u64;
@@ -51,6 +55,7 @@ pub(crate) fn one_shot_push_template(rank: usize, mem: &RankMemory, timeout_ns: 
             control: mem.local_state + offset_of!(LocalState, control) as u64,
             error_record: mem.error_record,
             timeout_ns,
+            launch_timeout_ns,
             half_bytes: mem.layout.one_shot_push_half_bytes,
             rank: rank as u32,
             world: world as u32,
@@ -130,8 +135,7 @@ pub(crate) struct SentinelLaunches {
 
 impl SentinelLaunches {
     pub(crate) fn build(ctx: &Arc<CudaContext>, setup: &Setup, rank: usize, config: &Config) -> Result<Self> {
-        let timeout_ns = config.timeout.as_nanos().min(u64::MAX as u128) as u64;
-        let mut one_shot_push = one_shot_push_template(rank, &setup.memory(), timeout_ns);
+        let mut one_shot_push = one_shot_push_template(rank, &setup.memory(), config.wait_bounds_ns());
         let trace = if config.trace {
             let ring = DeviceMemory::alloc_zeroed(ctx, TRACE_RECORDS * size_of::<TraceRecord>())?;
             one_shot_push.h.trace = ring.ptr();
@@ -243,7 +247,7 @@ mod tests {
     #[test]
     fn templates_agree_on_every_slot_across_ranks() {
         for world in 2..=8usize {
-            let templates: Vec<_> = (0..world).map(|r| one_shot_push_template(r, &memory(world, r), 5)).collect();
+            let templates: Vec<_> = (0..world).map(|r| one_shot_push_template(r, &memory(world, r), (5, 7))).collect();
             for (s, ts) in templates.iter().enumerate() {
                 assert_eq!(ts.h.world as usize, world);
                 for k in 0..world - 1 {

@@ -84,6 +84,8 @@ pub(crate) struct Setup {
     /// ranks share a GPU and every rank asks for it).
     pub nccl_eligible: bool,
     pub same_process: Vec<bool>,
+    /// Ranks in other processes of this pid namespace (the watchdog).
+    pub watched_peers: Vec<(usize, crate::comm::watchdog::ProcessIdentity)>,
     pub layout: ScratchLayout,
     pub islands: IslandLayout,
     pub offsets: RegionOffsets,
@@ -98,7 +100,8 @@ pub(crate) struct Setup {
     pub local_group: Option<Arc<LocalGroup>>,
     pub local_state: DeviceMemory,
     pub handle: DeviceMemory,
-    pub error_record: PinnedHostMemory,
+    /// Shared with the watchdog, which may publish a record into it.
+    pub error_record: Arc<PinnedHostMemory>,
     pub table: DeviceMemory,
     pub table_capacity: usize,
     /// Extra mappings opened for registered buffers (kept alive).
@@ -110,6 +113,20 @@ pub(crate) struct Setup {
 }
 
 impl Setup {
+    /// What the watchdog raises when a peer process is gone.
+    pub fn abort_targets(&self, rank: usize) -> crate::comm::watchdog::AbortTargets {
+        use std::mem::offset_of;
+        use tp_allreduce_kernels::layout::Control;
+        let control = self.local_state.ptr() + offset_of!(LocalState, control) as u64;
+        crate::comm::watchdog::AbortTargets {
+            rank,
+            record: self.error_record.clone(),
+            error_claim: control + offset_of!(Control, error_claim) as u64,
+            control_abort: control + offset_of!(Control, abort) as u64,
+            signal_abort: self.region.device_ptr() + offset_of!(SignalBlock, abort) as u64,
+        }
+    }
+
     /// What launch grids and capacities follow from (set at init).
     pub fn geometry(&self) -> Geometry {
         Geometry {
@@ -360,6 +377,11 @@ impl Attempt {
             ranks_on_device: placement.ranks_on_device,
             nccl_eligible: placement.nccl_eligible,
             same_process: placement.same_process.clone(),
+            watched_peers: crate::comm::watchdog::peers_to_watch(
+                &placement.hellos.iter().map(|h| h.process_identity).collect::<Vec<_>>(),
+                &placement.same_process,
+                crate::comm::watchdog::ProcessIdentity::of_self(),
+            ),
             layout: self.layout,
             islands,
             offsets: self.offsets,
@@ -370,7 +392,7 @@ impl Attempt {
             local_group: None,
             local_state: self.local_state,
             handle: self.handle,
-            error_record: self.error_record,
+            error_record: Arc::new(self.error_record),
             table: self.table,
             table_capacity: config.max_registered_buffers,
             registered_mappings: Mutex::new(Vec::new()),
@@ -522,7 +544,8 @@ fn write_handle(
     let mut h = DeviceHandle {
         rank: rank as u32,
         world_size: world as u32,
-        timeout_ns: config.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        timeout_ns: config.wait_bounds_ns().0,
+        launch_timeout_ns: config.wait_bounds_ns().1,
         local_state: attempt.local_state.ptr(),
         error_record: attempt.error_record.device_ptr(),
         scratch_layout: attempt.layout,

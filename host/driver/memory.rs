@@ -95,6 +95,28 @@ impl PinnedHostMemory {
     pub fn bytes(&self) -> usize {
         self.bytes
     }
+
+    /// Writes `record` into this memory as a kernel would publish it: every
+    /// field, then `published` last behind a release fence (the host reader
+    /// checks `published` first). Refuses memory too small for a record.
+    pub fn publish_error_record(&self, record: &tp_allreduce_kernels::layout::ErrorRecord) -> Result<()> {
+        use tp_allreduce_kernels::layout::ErrorRecord;
+        if self.bytes < std::mem::size_of::<ErrorRecord>() {
+            return Err(Error::invalid("pinned memory too small for an error record"));
+        }
+        let dst = self.host as *mut ErrorRecord;
+        let mut fields = *record;
+        fields.published = 0;
+        // SAFETY: `dst` is this allocation (checked large enough, aligned by
+        // cuMemHostAlloc); volatile writes because a device thread may read
+        // or write the same record concurrently.
+        unsafe {
+            std::ptr::write_volatile(dst, fields);
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            std::ptr::write_volatile(std::ptr::addr_of_mut!((*dst).published), 1);
+        }
+        Ok(())
+    }
 }
 
 impl Drop for PinnedHostMemory {

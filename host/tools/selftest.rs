@@ -35,6 +35,9 @@ pub struct SelftestOptions {
     pub seed: u64,
     /// `(rank, after)`: that rank SIGKILLs itself after `after` eager calls.
     pub fault: Option<(usize, usize)>,
+    /// `(rank, delay)`: that rank sleeps before its first allreduce (launch
+    /// skew: the others wait within `Config::launch_timeout`).
+    pub delay_first_call: Option<(usize, Duration)>,
     pub config: Config,
 }
 
@@ -274,6 +277,12 @@ fn eager_checks(comm: &mut Comm, env: &RankEnv, opts: &SelftestOptions, eager_ca
     let world = env.world_size;
     let stream = comm.stream();
     let mut case = 0u64;
+    if let Some((rank, delay)) = opts.delay_first_call {
+        if rank == env.rank {
+            println!("rank {}: delaying the first call by {delay:?}", env.rank);
+            std::thread::sleep(delay);
+        }
+    }
     for &algorithm in &opts.algorithms {
         if let Err(why) = comm.set_algorithm(Some(algorithm)) {
             println!("rank {}: {algorithm} not available here: {why}", env.rank);

@@ -241,6 +241,10 @@ pub struct DeviceHandle {
     pub error_record: u64,
     pub scratch_layout: ScratchLayout,
     pub islands: IslandLayout,
+    /// Bound of a wait on a peer that has shown nothing of the current call
+    /// yet (it may not have launched it: first-call JIT, model-load skew);
+    /// once a wait of the call succeeded, waits use `timeout_ns`.
+    pub launch_timeout_ns: u64,
 }
 
 const fn div_ceil(a: u64, b: u64) -> u64 {
@@ -402,7 +406,8 @@ const _: () = assert!(core::mem::size_of::<PeerPointers>() == 8 * MAX_RANKS);
 const _: () = assert!(core::mem::size_of::<IslandLayout>() == 16 + MAX_RANKS * MAX_RANKS);
 const _: () = assert!(core::mem::size_of::<ScratchLayout>() == 128);
 const _: () = assert!(
-    core::mem::size_of::<DeviceHandle>() == (32 + 16 * MAX_RANKS + 128 + 16 + MAX_RANKS * MAX_RANKS).div_ceil(16) * 16
+    core::mem::size_of::<DeviceHandle>()
+        == (32 + 16 * MAX_RANKS + 128 + 16 + MAX_RANKS * MAX_RANKS + 8).div_ceil(16) * 16
 );
 const _: () = assert!(core::mem::offset_of!(DeviceHandle, scratch_layout) == 32 + 16 * MAX_RANKS);
 const _: () = assert!(MAX_RANKS <= 16, "the device-side rank unrolling covers at most 16 ranks");

@@ -64,7 +64,9 @@ pub struct SentinelHeader {
     /// This rank's peer-visible abort word (`SignalBlock::abort`), written
     /// with the rank-local `Control::abort` when a kernel gives up.
     pub abort: u64,
-    pub _pad1: u64,
+    /// Bound of a wait on a peer that has shown nothing of this launch yet
+    /// (it may not have launched it); `timeout_ns` bounds waits after that.
+    pub launch_timeout_ns: u64,
 }
 
 /// Parameters of `one_shot_push_<dtype>` and `one_shot_push2_<dtype>`.

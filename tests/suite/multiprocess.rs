@@ -312,3 +312,47 @@ fn bench_with_one_process_per_rank() {
     assert_eq!(rep.verify_pass.len(), 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 13 item 13: a peer that starts its first call late (first-call
+/// JIT, model-load skew) is waited for within `launch_timeout`, not the
+/// stall `timeout`: with a 1 s timeout, rank 1 starts 3 s late and both
+/// ranks pass. (With one bound for both, as before, rank 0 timed out.)
+#[test]
+fn a_peer_starting_late_is_waited_for_within_the_launch_bound() {
+    let test = "a_peer_starting_late_is_waited_for_within_the_launch_bound";
+    let _lock = common::gpu_lock();
+    let Some(place) = placement(test, 2) else { return };
+    let exe = bin();
+    let dir = scratch_dir("skew");
+    let o = launch(
+        &[
+            "-n",
+            "2",
+            "--gpus",
+            &place.gpus,
+            "--grace",
+            "20",
+            "--timeout",
+            "120",
+            "--",
+            exe.to_str().unwrap(),
+            "selftest",
+            "--quick",
+            "--algorithms",
+            "one-shot-pull,one-shot-push",
+            "--replays",
+            "1",
+            "--delay-first-call",
+            "1:3000",
+        ],
+        &[("XDG_RUNTIME_DIR", dir.to_str().unwrap()), ("TP_ALLREDUCE_TIMEOUT_MS", "1000")],
+    );
+    let out = text(&o);
+    eprintln!("{out}");
+    assert!(out.contains("[rank 1] rank 1: delaying the first call by 3s"), "{out}");
+    assert!(o.status.success(), "{out}");
+    for r in 0..2 {
+        assert!(out.contains(&format!("[rank {r}] rank {r}: selftest passed")), "rank {r} did not pass:\n{out}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use tp_allreduce_kernels::layout::THREADS_PER_BLOCK;
 
 use super::{gather_json, process_token};
+use crate::comm::watchdog::ProcessIdentity;
 use crate::config::Config;
 use crate::driver::{self, KernelModule};
 use crate::error::{Error, Result};
@@ -29,6 +30,9 @@ pub(super) struct Hello {
     pub(super) salt: u32,
     pub(super) job: String,
     pub(super) nccl_fallback: bool,
+    /// This rank's process (the watchdog of other processes' ranks).
+    #[serde(default)]
+    pub(super) process_identity: Option<ProcessIdentity>,
 }
 
 /// What step 1 agreed.
@@ -71,6 +75,7 @@ pub(super) fn agree_placement(
         salt,
         job: format!("{:016x}", (salt as u64) << 32 | rand_u32() as u64),
         nccl_fallback: config.nccl_fallback,
+        process_identity: ProcessIdentity::of_self(),
     };
     let hellos = gather_json(rdv, &hello)?;
     if hellos.len() != rdv.world_size() || rank >= hellos.len() {
@@ -147,6 +152,7 @@ mod tests {
             salt: 7,
             job: "job".into(),
             nccl_fallback: true,
+            process_identity: None,
         }
     }
 

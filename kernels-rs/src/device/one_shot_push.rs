@@ -159,7 +159,8 @@ unsafe fn one_shot_push<E: Element, const W: u32>(p: OneShotPushParams) {
                         let mut w = got[K];
                         if any_word_empty(&w) {
                             let abort_word = p.source_abort[K] as *const u32;
-                            match sentinel::wait_slot(slot, K as u32, abort_word, control, p.h.timeout_ns) {
+                            // The only wait of a launch: the source may not have launched yet.
+                            match sentinel::wait_slot(slot, K as u32, abort_word, control, p.h.launch_timeout_ns) {
                                 Ok(arrived) => w = arrived,
                                 Err(s) => {
                                     stall = Some(s);
