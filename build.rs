@@ -243,25 +243,31 @@ fn build_arch(staged: &Path, out: &Path, arch: &str) -> Result<PathBuf, String> 
     Ok(dest)
 }
 
-/// Every kernel is launched with `THREADS_PER_BLOCK` (512) threads; Rust has
-/// no launch-bounds attribute, so the register budget is stated here:
-/// `.maxnreg 128` (65536 registers / 512 threads) between each entry's
-/// parameter list and its body makes ptxas stay within it (spilling if it
-/// must, which the PTX tests reject) instead of producing a kernel that
-/// fails to launch. (`.maxntid 512,1,1` made ptxas pick 64 registers for
-/// some kernels and spill.)
+/// Register budget per entry, stated here because Rust has no launch-bounds
+/// attribute: `.maxnreg N` between each entry's parameter list and its body
+/// makes ptxas stay within it (spilling if it must, which the PTX tests
+/// reject) instead of producing a kernel that fails to launch.
+/// * Sentinel kernels (`one_shot_push*`) launch with any block size up to
+///   1024 threads: 64 registers (65536 / 1024).
+/// * Every other kernel launches with `THREADS_PER_BLOCK` (512) threads:
+///   128 registers. (`.maxntid 512,1,1` made ptxas pick 64 registers for
+///   some of them and spill.)
+///
+/// The host reads the same rule back from `kernels::max_registers`.
 fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
-    let mut in_entry_params = false;
+    let mut entry: Option<String> = None;
     for line in ptx.lines() {
-        if line.starts_with(".visible .entry ") || line.starts_with(".entry ") {
-            in_entry_params = true;
+        if let Some(rest) = line.strip_prefix(".visible .entry ").or_else(|| line.strip_prefix(".entry ")) {
+            entry = Some(rest.split('(').next().unwrap_or("").trim().to_string());
         }
         out.push_str(line);
         out.push('\n');
-        if in_entry_params && line.trim_start().starts_with(')') {
-            out.push_str(".maxnreg 128\n");
-            in_entry_params = false;
+        if line.trim_start().starts_with(')') {
+            if let Some(name) = entry.take() {
+                let regs = if name.starts_with("one_shot_push") { 64 } else { 128 };
+                out.push_str(&format!(".maxnreg {regs}\n"));
+            }
         }
     }
     out

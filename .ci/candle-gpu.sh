@@ -6,8 +6,9 @@
 #
 # Build here, run there (the GPU machine has no Rust toolchain):
 #   bash .ci/candle-gpu.sh --build        # here: release launcher, release
-#                                         # example (sm_90), suite binary -> .dev/
+#       example (sm_90), suite binary -> .dev/ (the last two xz-compressed, 13 MB)
 #   OUT=<results dir> bash .ci/candle-gpu.sh   # there, from the repository root
+# e.g. run(kind="nvidia-h200-x2", carry=[".dev"], command="OUT=$OUT bash .ci/candle-gpu.sh")
 #
 # The binaries link the CUDA libraries (candle-core's cudarc uses
 # `dynamic-linking`): libcuda.so.1 (driver), libnccl.so.2, libcublas.so.13
@@ -26,18 +27,31 @@ if [ "${1:-}" = "--build" ]; then
   cargo build --release --target "$TARGET" --no-default-features --features candle --example candle_tp
   suite=$(cargo test --target "$TARGET" --features candle --test suite --no-run --message-format=json |
     python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == "suite"][-1])')
+  # Stripped and xz-compressed (48 MB -> 6 MB, 55 -> 7): the device
+  # machine takes at most 64 MiB of carried files; unpacked there.
   mkdir -p .dev
-  cp "$DIR/release/tp-allreduce" "$DIR/$TARGET/release/examples/candle_tp" .dev/
-  cp "$suite" .dev/suite-candle
-  strip .dev/tp-allreduce .dev/candle_tp .dev/suite-candle
-  ls -la .dev/tp-allreduce .dev/candle_tp .dev/suite-candle
+  cp "$DIR/release/tp-allreduce" .dev/ && strip .dev/tp-allreduce
+  for pair in "$DIR/$TARGET/release/examples/candle_tp:candle_tp" "$suite:suite-candle"; do
+    tmp=$(mktemp); cp "${pair%%:*}" "$tmp"; strip "$tmp"
+    xz -T0 -6 -c "$tmp" > ".dev/${pair##*:}.xz"; rm -f "$tmp" ".dev/${pair##*:}"
+  done
+  ls -la .dev/tp-allreduce .dev/candle_tp.xz .dev/suite-candle.xz
   exit 0
 fi
 B=${TP_ALLREDUCE_BIN:-.dev/tp-allreduce}
-EXAMPLE=${CANDLE_TP_BIN:-.dev/candle_tp}
-SUITE=${CANDLE_SUITE_BIN:-.dev/suite-candle}
 OUT=${OUT:-results/candle}
 mkdir -p "$OUT"
+# The binaries as built by --build (xz) or copied plainly.
+unpack() {
+  if [ -x ".dev/$1" ]; then echo ".dev/$1"
+  elif [ -f ".dev/$1.xz" ]; then
+    local dir; dir=$(mktemp -d /tmp/candle-gpu.XXXXXX)
+    xz -dc ".dev/$1.xz" > "$dir/$1" && chmod +x "$dir/$1" && echo "$dir/$1"
+  fi
+}
+EXAMPLE=${CANDLE_TP_BIN:-$(unpack candle_tp)}
+SUITE=${CANDLE_SUITE_BIN:-$(unpack suite-candle)}
+[ -n "$EXAMPLE" ] || { echo "error: no .dev/candle_tp or .dev/candle_tp.xz (bash .ci/candle-gpu.sh --build)" >&2; exit 1; }
 LOG=$OUT/log.txt
 : > "$LOG"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -78,7 +92,7 @@ run() { echo "=== $*" | tee -a "$LOG"; timeout 560 "$@" 2>&1 | tee -a "$LOG" | t
 # The example: one process per GPU through the launcher.
 run "$B" launch -n 2 --gpus 0,1 --timeout 500 -- "$EXAMPLE"
 # The suite's candle GPU tests, when brought along (one process, GPU 0).
-if [ -x "$SUITE" ]; then
+if [ -n "$SUITE" ] && [ -x "$SUITE" ]; then
   TP_ALLREDUCE_REQUIRE_GPU=1 run "$SUITE" candle --test-threads=1
 fi
 echo "done: $OUT (exit $status)"

@@ -17,7 +17,7 @@ fn gpu(c: &mut Criterion) {
     std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
     let ranks = Ranks::new(&[0], 2).expect("ranks");
     let mut comms = Comm::from_streams(ranks.streams.clone(), Config::default()).expect("group");
-    let bufs = Buffers::new(&ranks, 43_008, DType::Bf16, 42).expect("buffers");
+    let mut bufs = Buffers::new(&ranks, 43_008, DType::Bf16, 42).expect("buffers");
     for a in Algorithm::OURS {
         if comms.iter_mut().try_for_each(|c| c.set_algorithm(Some(a))).is_err() {
             eprintln!("skipped: {a} not available on this group");
@@ -33,7 +33,8 @@ fn gpu(c: &mut Criterion) {
                     mode: tp_allreduce::tools::bench::Mode::Eager,
                     ..tp_allreduce::tools::bench::Options::default()
                 };
-                let samples = tp_allreduce::tools::bench::time_collective(&group, &ranks, &bufs, &opts).expect("timed");
+                let samples =
+                    tp_allreduce::tools::bench::time_collective(&group, &ranks, &mut bufs, &opts).expect("timed");
                 Duration::from_secs_f64(samples[0] * 1e-6 * iters as f64)
             })
         });

@@ -26,7 +26,6 @@ use candle_core::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, C
 use candle_core::cuda_backend::cudarc::nccl;
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, D};
-use clap::Parser;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tp_allreduce::candle::{AllReduce, FusedAddRmsNorm};
@@ -34,30 +33,61 @@ use tp_allreduce::{Comm, Config, RankEnv};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-#[derive(Parser, Debug, Clone)]
-#[command(about = "tp-allreduce vs NCCL inside a tensor-parallel candle stack")]
+/// The options (`--name value`; `--help` lists them).
+#[derive(Debug, Clone)]
 struct Options {
     /// Transformer layers (two allreduces each).
-    #[arg(long, default_value_t = 61)]
     layers: usize,
     /// Tokens per step (rows of every allreduce).
-    #[arg(long, default_value_t = 3)]
     tokens: usize,
     /// Hidden size (columns of every allreduce).
-    #[arg(long, default_value_t = 7168)]
     hidden: usize,
     /// Width of each block's column-parallel output, summed over the ranks.
-    #[arg(long, default_value_t = 4096)]
     intermediate: usize,
     /// Timed steps per variant and mode.
-    #[arg(long, default_value_t = 20)]
     steps: usize,
     /// Also capture one step per variant in a CUDA graph and time replays.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     graph: bool,
     /// Seed of the weights and inputs.
-    #[arg(long, default_value_t = 20261130)]
     seed: u64,
+}
+
+const USAGE: &str = "candle_tp: tp-allreduce vs NCCL inside a tensor-parallel candle stack
+usage: tp-allreduce launch -n N --gpus 0,1,.. -- candle_tp [options]
+  --layers N        transformer layers, two allreduces each (61)
+  --tokens N        tokens per step: rows of every allreduce (3)
+  --hidden N        hidden size: columns of every allreduce (7168)
+  --intermediate N  column-parallel width, summed over the ranks (4096)
+  --steps N         timed steps per variant and mode (20)
+  --graph BOOL      also capture a step in a CUDA graph and time replays (true)
+  --seed N          seed of the weights and inputs (20261130)";
+
+impl Options {
+    fn parse(mut args: impl Iterator<Item = String>) -> std::result::Result<Options, String> {
+        let mut o =
+            Options { layers: 61, tokens: 3, hidden: 7168, intermediate: 4096, steps: 20, graph: true, seed: 20261130 };
+        while let Some(flag) = args.next() {
+            if flag == "--help" || flag == "-h" {
+                return Err(USAGE.into());
+            }
+            let value = args.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+            let bad = |_| format!("{flag}: invalid value {value:?}\n{USAGE}");
+            match flag.as_str() {
+                "--layers" => o.layers = value.parse().map_err(bad)?,
+                "--tokens" => o.tokens = value.parse().map_err(bad)?,
+                "--hidden" => o.hidden = value.parse().map_err(bad)?,
+                "--intermediate" => o.intermediate = value.parse().map_err(bad)?,
+                "--steps" => o.steps = value.parse().map_err(bad)?,
+                "--graph" => o.graph = value.parse().map_err(|_| format!("{flag}: true or false\n{USAGE}"))?,
+                "--seed" => o.seed = value.parse().map_err(bad)?,
+                _ => return Err(format!("unknown option {flag}\n{USAGE}")),
+            }
+        }
+        if o.layers == 0 || o.tokens == 0 || o.hidden == 0 || o.intermediate == 0 {
+            return Err(format!("--layers, --tokens, --hidden and --intermediate must be positive\n{USAGE}"));
+        }
+        Ok(o)
+    }
 }
 
 /// The cudarc NCCL allreduce as a candle op, shaped like the ones in
@@ -165,7 +195,13 @@ fn step(blocks: &[Block], epilogue: &Epilogue, buffers: &StepBuffers) -> Result<
 }
 
 fn main() {
-    let options = Options::parse();
+    let options = match Options::parse(std::env::args().skip(1)) {
+        Ok(o) => o,
+        Err(usage) => {
+            eprintln!("{usage}");
+            std::process::exit(2);
+        }
+    };
     match run(&options) {
         Ok(true) => {}
         Ok(false) => std::process::exit(1),
@@ -248,7 +284,7 @@ fn run(options: &Options) -> Result<bool> {
             options.intermediate / world
         );
         println!("single allreduce vs f64 reference (max |err| / bound): {checks}");
-        println!("| allreduce | mode | step ms (max over ranks) | us per layer epilogue | max abs diff vs NCCL |");
+        println!("| allreduce | mode | step ms (max over ranks) | us per block (2 linears + epilogue) | max abs diff vs NCCL |");
         println!("|---|---|---|---|---|");
         for ((name, mode, _), ms) in rows.iter().zip(&worst) {
             let diff = match (*name, *mode) {

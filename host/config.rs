@@ -1,6 +1,8 @@
 //! Communicator configuration. Every rank of a communicator must use the
 //! same values for the fields that shape shared memory (checked at init).
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -28,17 +30,45 @@ pub struct Config {
     /// records which rank it waited for and exits; the call returns
     /// `Error::Timeout` at the next check and the communicator is broken.
     pub timeout: Duration,
+    /// Bound of a wait on a peer that has shown nothing of the current call
+    /// yet: it may not have launched the call (first-call JIT, a model
+    /// still loading). Once a wait of the call succeeded, `timeout` applies.
+    /// A peer process that dies is noticed by the communicator's watchdog
+    /// within ~0.1 s, whatever this bound.
+    pub launch_timeout: Duration,
     /// Bound of every rendezvous step at init and registration.
     pub rendezvous_timeout: Duration,
     /// Largest message one kernel launch handles and the size of the eager
     /// staging buffer; longer messages are split into chunks of this size.
     pub max_chunk_bytes: usize,
-    /// Largest message OneShotPush handles (its receive buffers hold three
-    /// generations of `world` copies of it).
+    /// Largest message OneShotPush handles in one launch (longer messages
+    /// are cut into launches). Its receive region holds two halves of
+    /// `world - 1` copies of it. [`Config::ONE_SHOT_PUSH_AUTO`] (the
+    /// default): `8 MiB / (world - 1)`, i.e. 16 MiB of receive region per
+    /// rank at every world size. 0 disables OneShotPush.
     pub one_shot_push_max_bytes: usize,
-    /// Most blocks of a push kernel (OneShotPush, TwoShotPush, Hierarchical)
+    /// Most blocks of a flag-based push kernel (TwoShotPush, Hierarchical)
     /// per launch; their scratch is striped per block.
     pub push_blocks: u32,
+    /// Launch shape `(blocks, threads)` of every sentinel (OneShotPush)
+    /// launch, overriding the tuning table and the default rule
+    /// (`TP_ALLREDUCE_SHAPE=BxT`). Threads: a multiple of 32 in 32..=1024;
+    /// blocks: at least 1 and at most what stays resident with the other
+    /// ranks of the GPU (checked at each call). Other algorithms ignore it.
+    pub launch_shape: Option<(u32, u32)>,
+    /// Use the two-rank specialisation of OneShotPush when the world size is
+    /// 2 (`TP_ALLREDUCE_ONE_SHOT_PUSH_TP2=0` turns it off, to compare).
+    pub one_shot_push_tp2: bool,
+    /// Sentinel kernels record per-launch timestamps into a ring the host
+    /// reads with `Comm::trace_records` (`TP_ALLREDUCE_TRACE=1`; `bench
+    /// --trace`). Costs a few instructions per launch.
+    pub trace: bool,
+    /// Test-only: start every protocol counter (OneShotPush generation, the
+    /// flag kernels' per-block epochs and flags, the ring's message counters)
+    /// at this value instead of 0, so that tests cross the 2^32 wrap after a
+    /// few calls. Every rank must use the same value.
+    #[doc(hidden)]
+    pub test_initial_counter: Option<u32>,
     /// Most blocks of a pull kernel per launch.
     pub pull_max_blocks: u32,
     /// Ring: blocks (independent rings), FIFO slots per block, bytes per slot.
@@ -65,10 +95,15 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             timeout: Duration::from_secs(5),
+            launch_timeout: Duration::from_secs(60),
             rendezvous_timeout: Duration::from_secs(60),
             max_chunk_bytes: 8 << 20,
-            one_shot_push_max_bytes: 512 << 10,
+            one_shot_push_max_bytes: Config::ONE_SHOT_PUSH_AUTO,
             push_blocks: 16,
+            launch_shape: None,
+            one_shot_push_tp2: true,
+            trace: false,
+            test_initial_counter: None,
             pull_max_blocks: 36,
             ring_blocks: 4,
             ring_slots: 4,
@@ -84,10 +119,21 @@ impl Default for Config {
 }
 
 impl Config {
+    /// `one_shot_push_max_bytes` default: `8 MiB / (world - 1)`.
+    pub const ONE_SHOT_PUSH_AUTO: usize = usize::MAX;
+
+    /// `one_shot_push_max_bytes` for a world of `world` ranks: the
+    /// configured value, or the default rule for [`Self::ONE_SHOT_PUSH_AUTO`]
+    /// (a multiple of 16 bytes).
+    pub fn one_shot_push_capacity(&self, world: usize) -> usize {
+        resolve_one_shot_push_max_bytes(self.one_shot_push_max_bytes, world)
+    }
+
     /// The fields every rank must agree on, as one comparable string.
     pub(crate) fn shape_fingerprint(&self) -> String {
         format!(
-            "chunk={} oneshot={} push_blocks={} pull_blocks={} ring={}x{}x{} islands={:?} transport={:?} table={}",
+            "chunk={} oneshot={} push_blocks={} pull_blocks={} ring={}x{}x{} islands={:?} transport={:?} table={} \
+             counters={:?}",
             self.max_chunk_bytes,
             self.one_shot_push_max_bytes,
             self.push_blocks,
@@ -97,7 +143,8 @@ impl Config {
             self.ring_chunk_bytes,
             self.island_size,
             self.transport,
-            self.max_registered_buffers
+            self.max_registered_buffers,
+            self.test_initial_counter
         )
     }
 
@@ -109,8 +156,13 @@ impl Config {
         if self.max_chunk_bytes < 4096 || self.max_chunk_bytes % pack != 0 {
             return Err(Error::invalid("max_chunk_bytes must be a multiple of 16 and at least 4096"));
         }
-        if self.one_shot_push_max_bytes % pack != 0 {
-            return Err(Error::invalid("one_shot_push_max_bytes must be a multiple of 16"));
+        if self.one_shot_push_max_bytes != Self::ONE_SHOT_PUSH_AUTO && self.one_shot_push_max_bytes % pack != 0 {
+            return Err(Error::invalid(
+                "one_shot_push_max_bytes must be a multiple of 16 (or Config::ONE_SHOT_PUSH_AUTO)",
+            ));
+        }
+        if let Some(shape) = self.launch_shape {
+            env::check_launch_shape(shape).map_err(|why| Error::invalid(format!("launch_shape: {why}")))?;
         }
         for (name, v) in [
             ("push_blocks", self.push_blocks),
@@ -121,14 +173,30 @@ impl Config {
                 return Err(Error::invalid(format!("{name} must be in 1..={max_blocks}")));
             }
         }
-        if self.ring_slots == 0 || self.ring_chunk_bytes < pack || self.ring_chunk_bytes % pack != 0 {
-            return Err(Error::invalid("ring_slots must be >= 1 and ring_chunk_bytes a positive multiple of 16"));
+        if !self.ring_slots.is_power_of_two() {
+            // The ring picks slot `message % ring_slots` with a wrapping u32
+            // message counter: only a power of two divides 2^32, so only
+            // then does the slot sequence continue correctly across the wrap.
+            return Err(Error::invalid(format!(
+                "ring_slots must be a power of two (1, 2, 4, 8, ...), got {}: the slot index is a wrapping message \
+                 counter modulo ring_slots",
+                self.ring_slots
+            )));
+        }
+        if self.ring_chunk_bytes < pack || self.ring_chunk_bytes % pack != 0 {
+            return Err(Error::invalid("ring_chunk_bytes must be a positive multiple of 16"));
         }
         if self.max_registered_buffers < 2 {
             return Err(Error::invalid("max_registered_buffers must be at least 2"));
         }
         if self.timeout.is_zero() || self.rendezvous_timeout.is_zero() {
             return Err(Error::invalid("timeouts must be positive"));
+        }
+        if self.launch_timeout < self.timeout {
+            return Err(Error::invalid(format!(
+                "launch_timeout ({:?}) must be at least timeout ({:?})",
+                self.launch_timeout, self.timeout
+            )));
         }
         Ok(())
     }
@@ -147,6 +215,10 @@ impl Config {
         }
         if let Some(t) = env::timeout()? {
             c.timeout = t;
+            c.launch_timeout = c.launch_timeout.max(t);
+        }
+        if let Some(t) = env::launch_timeout()? {
+            c.launch_timeout = t;
         }
         if let Some(n) = env::island_size()? {
             c.island_size = Some(n);
@@ -154,7 +226,35 @@ impl Config {
         if let Some(n) = env::push_blocks()? {
             c.push_blocks = n;
         }
+        if let Some(shape) = env::launch_shape()? {
+            c.launch_shape = Some(shape);
+        }
+        if let Some(on) = env::one_shot_push_tp2()? {
+            c.one_shot_push_tp2 = on;
+        }
+        if let Some(on) = env::trace()? {
+            c.trace = on;
+        }
         c.validate()?;
         Ok(c)
+    }
+}
+
+/// `one_shot_push_max_bytes` resolved for `world` ranks (see
+/// [`Config::one_shot_push_max_bytes`]).
+pub fn resolve_one_shot_push_max_bytes(configured: usize, world: usize) -> usize {
+    if configured != Config::ONE_SHOT_PUSH_AUTO {
+        return configured;
+    }
+    let budget = 8usize << 20;
+    let pack = tp_allreduce_kernels::layout::PACK_BYTES;
+    (budget / world.saturating_sub(1).max(1)) / pack * pack
+}
+
+impl Config {
+    /// `(timeout, launch_timeout)` in nanoseconds, as the kernels read them.
+    pub(crate) fn wait_bounds_ns(&self) -> (u64, u64) {
+        let ns = |d: Duration| d.as_nanos().min(u64::MAX as u128) as u64;
+        (ns(self.timeout), ns(self.launch_timeout))
     }
 }

@@ -1,19 +1,49 @@
 //! Every CUDA driver call of the library goes through this module: one
-//! checked wrapper ([`cu!`]), RAII owners for the memory the library
-//! allocates or maps, kernel-module loading once per context, and launch.
+//! checked wrapper (`cu!`), device queries that need no context, the
+//! current-context guard, RAII owners for the memory the library allocates
+//! or maps (`driver/memory.rs`), and kernel-module loading and launch
+//! (`driver/module.rs`).
+//! No other module of the library calls the driver directly. `unsafe` is
+//! confined to this module, `nccl`, `comm` (the raw allreduce entry point
+//! and call path) and `comm::shm` (libc), plus the CLI tools; every other
+//! module file says `#![forbid(unsafe_code)]`.
+//!
+//! # The current context
+//! The driver keeps one *current context* per thread, and so does every
+//! caller that mixes this library with the CUDA runtime (PyTorch, candle):
+//! changing it behind the caller's back silently moves their later work to
+//! another GPU. So the library never leaves a context bound: every public
+//! entry point and every helper that needs one holds a [`CurrentContext`]
+//! guard, which binds the context it needs and restores the caller's on
+//! drop (also on error paths). Devices are identified with `cuDeviceGet` /
+//! `cuDeviceGetUuid` and peer access is enabled between existing contexts,
+//! so init creates no context on any GPU.
 //!
 //! The driver is loaded at run time (cudarc's dynamic loading), so the crate
 //! builds and its CPU tests run on machines without CUDA; [`driver_available`]
 //! probes for it without panicking.
 
-use std::collections::HashMap;
+#![allow(unsafe_code)]
+
+#[cfg(feature = "tools")]
+pub(crate) mod elementwise;
+mod memory;
+mod module;
+pub mod vmm;
+
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaContext};
 
 use crate::error::{Error, Result};
-use crate::kernels::EmbeddedPtx;
+
+pub use memory::{
+    allocation_range, buffer_id, ipc_export, is_pool_memory, memory_location, pointer_context, DeviceMemory,
+    HostRegistration, IpcMapping, MemoryLocation, PinnedHostMemory,
+};
+pub use module::{launch, KernelArgs, KernelModule};
 
 /// Turns a driver status into a `Result`, naming the call.
 pub(crate) fn check(call: &'static str, status: sys::CUresult) -> Result<()> {
@@ -66,230 +96,99 @@ pub fn device_count() -> usize {
     CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
 }
 
+/// Binds `ctx` to the calling thread and leaves it bound (the CLI tools'
+/// helper for threads they own). The library itself uses
+/// [`CurrentContext::bind`], which restores the caller's context.
 pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread().map_err(|e| crate::error::driver("cuCtxSetCurrent", e))
+}
+
+/// The calling thread's current context (null when none is bound).
+pub fn current_context() -> Result<sys::CUcontext> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    cu!(cuCtxGetCurrent(&mut ctx))?;
+    Ok(ctx)
+}
+
+/// Binds a context to the calling thread for the guard's lifetime: created
+/// with the context a call needs, it saves the thread's current context
+/// (`cuCtxGetCurrent`) and sets it back on drop (`cuCtxSetCurrent`, null
+/// included), so a library call never changes the caller's current context,
+/// whichever path it returns by. Guards nest (inner ones restore first) and
+/// stay on the thread that created them (not `Send`).
+#[must_use = "the context is restored when the guard is dropped"]
+pub struct CurrentContext {
+    previous: sys::CUcontext,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl CurrentContext {
+    /// Makes `ctx` current until the guard is dropped.
+    pub fn bind(ctx: &CudaContext) -> Result<CurrentContext> {
+        Self::bind_raw(ctx.cu_ctx())
+    }
+
+    fn bind_raw(ctx: sys::CUcontext) -> Result<CurrentContext> {
+        let previous = current_context()?;
+        if previous != ctx {
+            cu!(cuCtxSetCurrent(ctx))?;
+        }
+        Ok(CurrentContext { previous, _not_send: PhantomData })
+    }
+
+    /// Saves the current context without changing it; the drop restores it
+    /// (for code that calls something which may bind another, e.g. a drop).
+    pub fn keep() -> Result<CurrentContext> {
+        let previous = current_context()?;
+        Ok(CurrentContext { previous, _not_send: PhantomData })
+    }
+}
+
+impl Drop for CurrentContext {
+    fn drop(&mut self) {
+        // Cheap when nothing changed in between (one thread-local read).
+        if current_context().ok() != Some(self.previous) {
+            // SAFETY: `previous` was current on this thread when the guard was
+            // made (or null); callers keep their contexts alive across calls.
+            let _ = unsafe { sys::cuCtxSetCurrent(self.previous) };
+        }
+    }
+}
+
+/// Restores, when dropped, the context that was current when
+/// [`save`](Self::save) was last called; does nothing if it never was. For
+/// owners whose fields bind contexts while they are dropped (cudarc's
+/// stream and context drops bind theirs): declared as the owner's *last*
+/// field, it is dropped after all of them.
+#[derive(Default)]
+pub struct RestoreOnDrop {
+    saved: Option<usize>,
+}
+
+impl RestoreOnDrop {
+    /// Remembers the calling thread's current context.
+    pub fn save(&mut self) {
+        self.saved = current_context().ok().map(|c| c as usize);
+    }
+}
+
+impl Drop for RestoreOnDrop {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.saved {
+            // SAFETY: the context was current on this thread in `save` (or
+            // null); the owner's drop runs on the same thread.
+            let _ = unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) };
+        }
+    }
 }
 
 pub(crate) fn device_attribute(ctx: &CudaContext, attr: sys::CUdevice_attribute) -> Result<i32> {
     ctx.attribute(attr).map_err(|e| crate::error::driver("cuDeviceGetAttribute", e))
 }
 
-/// Device memory from `cuMemAlloc` (exportable over CUDA IPC, unlike
-/// stream-ordered pool memory). Freed on drop with its context bound.
-pub struct DeviceMemory {
-    ctx: Arc<CudaContext>,
-    ptr: sys::CUdeviceptr,
-    bytes: usize,
-}
-
-impl DeviceMemory {
-    pub fn alloc(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
-        bind(ctx)?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        cu!(cuMemAlloc_v2(&mut ptr, bytes.max(1)))?;
-        Ok(DeviceMemory { ctx: ctx.clone(), ptr, bytes })
-    }
-
-    /// Allocates and zero-fills; returns once the zeros are in memory.
-    pub fn alloc_zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
-        let m = Self::alloc(ctx, bytes)?;
-        memset_d8(m.ptr, 0, m.bytes.max(1))?;
-        Ok(m)
-    }
-
-    pub fn ptr(&self) -> sys::CUdeviceptr {
-        self.ptr
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-}
-
-impl Drop for DeviceMemory {
-    fn drop(&mut self) {
-        if bind(&self.ctx).is_ok() {
-            // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once.
-            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
-        }
-    }
-}
-
-/// Pinned host memory mapped into the device address space
-/// (`cuMemHostAlloc(PORTABLE | DEVICEMAP)`), zero-filled.
-pub struct PinnedHostMemory {
-    ctx: Arc<CudaContext>,
-    host: *mut c_void,
-    device: sys::CUdeviceptr,
-    bytes: usize,
-}
-
-// SAFETY: the allocation is plain memory owned by this value; the raw pointer
-// is only dereferenced through methods that take `&self`/`&mut self`.
-unsafe impl Send for PinnedHostMemory {}
-// SAFETY: as above; concurrent readers only perform volatile reads.
-unsafe impl Sync for PinnedHostMemory {}
-
-impl PinnedHostMemory {
-    pub fn alloc(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
-        bind(ctx)?;
-        let mut host: *mut c_void = std::ptr::null_mut();
-        cu!(cuMemHostAlloc(&mut host, bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP))?;
-        // SAFETY: `host` points to `bytes` writable bytes just allocated.
-        unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes.max(1)) };
-        let mut device: sys::CUdeviceptr = 0;
-        if let Err(e) = cu!(cuMemHostGetDevicePointer_v2(&mut device, host, 0)) {
-            // SAFETY: freeing the allocation made above.
-            unsafe { sys::cuMemFreeHost(host) };
-            return Err(e);
-        }
-        Ok(PinnedHostMemory { ctx: ctx.clone(), host, device, bytes })
-    }
-
-    pub fn host_ptr(&self) -> *mut c_void {
-        self.host
-    }
-
-    pub fn device_ptr(&self) -> sys::CUdeviceptr {
-        self.device
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-}
-
-impl Drop for PinnedHostMemory {
-    fn drop(&mut self) {
-        if bind(&self.ctx).is_ok() {
-            // SAFETY: `host` came from cuMemHostAlloc and is freed once.
-            let _ = unsafe { sys::cuMemFreeHost(self.host) };
-        }
-    }
-}
-
-/// A peer's allocation opened with `cuIpcOpenMemHandle`; closed on drop
-/// (never `cuMemFree`d: it belongs to the exporting process).
-pub struct IpcMapping {
-    ctx: Arc<CudaContext>,
-    ptr: sys::CUdeviceptr,
-}
-
-impl IpcMapping {
-    pub fn open(ctx: &Arc<CudaContext>, handle: &[u8; 64]) -> Result<Self> {
-        bind(ctx)?;
-        let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
-        for (d, s) in raw.reserved.iter_mut().zip(handle.iter()) {
-            *d = *s as std::ffi::c_char;
-        }
-        let mut ptr: sys::CUdeviceptr = 0;
-        cu!(cuIpcOpenMemHandle_v2(&mut ptr, raw, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32))
-            .map_err(|e| match &e {
-                // Measured on an H200 (driver 580): a peer freed a buffer this
-                // process still maps and a new allocation took its address.
-                Error::Driver { code, .. } if code.contains("ALREADY_MAPPED") => Error::Ipc(format!(
-                    "opening a peer's memory handle failed ({e}): this process still maps an earlier buffer of \
-                     that peer at the same place, so the peer freed a registered buffer without \
-                     deregister_buffers() first; call deregister_buffers() on every rank before freeing \
-                     registered buffers (CUDA leaves freeing memory that peers still map undefined)"
-                )),
-                _ => Error::Ipc(format!(
-                    "opening a peer's memory handle failed ({e}); if ranks run in containers, they need a shared \
-                     IPC namespace (--ipc=host) and the same GPU visibility"
-                )),
-            })?;
-        Ok(IpcMapping { ctx: ctx.clone(), ptr })
-    }
-
-    pub fn ptr(&self) -> sys::CUdeviceptr {
-        self.ptr
-    }
-}
-
-impl Drop for IpcMapping {
-    fn drop(&mut self) {
-        if bind(&self.ctx).is_ok() {
-            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
-        }
-    }
-}
-
-/// Exports the allocation starting at `base` (which must be the start of a
-/// `cuMemAlloc` allocation) as a 64-byte IPC handle.
-pub fn ipc_export(ctx: &CudaContext, base: sys::CUdeviceptr) -> Result<[u8; 64]> {
-    bind(ctx)?;
-    let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
-    cu!(cuIpcGetMemHandle(&mut raw, base)).map_err(|e| {
-        Error::Ipc(format!(
-            "cannot export device memory at {base:#x} over CUDA IPC ({e}). Memory from stream-ordered pools \
-             (cuMemAllocAsync, cudarc's CudaStream::alloc) and from expandable segments cannot be exported: \
-             allocate buffers that peers must read with cuMemAlloc (cudarc::driver::result::malloc_sync), or \
-             use a push algorithm, which needs no registration"
-        ))
-    })?;
-    let mut out = [0u8; 64];
-    for (d, s) in out.iter_mut().zip(raw.reserved.iter()) {
-        *d = *s as u8;
-    }
-    Ok(out)
-}
-
-/// Start address and size of the allocation containing `ptr`.
-pub fn allocation_range(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, usize)> {
-    let mut base: sys::CUdeviceptr = 0;
-    let mut size: usize = 0;
-    cu!(cuMemGetAddressRange_v2(&mut base, &mut size, ptr))?;
-    Ok((base, size))
-}
-
-/// Whether `ptr` belongs to a stream-ordered memory pool (not exportable
-/// with legacy CUDA IPC).
-pub fn is_pool_memory(ptr: sys::CUdeviceptr) -> bool {
-    // SAFETY: the mempool attribute is a CUmemoryPool.
-    let pool = unsafe {
-        pointer_attribute(
-            ptr,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
-            std::ptr::null_mut::<sys::CUmemPoolHandle_st>(),
-        )
-    };
-    matches!(pool, Ok(p) if !p.is_null())
-}
-
-/// The driver's id of the allocation holding `ptr`
-/// (`CU_POINTER_ATTRIBUTE_BUFFER_ID`): unique for the life of the process,
-/// so a freed address that a new allocation reuses gets a new id.
-pub fn buffer_id(ptr: sys::CUdeviceptr) -> Result<u64> {
-    // SAFETY: the buffer id attribute is an unsigned long long.
-    unsafe { pointer_attribute(ptr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID, 0u64) }
-}
-
-/// One `cuPointerGetAttribute` value, starting from `init`.
-///
-/// # Safety
-/// `T` must be the C type the driver writes for `attribute`.
-pub(crate) unsafe fn pointer_attribute<T: Copy>(
-    ptr: sys::CUdeviceptr,
-    attribute: sys::CUpointer_attribute,
-    init: T,
-) -> Result<T> {
-    let mut value = init;
-    cu!(cuPointerGetAttribute(&mut value as *mut T as *mut c_void, attribute, ptr))?;
-    Ok(value)
-}
-
 /// Waits for all work of the current context (every stream).
 pub fn context_synchronize() -> Result<()> {
     cu!(cuCtxSynchronize())
-}
-
-/// The context owning device pointer `ptr`, if it is one.
-pub fn pointer_context(ptr: sys::CUdeviceptr) -> Option<sys::CUcontext> {
-    // SAFETY: the context attribute is a CUcontext.
-    let ctx =
-        unsafe { pointer_attribute(ptr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT, std::ptr::null_mut()) };
-    ctx.ok().filter(|c: &sys::CUcontext| !c.is_null())
 }
 
 /// The context of a stream.
@@ -333,6 +232,16 @@ pub fn memcpy_htod(dst: sys::CUdeviceptr, src: &[u8]) -> Result<()> {
     cu!(cuStreamSynchronize(LEGACY_STREAM))
 }
 
+/// Writes `value` to the u32 at `dst` now, on `stream` (a non-blocking
+/// stream of `dst`'s context, so the write is not queued behind kernels on
+/// the legacy stream or the caller's streams), and waits for it.
+pub fn write_u32_now(stream: &cudarc::driver::CudaStream, dst: sys::CUdeviceptr, value: u32) -> Result<()> {
+    let _bound = CurrentContext::bind(stream.context())?;
+    let bytes = value.to_ne_bytes();
+    cu!(cuMemcpyHtoDAsync_v2(dst, bytes.as_ptr() as *const c_void, bytes.len(), stream.cu_stream()))?;
+    cu!(cuStreamSynchronize(stream.cu_stream()))
+}
+
 /// Copies device memory to `dst` (synchronous for pageable memory; like
 /// every copy it is not ordered after work on non-blocking streams, so
 /// synchronise the producing stream first).
@@ -367,7 +276,7 @@ pub unsafe fn memset_d8_async(dst: sys::CUdeviceptr, value: u8, bytes: usize, st
 
 /// Waits for all work queued on `stream`.
 pub fn synchronize(stream: &cudarc::driver::CudaStream) -> Result<()> {
-    bind(stream.context())?;
+    let _bound = CurrentContext::bind(stream.context())?;
     cu!(cuStreamSynchronize(stream.cu_stream()))
 }
 
@@ -414,203 +323,145 @@ pub fn read_struct<T: Copy + Default>(src: sys::CUdeviceptr) -> Result<T> {
     Ok(value)
 }
 
-/// Enables access from `ctx` to memory of `peer` (both in this process).
-pub fn enable_peer_access(ctx: &Arc<CudaContext>, peer: &CudaContext) -> Result<()> {
-    if ctx.cu_device() == peer.cu_device() {
-        return Ok(());
+// ---------------------------------------------------------------- devices (no context needed)
+
+/// The device handle of CUDA ordinal `ordinal` (`cuDeviceGet`).
+pub fn device(ordinal: usize) -> Result<sys::CUdevice> {
+    let mut dev: sys::CUdevice = 0;
+    cu!(cuDeviceGet(&mut dev, ordinal as i32))?;
+    Ok(dev)
+}
+
+/// The device's UUID as 32 lowercase hex digits (`cuDeviceGetUuid`).
+pub fn device_uuid(dev: sys::CUdevice) -> Result<String> {
+    let uuid = cudarc::driver::result::device::get_uuid(dev).map_err(|e| crate::error::driver("cuDeviceGetUuid", e))?;
+    Ok(uuid.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect())
+}
+
+/// The ordinal of the visible device with this UUID (as [`device_uuid`]
+/// writes it), if this process sees it. Creates no context.
+pub fn ordinal_with_uuid(uuid: &str) -> Result<Option<usize>> {
+    for ordinal in 0..device_count() {
+        if device_uuid(device(ordinal)?)? == uuid {
+            return Ok(Some(ordinal));
+        }
     }
+    Ok(None)
+}
+
+/// The device's PCI bus id as the driver writes it (`0000:1A:00.0`).
+pub fn pci_bus_id(dev: sys::CUdevice) -> Result<String> {
+    let mut buf = [0 as std::ffi::c_char; 32];
+    cu!(cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32 - 1, dev))?;
+    // SAFETY: the driver wrote a NUL-terminated string of at most 31 bytes
+    // into `buf`, whose last byte stays NUL.
+    Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+}
+
+/// What the driver reports about one device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub compute_capability: (u32, u32),
+    pub pci_bus_id: String,
+    pub memory_bytes: u64,
+}
+
+/// Name, compute capability, PCI bus id and memory of `dev`.
+pub fn device_info(dev: sys::CUdevice) -> Result<DeviceInfo> {
+    use cudarc::driver::result::device as d;
+    let name = d::get_name(dev).unwrap_or_else(|_| "unknown NVIDIA GPU".into());
+    let attribute = |a| {
+        // SAFETY: `dev` is a device handle from cuDeviceGet.
+        unsafe { d::get_attribute(dev, a) }.map(|v| v.max(0) as u32).unwrap_or(0)
+    };
+    let major = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+    let minor = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+    // SAFETY: as above.
+    let memory_bytes = unsafe { d::total_mem(dev) }.unwrap_or(0) as u64;
+    Ok(DeviceInfo { name, compute_capability: (major, minor), pci_bus_id: pci_bus_id(dev)?, memory_bytes })
+}
+
+/// Whether `dev` can access memory of `peer` (`cuDeviceCanAccessPeer`).
+pub fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
     let mut can: i32 = 0;
-    cu!(cuDeviceCanAccessPeer(&mut can, ctx.cu_device(), peer.cu_device()))?;
-    if can == 0 {
+    cu!(cuDeviceCanAccessPeer(&mut can, dev, peer))?;
+    Ok(can != 0)
+}
+
+/// `CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED` for the pair, `None` when the
+/// driver does not know the attribute (old drivers).
+pub fn p2p_access_supported(dev: sys::CUdevice, peer: sys::CUdevice) -> Option<bool> {
+    let mut supported: i32 = 0;
+    let attribute = sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED;
+    cu!(cuDeviceGetP2PAttribute(&mut supported, attribute, dev, peer)).ok().map(|()| supported != 0)
+}
+
+// ---------------------------------------------------------------- peer access
+
+/// A reference on a device's primary context (`cuDevicePrimaryCtxRetain`),
+/// released on drop. Retaining never binds the context to any thread.
+pub struct RetainedPrimaryContext {
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a retained context handle may be used and released from any thread.
+unsafe impl Send for RetainedPrimaryContext {}
+// SAFETY: as above; the handle is never mutated.
+unsafe impl Sync for RetainedPrimaryContext {}
+
+impl RetainedPrimaryContext {
+    /// Retains `dev`'s primary context if it exists already (never creates
+    /// one: that would cost memory on a GPU this process does not use).
+    pub fn if_active(dev: sys::CUdevice) -> Result<Option<RetainedPrimaryContext>> {
+        let (mut flags, mut active) = (0u32, 0i32);
+        cu!(cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active))?;
+        if active == 0 {
+            return Ok(None);
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        cu!(cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+        Ok(Some(RetainedPrimaryContext { dev, ctx }))
+    }
+
+    pub fn context(&self) -> sys::CUcontext {
+        self.ctx
+    }
+}
+
+impl Drop for RetainedPrimaryContext {
+    fn drop(&mut self) {
+        // SAFETY: retained once in `if_active`, released once here.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
+    }
+}
+
+/// Enables access from `ctx` to the device memory at `addr`, which belongs
+/// to a live context of this process on another device
+/// (`cuCtxEnablePeerAccess` to the context owning `addr`; already enabled
+/// counts as success). When that context is its device's primary context,
+/// returns a reference that keeps it alive while the caller maps the memory.
+pub fn enable_peer_access_to(ctx: &CudaContext, addr: sys::CUdeviceptr) -> Result<Option<RetainedPrimaryContext>> {
+    let (MemoryLocation::Device { ordinal }, Some(owner)) = (memory_location(addr)?, pointer_context(addr)) else {
+        return Err(Error::invalid(format!("enabling peer access: {addr:#x} is not device memory")));
+    };
+    let peer_dev = device(ordinal)?;
+    if !can_access_peer(ctx.cu_device(), peer_dev)? {
         return Err(Error::Unsupported(format!(
-            "device {} cannot access device {} (no P2P); use the host-staged transport",
-            ctx.ordinal(),
-            peer.ordinal()
+            "device {} cannot access device {ordinal} (no P2P); use the host-staged transport",
+            ctx.ordinal()
         )));
     }
-    bind(ctx)?;
-    // SAFETY: both contexts are live (held by the caller).
-    let status = unsafe { sys::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
-    if status == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-        return Ok(());
+    let keep_alive = RetainedPrimaryContext::if_active(peer_dev)?.filter(|p| p.context() == owner);
+    let _bound = CurrentContext::bind(ctx)?;
+    // SAFETY: `owner` is the live context owning `addr` (its rank is in the
+    // middle of the same collective step) and `ctx` is current.
+    let status = unsafe { sys::cuCtxEnablePeerAccess(owner, 0) };
+    if status != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+        check("cuCtxEnablePeerAccess", status)?;
     }
-    check("cuCtxEnablePeerAccess", status)
-}
-
-/// The library's kernels loaded into one context.
-pub struct KernelModule {
-    ctx: Arc<CudaContext>,
-    module: sys::CUmodule,
-    functions: HashMap<String, sys::CUfunction>,
-    pub arch: &'static str,
-}
-
-// SAFETY: CUmodule/CUfunction handles are usable from any thread once the
-// owning context is bound; the map is immutable after load.
-unsafe impl Send for KernelModule {}
-// SAFETY: as above.
-unsafe impl Sync for KernelModule {}
-
-impl KernelModule {
-    /// The module for `ctx`, loaded once per context and kept for the life
-    /// of the process. (Unloading when the last user drops it would make a
-    /// later call reload it — possibly inside a stream capture, where a
-    /// module load invalidates the capture.)
-    pub fn for_context(ctx: &Arc<CudaContext>) -> Result<Arc<KernelModule>> {
-        static CACHE: OnceLock<Mutex<HashMap<usize, Arc<KernelModule>>>> = OnceLock::new();
-        let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-        let key = ctx.cu_ctx() as usize;
-        let mut map = cache.lock().map_err(|_| Error::Broken("kernel module cache poisoned".into()))?;
-        if let Some(m) = map.get(&key) {
-            return Ok(m.clone());
-        }
-        let (major, minor) = ctx.compute_capability().map_err(|e| crate::error::driver("cuDeviceGetAttribute", e))?;
-        let ptx = crate::kernels::choose(major as u32, minor as u32).ok_or_else(|| {
-            Error::Unsupported(format!(
-                "device {} has compute capability {major}.{minor}; this build has PTX for {} (sm_80 or newer is supported; \
-                 set TP_ALLREDUCE_PTX_ARCHS when building to add architectures)",
-                ctx.ordinal(),
-                crate::kernels::embedded().iter().map(|p| p.arch).collect::<Vec<_>>().join(", ")
-            ))
-        })?;
-        let module = Arc::new(Self::load(ctx, ptx)?);
-        map.insert(key, module.clone());
-        Ok(module)
-    }
-
-    fn load(ctx: &Arc<CudaContext>, ptx: EmbeddedPtx) -> Result<KernelModule> {
-        bind(ctx)?;
-        let mut image = ptx.text.as_bytes().to_vec();
-        image.push(0);
-        let mut log = vec![0u8; 16 * 1024];
-        let mut options =
-            [sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER, sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES];
-        let mut values = [log.as_mut_ptr() as *mut c_void, log.len() as *mut c_void];
-        let mut module: sys::CUmodule = std::ptr::null_mut();
-        let loaded = cu!(cuModuleLoadDataEx(
-            &mut module,
-            image.as_ptr() as *const c_void,
-            options.len() as u32,
-            options.as_mut_ptr(),
-            values.as_mut_ptr()
-        ));
-        if let Err(e) = loaded {
-            let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
-            return Err(Error::Unsupported(format!(
-                "loading the {} PTX failed: {e}; JIT log: {}",
-                ptx.arch,
-                String::from_utf8_lossy(&log[..end]).trim()
-            )));
-        }
-        let mut functions = HashMap::new();
-        for name in crate::kernels::expected_entries() {
-            let cname = std::ffi::CString::new(name.clone()).expect("entry names have no NUL");
-            let mut f: sys::CUfunction = std::ptr::null_mut();
-            cu!(cuModuleGetFunction(&mut f, module, cname.as_ptr()))?;
-            functions.insert(name, f);
-        }
-        Ok(KernelModule { ctx: ctx.clone(), module, functions, arch: ptx.arch })
-    }
-
-    pub fn function(&self, name: &str) -> Result<sys::CUfunction> {
-        self.functions
-            .get(name)
-            .copied()
-            .ok_or_else(|| Error::Unsupported(format!("kernel `{name}` is not in the loaded PTX ({})", self.arch)))
-    }
-
-    /// Most blocks of `THREADS_PER_BLOCK` threads of kernel `name` one SM
-    /// holds at once.
-    pub fn max_blocks_per_sm(&self, name: &str, threads: u32) -> Result<u32> {
-        let f = self.function(name)?;
-        bind(&self.ctx)?;
-        let mut blocks: i32 = 0;
-        cu!(cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, f, threads as i32, 0))?;
-        Ok(blocks.max(0) as u32)
-    }
-}
-
-impl Drop for KernelModule {
-    fn drop(&mut self) {
-        if bind(&self.ctx).is_ok() {
-            // SAFETY: the module was loaded by us and is unloaded once.
-            let _ = unsafe { sys::cuModuleUnload(self.module) };
-        }
-    }
-}
-
-/// A kernel argument list: each entry points at one argument value, which
-/// must outlive the launch call (the driver copies them at launch).
-pub struct KernelArgs {
-    values: Vec<u64>,
-    kinds: Vec<ArgKind>,
-}
-
-#[derive(Clone, Copy)]
-enum ArgKind {
-    U64,
-    U32,
-    F32,
-}
-
-impl KernelArgs {
-    pub fn new() -> Self {
-        KernelArgs { values: Vec::with_capacity(8), kinds: Vec::with_capacity(8) }
-    }
-    pub fn u64(mut self, v: u64) -> Self {
-        self.values.push(v);
-        self.kinds.push(ArgKind::U64);
-        self
-    }
-    pub fn u32(mut self, v: u32) -> Self {
-        self.values.push(v as u64);
-        self.kinds.push(ArgKind::U32);
-        self
-    }
-    pub fn f32(mut self, v: f32) -> Self {
-        self.values.push(v.to_bits() as u64);
-        self.kinds.push(ArgKind::F32);
-        self
-    }
-}
-
-impl Default for KernelArgs {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-/// Launches `f` with a 1-D grid on `stream`.
-///
-/// # Safety
-/// `args` must match the kernel's parameter list (types and order) and every
-/// pointer argument must be valid for the kernel's accesses.
-pub unsafe fn launch(
-    f: sys::CUfunction,
-    grid: u32,
-    block: u32,
-    stream: sys::CUstream,
-    args: &KernelArgs,
-) -> Result<()> {
-    // u32 arguments must be passed as 4-byte values; keep separate storage.
-    let mut small: Vec<u32> = Vec::with_capacity(args.values.len());
-    for (v, k) in args.values.iter().zip(args.kinds.iter()) {
-        if matches!(k, ArgKind::U32 | ArgKind::F32) {
-            small.push(*v as u32);
-        }
-    }
-    let mut ptrs: Vec<*mut c_void> = Vec::with_capacity(args.values.len());
-    let mut s = 0;
-    for (i, k) in args.kinds.iter().enumerate() {
-        match k {
-            ArgKind::U64 => ptrs.push(&args.values[i] as *const u64 as *mut c_void),
-            ArgKind::U32 | ArgKind::F32 => {
-                ptrs.push(&small[s] as *const u32 as *mut c_void);
-                s += 1;
-            }
-        }
-    }
-    cu!(cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()))
+    Ok(keep_alive)
 }
 
 /// The id of the graph capture `stream` takes part in, `None` when it is
@@ -675,4 +526,29 @@ impl Drop for Event {
             let _ = unsafe { sys::cuEventDestroy_v2(self.event) };
         }
     }
+}
+
+/// Launches `f` with a 1-D grid of `grid` blocks of `block` threads on
+/// `stream`, passing `params` **by value** as the kernel's one parameter
+/// (`kernelParams = [&params]`; the driver copies the bytes into the
+/// kernel's parameter space at launch, so `params` only has to live for
+/// this call — a graph capture records the copy).
+///
+/// # Safety
+/// * `f`'s only parameter must be a `.param .align 16 .b8 [size_of::<P>()]`
+///   with `P`'s layout (the PTX tests compare the sizes for every sentinel
+///   entry; the layout is shared through `tp_allreduce_kernels::params`).
+/// * Every address in `params` must be valid for the kernel's accesses for
+///   as long as the launch (or any replay of a graph capturing it) runs.
+/// * `grid` and `block` must be a shape the kernel supports (the caller
+///   checks residency and the block limit: the kernel validates nothing).
+pub unsafe fn launch_struct<P: Copy>(
+    f: sys::CUfunction,
+    grid: u32,
+    block: u32,
+    stream: sys::CUstream,
+    params: &P,
+) -> Result<()> {
+    let mut args = [params as *const P as *mut c_void];
+    cu!(cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut()))
 }

@@ -10,9 +10,13 @@
 //! | `TP_ALLREDUCE_TOPOLOGY` | model with this embedded topology instead of discovering the machine (communicators and `plan`) | discovery |
 //! | `TP_ALLREDUCE_TUNING_FILE` | tuning table to load (TOML, see `select::tuning`) | `$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml` |
 //! | `TP_ALLREDUCE_TRANSPORT` | force the transport: `p2p` or `host-staged` | auto (P2P if every pair passes the check) |
-//! | `TP_ALLREDUCE_TIMEOUT_MS` | bound of every device-side wait on a peer, in ms | `5000` |
+//! | `TP_ALLREDUCE_TIMEOUT_MS` | bound of a device-side wait on a peer that already started the call, in ms | `5000` |
+//! | `TP_ALLREDUCE_LAUNCH_TIMEOUT_MS` | bound of a device-side wait on a peer that has not shown the call yet, in ms | `60000` (at least the timeout) |
 //! | `TP_ALLREDUCE_ISLAND_SIZE` | ranks per island for `hierarchical` (consecutive ranks) | from the topology |
-//! | `TP_ALLREDUCE_PUSH_BLOCKS` | most blocks per push-kernel launch | `16` |
+//! | `TP_ALLREDUCE_PUSH_BLOCKS` | most blocks per flag-based push-kernel launch (two-shot-push, hierarchical) | `16` |
+//! | `TP_ALLREDUCE_SHAPE` | launch shape `BLOCKSxTHREADS` of every one-shot-push launch (overrides tuning and the default rule) | tuning table, else the default rule |
+//! | `TP_ALLREDUCE_ONE_SHOT_PUSH_TP2` | `1`/`0`: use the two-rank specialisation of one-shot-push at 2 ranks | `1` |
+//! | `TP_ALLREDUCE_TRACE` | `1`: one-shot-push launches record timestamps (`bench --trace`) | `0` |
 //! | `TP_ALLREDUCE_RANK` | rank of a process started by `tp-allreduce launch` | set by the launcher |
 //! | `TP_ALLREDUCE_WORLD_SIZE` | world size of a launched process | set by the launcher |
 //! | `TP_ALLREDUCE_ID` | rendezvous id of a launched process | set by the launcher |
@@ -24,6 +28,8 @@
 //! | `TP_ALLREDUCE_BUILD_PTX` | build time: `1` forces building PTX from source (fails without nightly) | source if possible, else committed PTX |
 //! | `TP_ALLREDUCE_PTX_ARCHS` | build time: architectures to build | `sm_120,sm_90,sm_89,sm_80` |
 //! | `TP_ALLREDUCE_WRITE_PTX` | build time: also write the built PTX to this folder | unset |
+
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -44,8 +50,12 @@ pub const TOPOLOGY: &str = "TP_ALLREDUCE_TOPOLOGY";
 pub const TUNING_FILE: &str = "TP_ALLREDUCE_TUNING_FILE";
 pub const TRANSPORT: &str = "TP_ALLREDUCE_TRANSPORT";
 pub const TIMEOUT_MS: &str = "TP_ALLREDUCE_TIMEOUT_MS";
+pub const LAUNCH_TIMEOUT_MS: &str = "TP_ALLREDUCE_LAUNCH_TIMEOUT_MS";
 pub const ISLAND_SIZE: &str = "TP_ALLREDUCE_ISLAND_SIZE";
 pub const PUSH_BLOCKS: &str = "TP_ALLREDUCE_PUSH_BLOCKS";
+pub const SHAPE: &str = "TP_ALLREDUCE_SHAPE";
+pub const ONE_SHOT_PUSH_TP2: &str = "TP_ALLREDUCE_ONE_SHOT_PUSH_TP2";
+pub const TRACE: &str = "TP_ALLREDUCE_TRACE";
 pub const RANK: &str = "TP_ALLREDUCE_RANK";
 pub const WORLD_SIZE: &str = "TP_ALLREDUCE_WORLD_SIZE";
 pub const ID: &str = "TP_ALLREDUCE_ID";
@@ -70,9 +80,33 @@ pub const VARS: &[EnvVar] = &[
         default: "$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml",
     },
     EnvVar { name: TRANSPORT, meaning: "force the transport: p2p or host-staged", default: "auto" },
-    EnvVar { name: TIMEOUT_MS, meaning: "bound of every device-side wait on a peer, in ms", default: "5000" },
+    EnvVar {
+        name: TIMEOUT_MS,
+        meaning: "bound of a device-side wait on a peer that already started the call, in ms",
+        default: "5000",
+    },
+    EnvVar {
+        name: LAUNCH_TIMEOUT_MS,
+        meaning: "bound of a device-side wait on a peer that has not shown the call yet, in ms",
+        default: "60000 (at least the timeout)",
+    },
     EnvVar { name: ISLAND_SIZE, meaning: "ranks per island for hierarchical", default: "from the topology" },
-    EnvVar { name: PUSH_BLOCKS, meaning: "most blocks per push-kernel launch", default: "16" },
+    EnvVar {
+        name: PUSH_BLOCKS,
+        meaning: "most blocks per flag-based push-kernel launch (two-shot-push, hierarchical)",
+        default: "16",
+    },
+    EnvVar {
+        name: SHAPE,
+        meaning: "launch shape BLOCKSxTHREADS of every one-shot-push launch",
+        default: "tuning table, else the default rule",
+    },
+    EnvVar {
+        name: ONE_SHOT_PUSH_TP2,
+        meaning: "1/0: use the two-rank specialisation of one-shot-push at 2 ranks",
+        default: "1",
+    },
+    EnvVar { name: TRACE, meaning: "1: one-shot-push launches record timestamps", default: "0" },
     EnvVar { name: RANK, meaning: "rank of a process started by `tp-allreduce launch`", default: "set by the launcher" },
     EnvVar { name: WORLD_SIZE, meaning: "world size of a launched process", default: "set by the launcher" },
     EnvVar { name: ID, meaning: "rendezvous id of a launched process", default: "set by the launcher" },
@@ -137,6 +171,11 @@ pub fn timeout() -> Result<Option<Duration>> {
     var(TIMEOUT_MS).map(|v| parse(TIMEOUT_MS, &v).map(Duration::from_millis)).transpose()
 }
 
+/// `TP_ALLREDUCE_LAUNCH_TIMEOUT_MS`, if set.
+pub fn launch_timeout() -> Result<Option<Duration>> {
+    var(LAUNCH_TIMEOUT_MS).map(|v| parse(LAUNCH_TIMEOUT_MS, &v).map(Duration::from_millis)).transpose()
+}
+
 /// `TP_ALLREDUCE_ISLAND_SIZE`, if set.
 pub fn island_size() -> Result<Option<usize>> {
     var(ISLAND_SIZE).map(|v| parse(ISLAND_SIZE, &v)).transpose()
@@ -145,6 +184,31 @@ pub fn island_size() -> Result<Option<usize>> {
 /// `TP_ALLREDUCE_PUSH_BLOCKS`, if set.
 pub fn push_blocks() -> Result<Option<u32>> {
     var(PUSH_BLOCKS).map(|v| parse(PUSH_BLOCKS, &v)).transpose()
+}
+
+/// `TP_ALLREDUCE_SHAPE` (`BLOCKSxTHREADS`), if set.
+pub fn launch_shape() -> Result<Option<(u32, u32)>> {
+    var(SHAPE).map(|v| parse_launch_shape(&v).map_err(|e| Error::Config(format!("{SHAPE}: {e}")))).transpose()
+}
+
+fn flag(name: &str) -> Result<Option<bool>> {
+    var(name)
+        .map(|v| match v.trim() {
+            "1" | "true" | "on" | "yes" => Ok(true),
+            "0" | "false" | "off" | "no" => Ok(false),
+            other => Err(Error::Config(format!("{name}={other}: expected 1 or 0"))),
+        })
+        .transpose()
+}
+
+/// `TP_ALLREDUCE_ONE_SHOT_PUSH_TP2`, if set.
+pub fn one_shot_push_tp2() -> Result<Option<bool>> {
+    flag(ONE_SHOT_PUSH_TP2)
+}
+
+/// `TP_ALLREDUCE_TRACE`, if set.
+pub fn trace() -> Result<Option<bool>> {
+    flag(TRACE)
 }
 
 /// `TP_ALLREDUCE_TEST_SEED`, if set to a number.
@@ -166,6 +230,28 @@ pub fn tuning_file(fingerprint: &str, world: usize) -> Option<PathBuf> {
     let base =
         var("XDG_CACHE_HOME").map(PathBuf::from).or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
     Some(base.join("tp-allreduce").join(format!("tuning-{fingerprint}-w{world}.toml")))
+}
+
+/// Whether `(blocks, threads)` is a launch shape a sentinel kernel accepts
+/// (residency is checked per communicator, at the call).
+pub fn check_launch_shape((blocks, threads): (u32, u32)) -> std::result::Result<(), String> {
+    if threads == 0 || threads > 1024 || threads % 32 != 0 {
+        return Err(format!("{blocks}x{threads}: threads must be a multiple of 32 in 32..=1024"));
+    }
+    if blocks == 0 || blocks > 65_535 {
+        return Err(format!("{blocks}x{threads}: blocks must be in 1..=65535"));
+    }
+    Ok(())
+}
+
+/// Parses a launch shape `BxT` (`64x512`).
+pub fn parse_launch_shape(text: &str) -> std::result::Result<(u32, u32), String> {
+    let (b, t) =
+        text.trim().split_once(['x', 'X']).ok_or_else(|| format!("`{text}`: expected BLOCKSxTHREADS, e.g. 64x512"))?;
+    let blocks = b.trim().parse().map_err(|_| format!("`{text}`: `{b}` is not a block count"))?;
+    let threads = t.trim().parse().map_err(|_| format!("`{text}`: `{t}` is not a thread count"))?;
+    check_launch_shape((blocks, threads))?;
+    Ok((blocks, threads))
 }
 
 #[cfg(test)]

@@ -2,6 +2,8 @@
 //! a CUDA, IPC, rendezvous or bad-input error: it returns one of these, and
 //! each message names what failed and what to do about it.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 
 use tp_allreduce_kernels::ids::{AlgorithmId, DeviceErrorCode, Phase};
@@ -131,7 +133,7 @@ impl DeviceFailure {
     pub fn into_error(self) -> Error {
         match self.code {
             Some(DeviceErrorCode::Timeout) => Error::Timeout(self),
-            Some(DeviceErrorCode::PeerAborted) => Error::PeerAborted(self),
+            Some(DeviceErrorCode::PeerAborted | DeviceErrorCode::PeerExited) => Error::PeerAborted(self),
             _ => Error::Device(self),
         }
     }
@@ -177,6 +179,14 @@ impl fmt::Display for DeviceFailure {
                 self.rank, algo, self.expected
             ),
             Some(DeviceErrorCode::P2pMismatch) => write!(f, "rank {}: P2P check mismatch", self.rank),
+            Some(DeviceErrorCode::PeerExited) => write!(
+                f,
+                "rank {}: the process of rank {} exited while the communicator was in use (noticed by the \
+                 watchdog after {:.1} ms); the communicator is broken",
+                self.rank,
+                self.peer.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),
+                self.waited_ns as f64 / 1e6
+            ),
             _ => write!(f, "rank {}: unknown device error code", self.rank),
         }
     }
@@ -188,4 +198,12 @@ pub(crate) fn driver(call: &'static str, e: cudarc::driver::DriverError) -> Erro
     let code = format!("{:?}", e.0);
     let message = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     Error::Driver { call, code, message }
+}
+
+/// `?` on cudarc's driver calls (e.g. `CudaContext::new`, `clone_dtoh`)
+/// inside functions returning this crate's [`Result`].
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        driver("a cudarc driver call", e)
+    }
 }

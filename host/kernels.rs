@@ -1,6 +1,8 @@
 //! The PTX that `build.rs` embedded, one per architecture, and the pure
 //! rules for choosing one for a device.
 
+#![forbid(unsafe_code)]
+
 use tp_allreduce_kernels::ids::{AlgorithmId, DType};
 
 mod index {
@@ -50,6 +52,38 @@ pub fn entry_name(algorithm: AlgorithmId, dtype: DType) -> String {
     format!("{}_{}", algorithm.kernel_prefix(), dtype.name())
 }
 
+/// Entry point of the two-rank specialisation of OneShotPush:
+/// `one_shot_push2_<dtype>` (same parameters as `one_shot_push_<dtype>`).
+pub fn one_shot_push2_entry(dtype: DType) -> String {
+    format!("{}2_{}", AlgorithmId::OneShotPush.kernel_prefix(), dtype.name())
+}
+
+/// Sentinel kernels: parameters passed by value, any block size up to
+/// [`SENTINEL_MAX_THREADS`], built with [`SENTINEL_MAX_REGISTERS`]
+/// registers (build.rs states the same rule).
+pub fn is_sentinel_entry(name: &str) -> bool {
+    name.starts_with(AlgorithmId::OneShotPush.kernel_prefix())
+}
+
+/// Largest block of a sentinel kernel.
+pub const SENTINEL_MAX_THREADS: u32 = 1024;
+/// Register budget (`.maxnreg`) of a sentinel kernel: 65536 / 1024.
+pub const SENTINEL_MAX_REGISTERS: u32 = 64;
+
+/// Register budget (`.maxnreg`) build.rs gives entry `name`.
+pub fn max_registers(name: &str) -> u32 {
+    if is_sentinel_entry(name) {
+        SENTINEL_MAX_REGISTERS
+    } else {
+        65_536 / tp_allreduce_kernels::layout::THREADS_PER_BLOCK
+    }
+}
+
+/// Every sentinel entry (both OneShotPush variants, every dtype).
+pub fn sentinel_entries() -> Vec<String> {
+    DType::ALL.into_iter().flat_map(|d| [entry_name(AlgorithmId::OneShotPush, d), one_shot_push2_entry(d)]).collect()
+}
+
 /// Names of every kernel entry the host may launch; each must be present in
 /// every embedded PTX.
 pub fn expected_entries() -> Vec<String> {
@@ -58,6 +92,7 @@ pub fn expected_entries() -> Vec<String> {
         for algorithm in AlgorithmId::ALLREDUCE {
             names.push(entry_name(algorithm, dtype));
         }
+        names.push(one_shot_push2_entry(dtype));
         names.push(format!("sum_{}", dtype.name()));
         names.push(format!("affine_{}", dtype.name()));
     }
@@ -74,6 +109,7 @@ pub fn hot_entries() -> Vec<String> {
         for algorithm in AlgorithmId::ALLREDUCE {
             names.push(entry_name(algorithm, dtype));
         }
+        names.push(one_shot_push2_entry(dtype));
     }
     names
 }

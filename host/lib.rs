@@ -4,15 +4,52 @@
 //! the GPUs of one host, designed first for PCIe-only machines, with kernels
 //! written in Rust (`kernels-rs`, compiled to PTX by `build.rs`).
 //!
-//! See README.md for the overview and ARCHITECTURE.md for the design.
+//! See README.md for the overview and ARCHITECTURE.md for the design; the
+//! repository's `examples/` has complete programs (in-process group, one
+//! process per GPU, CUDA-graph capture).
+//!
+//! ```no_run
+//! use cudarc::driver::CudaContext;
+//! use tp_allreduce::{Comm, Config, DeviceBuffer, ReduceOp};
+//!
+//! fn main() -> tp_allreduce::Result<()> {
+//!     // cudarc's CudaContext::new panics without a driver: probe first.
+//!     if tp_allreduce::driver::device_count() == 0 {
+//!         return Ok(());
+//!     }
+//!     // Two ranks on GPU 0, one stream each (like ncclCommInitAll).
+//!     let ctx = CudaContext::new(0)?;
+//!     let comms = Comm::from_streams(vec![ctx.new_stream()?, ctx.new_stream()?], Config::from_env()?)?;
+//!     let mut buffers = Vec::new();
+//!     for comm in &comms {
+//!         buffers.push(DeviceBuffer::from_host(&comm.stream(), &[1.0f32; 1024])?);
+//!     }
+//!     for (comm, buffer) in comms.iter().zip(buffers.iter_mut()) {
+//!         comm.all_reduce_in_place(buffer, &ReduceOp::Sum)?;
+//!     }
+//!     comms.iter().try_for_each(|comm| comm.synchronize())?;
+//!     assert_eq!(buffers[1].to_host()?, vec![2.0f32; 1024]);
+//!     Ok(())
+//! }
+//! ```
 
+#![deny(unsafe_code)]
+
+// `unsafe` is denied crate-wide and allowed (an inner `allow(unsafe_code)` attribute at the
+// top of the file) in four rooms only: `driver` (every CUDA driver call and
+// kernel launch), `comm::call` (the raw entry point and the call path),
+// `comm::shm` (libc shared memory) and `nccl`, plus `candle` (the candle
+// ops' uninitialised outputs and raw calls). (`comm::ipc` needs none: its
+// driver calls go through `driver`.) Most other files also say
+// `#![forbid(unsafe_code)]`; `tests/suite/cpu.rs` checks the allow list.
 pub mod algorithm;
-pub(crate) mod algorithms;
+pub mod buffer;
 #[cfg(feature = "candle")]
 pub mod candle;
 pub mod comm;
 pub mod config;
 pub mod driver;
+pub mod element;
 pub mod env;
 pub mod error;
 pub mod kernels;
@@ -26,8 +63,14 @@ pub mod select;
 pub mod tools;
 
 pub use algorithm::{Algorithm, Transport};
+pub use buffer::DeviceBuffer;
 pub use comm::{CallPlan, Comm, Element, ReduceOp};
 pub use config::{Config, TransportPreference};
 pub use error::{Error, Result};
 pub use rank_env::RankEnv;
 pub use tp_allreduce_kernels::ids::DType;
+
+/// The README's Rust code, compiled as doc-tests (`cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

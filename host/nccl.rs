@@ -7,6 +7,8 @@
 //! put a `libnccl.so` symlink to it on `LD_LIBRARY_PATH` (the GPU scripts in
 //! `.ci/` do this).
 
+#![allow(unsafe_code)]
+
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
@@ -88,7 +90,9 @@ impl NcclComm {
         for (d, s) in id.internal.iter_mut().zip(root.iter()) {
             *d = *s as std::ffi::c_char;
         }
-        driver::bind(stream.context())?;
+        // NCCL binds the device it joins from the current context; restore
+        // the caller's afterwards.
+        let _context = driver::CurrentContext::bind(stream.context())?;
         let mut comm = MaybeUninit::uninit();
         // SAFETY: `comm` receives a new communicator on success.
         unsafe {

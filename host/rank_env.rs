@@ -2,6 +2,8 @@
 //! (or any launcher that sets the same variables, declared in [`crate::env`]):
 //! its rank, the world size, the rendezvous id and the CUDA ordinal to use.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;

@@ -1,12 +1,60 @@
 //! `tp-allreduce`: benchmark against NCCL, inspect the PTX, plan and tune
 //! algorithm selection, launch ranks.
+//!
+//! Every command parses and validates all of its arguments first (a bad
+//! value is an error on stderr and a non-zero exit, with or without a GPU),
+//! writes its results to stdout, and stops quietly when stdout is closed
+//! (`tp-allreduce report r.json | head`).
+#![forbid(unsafe_code)]
 
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use tp_allreduce::tools::bench::{self, report, Mode, Options, Scenarios, Selection};
+use tp_allreduce::tools::bench::options::{at_least_one, parse_dtype, parse_sizes, SizeList};
+use tp_allreduce::tools::bench::{self, report, BenchArgs, Mode, Options};
+use tp_allreduce::tools::plan::{self, PlanRequest};
 use tp_allreduce::{Algorithm, Config, DType};
+
+/// Why a command stopped early.
+enum Failure {
+    /// An error for stderr (and a non-zero exit).
+    Message(String),
+    /// Whoever read stdout stopped reading: stop quietly.
+    StdoutClosed,
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure::Message(message)
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(message: &str) -> Self {
+        Failure::Message(message.to_string())
+    }
+}
+
+type CliResult<T = ()> = Result<T, Failure>;
+
+/// Writes `text` to stdout; a closed stdout (broken pipe) is not an error
+/// to report, just the end.
+fn emit(text: impl AsRef<str>) -> CliResult {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_ref().as_bytes()).and_then(|()| out.flush()).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            Failure::StdoutClosed
+        } else {
+            Failure::Message(format!("writing to stdout: {e}"))
+        }
+    })
+}
+
+fn text<E: std::fmt::Display>(e: E) -> Failure {
+    Failure::Message(e.to_string())
+}
 
 #[derive(Parser)]
 #[command(name = "tp-allreduce", version, about = "Fast CUDA-graph-capturable allreduce for tensor-parallel inference")]
@@ -62,14 +110,24 @@ enum Command {
 
 #[derive(Args)]
 struct PlanArgs {
-    /// Embedded topology name (see `--list`).
+    /// Embedded topology name (see `--list`; default: TP_ALLREDUCE_TOPOLOGY,
+    /// else the 8x RTX PRO 6000 PCIe machine).
     #[arg(long)]
     topology: Option<String>,
-    /// Ranks (default: every GPU of the topology).
-    #[arg(long)]
+    /// Ranks (default: every GPU of the topology times --ranks-per-gpu).
+    #[arg(long, value_parser = at_least_one)]
     world: Option<usize>,
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
+    /// Ranks sharing each GPU (the first world / ranks-per-gpu GPUs are used).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    ranks_per_gpu: usize,
+    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    dtype: DType,
+    /// Message sizes, e.g. `4K,42K,8M` (default: 4 KB .. 8 MB doubling + 42 KB).
+    #[arg(long, value_parser = parse_sizes)]
+    sizes: Option<SizeList>,
+    /// Model eager calls instead of CUDA-graph replay.
+    #[arg(long)]
+    eager: bool,
     /// List the embedded topologies.
     #[arg(long)]
     list: bool,
@@ -81,16 +139,28 @@ struct TuneArgs {
     #[arg(long, value_delimiter = ',')]
     gpus: Vec<usize>,
     /// Ranks per GPU.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     ranks_per_gpu: usize,
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
+    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    dtype: DType,
     /// Where to write the table (default: the path communicators look at).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Islands for the hierarchical algorithm (ranks per island).
     #[arg(long)]
     island_size: Option<usize>,
+    /// Size buckets to measure, e.g. `4K,42K,1M` (`default`: 1 KB .. 64 MB
+    /// doubling + 42 KB).
+    #[arg(long, value_parser = parse_sizes)]
+    sizes: Option<SizeList>,
+    /// Launch shapes of one-shot-push: `default` (the default rule) or
+    /// `full` (sweep blocks x threads, verified, slowest rank; the winner
+    /// goes into the table).
+    #[arg(long, value_enum, default_value_t = bench::Shapes::Default)]
+    shapes: bench::Shapes,
+    /// Write every measured shape (JSON) here.
+    #[arg(long)]
+    report: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -133,126 +203,61 @@ struct SelftestArgs {
     /// `R:K`: rank R SIGKILLs itself after K calls (fault test).
     #[arg(long)]
     fault: Option<String>,
+    /// `R:MS`: rank R sleeps MS milliseconds before its first call (launch skew).
+    #[arg(long)]
+    delay_first_call: Option<String>,
     /// Seed shared by all ranks (default: from TP_ALLREDUCE_TEST_SEED or the job).
     #[arg(long)]
     seed: Option<u64>,
     /// Islands for the hierarchical algorithm (ranks per island).
     #[arg(long)]
     island_size: Option<usize>,
+    /// Graph replays per algorithm (default: 200 with --quick, else 300).
+    #[arg(long)]
+    replays: Option<usize>,
 }
 
-#[derive(Args, Clone)]
-struct BenchArgs {
-    /// Message sizes, e.g. `1K,42K,8M` (`default`: 1 KB .. 64 MB doubling + 42 KB).
-    #[arg(long, default_value = "default")]
-    sizes: String,
-    /// Element type: f32, f16 or bf16.
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
-    /// Comma-separated: `auto`, algorithm names, `nccl`, or `all`.
-    #[arg(long, default_value = "auto,nccl")]
-    algorithms: String,
-    /// Allreduces per timed sample (graph replay or eager loop).
-    #[arg(long, default_value_t = 100)]
-    iterations: usize,
-    /// Timed samples per configuration.
-    #[arg(long, default_value_t = 20)]
-    repeats: usize,
-    #[arg(long, default_value_t = 3)]
-    warmup: usize,
-    /// `graph` (replay of captured allreduces) or `eager`.
-    #[arg(long, default_value = "graph")]
-    mode: String,
-    /// GPUs to use (default: all visible).
-    #[arg(long, value_delimiter = ',')]
-    gpus: Vec<usize>,
-    /// Ranks per GPU (the only option for several ranks on one GPU).
-    #[arg(long, default_value_t = 1)]
-    ranks_per_gpu: usize,
-    /// Results directory (CSV, JSON, SVG).
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Print the ratio against an earlier results.json.
-    #[arg(long)]
-    compare: Option<PathBuf>,
-    /// Skip the verify-pass scenario (122 x 42 KB bf16 in one graph).
-    #[arg(long)]
-    no_verify_pass: bool,
-    /// Also measure the single-GPU large-message efficiency (2 ranks, 64 MB).
-    #[arg(long)]
-    efficiency: bool,
-    /// Islands for the hierarchical algorithm (ranks per island).
-    #[arg(long)]
-    island_size: Option<usize>,
-    /// One process per rank through the launcher (the deployment shape;
-    /// NCCL rows are then graph-captured too). Ranks sharing a GPU need MPS.
-    #[arg(long)]
-    processes: bool,
-}
-
-fn parse_size(s: &str) -> Result<usize, String> {
-    let t = s.trim().to_ascii_uppercase();
-    let (num, mult) = if let Some(n) = t.strip_suffix("MB").or_else(|| t.strip_suffix('M')) {
-        (n, 1usize << 20)
-    } else if let Some(n) = t.strip_suffix("KB").or_else(|| t.strip_suffix('K')) {
-        (n, 1 << 10)
-    } else if let Some(n) = t.strip_suffix('B') {
-        (n, 1)
-    } else {
-        (t.as_str(), 1)
-    };
-    let v: f64 = num.trim().parse().map_err(|_| format!("bad size `{s}` (examples: 4K, 42K, 8M, 1000)"))?;
-    Ok((v * mult as f64) as usize)
-}
-
-fn parse_dtype(s: &str) -> Result<DType, String> {
-    DType::ALL
-        .into_iter()
-        .find(|d| d.name() == s.trim().to_ascii_lowercase())
-        .ok_or_else(|| format!("bad dtype `{s}`: f32, f16 or bf16"))
-}
-
-fn plan(args: PlanArgs) -> Result<(), String> {
+fn plan(args: PlanArgs) -> CliResult {
     if args.list {
-        for name in tp_allreduce::select::topology::embedded::names() {
-            println!("{name}");
-        }
-        return Ok(());
+        return emit(tp_allreduce::select::topology::embedded::names().join("\n") + "\n");
     }
-    let topology = match &args.topology {
-        Some(name) => tp_allreduce::select::topology::embedded::by_name(name).map_err(|e| e.to_string())?,
-        None => tp_allreduce::select::topology::embedded::default_topology(),
-    };
-    let dtype = parse_dtype(&args.dtype)?;
-    print!("{}", tp_allreduce::tools::plan::plan_report(&topology, args.world, dtype));
-    Ok(())
+    let topology = plan::topology(args.topology.as_deref())?;
+    let mut req = PlanRequest::for_world(topology, args.world, args.ranks_per_gpu, args.dtype)?;
+    if let Some(sizes) = args.sizes {
+        req.sizes = sizes.0;
+    }
+    req.capturing = !args.eager;
+    emit(plan::plan_report(&req)?)
 }
 
-fn topo(json: bool) -> Result<(), String> {
-    let t = tp_allreduce::select::topology::discover::discover().map_err(|e| e.to_string())?;
+fn topo(json: bool) -> CliResult {
+    let t = tp_allreduce::select::topology::discover::discover().map_err(text)?;
     if json {
-        println!("{}", t.to_json().map_err(|e| e.to_string())?);
+        emit(t.to_json().map_err(text)? + "\n")
     } else {
-        print!("{}", t.summary());
-        println!("fingerprint: {}", t.fingerprint());
+        let islands = t.islands().map_or("none".to_string(), |i| format!("{:?}", i.groups));
+        emit(
+            tp_allreduce::tools::topology_view::render(&t, &(0..t.len()).collect::<Vec<_>>())
+                + &format!("islands: {islands}\n"),
+        )
     }
-    Ok(())
 }
 
-fn tune(args: TuneArgs) -> Result<(), String> {
-    if tp_allreduce::driver::device_count() == 0 {
+fn tune(args: TuneArgs) -> CliResult {
+    let visible = tp_allreduce::driver::device_count();
+    if visible == 0 {
         return Err("no CUDA device: tuning measures this machine's GPUs".into());
     }
-    let gpus =
-        if args.gpus.is_empty() { (0..tp_allreduce::driver::device_count()).collect() } else { args.gpus.clone() };
-    let mut config = Config::from_env().map_err(|e| e.to_string())?;
+    let gpus = if args.gpus.is_empty() { (0..visible).collect() } else { args.gpus.clone() };
+    bench::options::check_gpus(&gpus, visible)?;
+    let mut config = Config::from_env().map_err(text)?;
     if args.island_size.is_some() {
         config.island_size = args.island_size;
     }
     config.algorithm = None;
     let opts = Options {
-        sizes: tp_allreduce::select::tuning::default_buckets(),
-        dtype: parse_dtype(&args.dtype)?,
+        sizes: args.sizes.map(|s| s.0).unwrap_or_else(tp_allreduce::select::tuning::default_buckets),
+        dtype: args.dtype,
         selections: Vec::new(),
         include_nccl: true,
         mode: Mode::Graph,
@@ -260,116 +265,90 @@ fn tune(args: TuneArgs) -> Result<(), String> {
         repeats: 5,
         warmup: 2,
         gpus: gpus.clone(),
-        ranks_per_gpu: args.ranks_per_gpu.max(1),
+        ranks_per_gpu: args.ranks_per_gpu,
         config: config.clone(),
     };
-    let outcome = bench::tune(&opts, args.out).map_err(|e| e.to_string())?;
-    println!(
-        "tuned {} measurements in {:.1} s; table written to {}",
+    let outcome = bench::tune(&opts, args.out, args.shapes).map_err(text)?;
+    if let Some(path) = &args.report {
+        let json = serde_json::to_string_pretty(&outcome.sweep).map_err(text)?;
+        std::fs::write(path, json).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    let winners: Vec<String> = outcome
+        .table
+        .entries
+        .iter()
+        .map(|e| {
+            let results: Vec<String> = e
+                .results
+                .iter()
+                .map(|r| match r.shape() {
+                    Some((b, t)) => format!("{} {:.2} us ({b}x{t})", r.algorithm, r.median_us),
+                    None => format!("{} {:.2} us", r.algorithm, r.median_us),
+                })
+                .collect();
+            format!("{} {:>8}: winner {}; {}", e.dtype.name(), e.bytes, e.winner, results.join(", "))
+        })
+        .collect();
+    emit(format!(
+        "tuned {} measurements in {:.1} s; table written to {}\n{}\n",
         outcome.measured,
         outcome.seconds,
-        outcome.path.display()
-    );
-    print!(
-        "{}",
-        outcome
-            .table
-            .to_toml_string()
-            .map_err(|e| e.to_string())?
-            .lines()
-            .filter(|l| l.starts_with("bytes") || l.starts_with("winner =") || l.starts_with("dtype"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
-    println!();
+        outcome.path.display(),
+        winners.join("\n")
+    ))?;
     // A new communicator on the same ranks must load and use it.
-    let ranks = bench::Ranks::new(&gpus, opts.ranks_per_gpu).map_err(|e| e.to_string())?;
-    let mut check_config = config;
-    check_config.algorithm = None;
+    let ranks = bench::Ranks::new(&gpus, opts.ranks_per_gpu).map_err(text)?;
     std::env::set_var(tp_allreduce::env::TUNING_FILE, &outcome.path);
-    let comms = bench::our_group(&ranks, &check_config).map_err(|e| e.to_string())?;
-    for n in comms[0].notes() {
-        println!("communicator: {n}");
-    }
-    println!("communicator selects (graph): {}", comms[0].selection().describe(opts.dtype, true));
-    Ok(())
+    let comms = bench::our_group(&ranks, &config).map_err(text)?;
+    let mut lines: String = comms[0].notes().iter().map(|n| format!("communicator: {n}\n")).collect();
+    lines += &format!("communicator selects (graph): {}\n", comms[0].selection().describe(opts.dtype, true));
+    emit(lines)
 }
 
-fn bench_options(args: &BenchArgs) -> Result<(Options, Scenarios), String> {
-    let sizes = if args.sizes == "default" {
-        bench::default_sizes()
-    } else {
-        args.sizes.split(',').map(parse_size).collect::<Result<Vec<_>, _>>()?
-    };
-    let dtype = parse_dtype(&args.dtype)?;
-    let mut selections = Vec::new();
-    let mut include_nccl = false;
-    for a in args.algorithms.split(',').map(|s| s.trim()) {
-        match a {
-            "all" => {
-                selections.push(Selection::Auto);
-                selections.extend(Algorithm::OURS.iter().map(|a| Selection::Forced(*a)));
-                include_nccl = true;
-            }
-            "nccl" => include_nccl = true,
-            other => selections.push(other.parse::<Selection>().map_err(|e| e.to_string())?),
-        }
-    }
-    let mode = match args.mode.as_str() {
-        "graph" => Mode::Graph,
-        "eager" => Mode::Eager,
-        m => return Err(format!("bad mode `{m}`: graph or eager")),
-    };
-    let gpus =
-        if args.gpus.is_empty() { (0..tp_allreduce::driver::device_count()).collect() } else { args.gpus.clone() };
-    let mut config = Config::from_env().map_err(|e| e.to_string())?;
-    if args.island_size.is_some() {
-        config.island_size = args.island_size;
-    }
-    let opts = Options {
-        sizes,
-        dtype,
-        selections,
-        include_nccl,
-        mode,
-        iterations: args.iterations.max(1),
-        repeats: args.repeats.max(1),
-        warmup: args.warmup,
-        gpus,
-        ranks_per_gpu: args.ranks_per_gpu.max(1),
-        config,
-    };
-    // The launch floor and the efficiency scenario are in-process only.
-    let scenarios = Scenarios {
-        verify_pass: !args.no_verify_pass,
-        efficiency: args.efficiency && !args.processes,
-        launch_floor: !args.processes,
-    };
-    Ok((opts, scenarios))
-}
-
-fn write_outputs(rep: &report::Report, out: Option<PathBuf>, compare: Option<PathBuf>) -> Result<(), String> {
-    print!("{}", report::render_table(rep));
+fn write_outputs(rep: &report::Report, out: Option<PathBuf>, compare: Option<PathBuf>) -> CliResult {
     let out = out.unwrap_or_else(|| PathBuf::from("results").join(format!("bench-{}", rep.date_utc.replace(':', ""))));
     std::fs::create_dir_all(&out).map_err(|e| format!("creating {}: {e}", out.display()))?;
-    report::write_csv(rep, &out.join("results.csv")).map_err(|e| e.to_string())?;
-    report::write_json(rep, &out.join("results.json")).map_err(|e| e.to_string())?;
-    std::fs::write(out.join("latency.svg"), report::render_svg(rep)).map_err(|e| e.to_string())?;
-    println!("results: {}/results.{{csv,json}}, {}/latency.svg", out.display(), out.display());
+    report::write_csv(rep, &out.join("results.csv")).map_err(text)?;
+    report::write_json(rep, &out.join("results.json")).map_err(text)?;
+    std::fs::write(out.join("latency.svg"), report::render_svg(rep)).map_err(text)?;
+    let mut shown = report::render_table(rep);
+    shown += &format!("results: {}/results.{{csv,json}}, {}/latency.svg\n", out.display(), out.display());
     if let Some(old) = compare {
-        let old = report::read_json(&old).map_err(|e| e.to_string())?;
-        print!("{}", report::render_compare(&old, rep));
+        let old = report::read_json(&old).map_err(text)?;
+        shown += &report::render_compare(&old, rep);
     }
-    Ok(())
+    emit(shown)
 }
 
-fn bench(args: BenchArgs) -> Result<(), String> {
+/// Without a GPU: the model's plan for what the arguments ask for (dtype,
+/// sizes, GPUs and ranks per GPU, graph or eager) on the embedded topology
+/// (`TP_ALLREDUCE_TOPOLOGY`, else the default one).
+fn bench_plan(args: &BenchArgs) -> CliResult {
+    let topology = plan::topology(None)?;
+    let max_gpus = (tp_allreduce_kernels::layout::MAX_RANKS / args.ranks_per_gpu).clamp(1, topology.len());
+    let gpus: Vec<usize> = if args.gpus.is_empty() { (0..max_gpus).collect() } else { args.gpus.clone() };
+    let mut req = PlanRequest::on_gpus(topology, &gpus, args.ranks_per_gpu, args.dtype)?;
+    req.sizes = args.sizes.0.clone();
+    req.capturing = args.mode == Mode::Graph;
+    emit(format!(
+        "no CUDA device: nothing to measure here. The model's plan instead (`tp-allreduce plan`): {} ranks on \
+         GPUs {gpus:?} of `{}`, {}, {} mode; --algorithms, --iterations, --repeats, --warmup and the output \
+         options apply to measurements only.\n\n{}",
+        req.world(),
+        req.topology.name,
+        req.dtype.name(),
+        args.mode.name(),
+        plan::plan_report(&req)?
+    ))
+}
+
+fn bench(args: BenchArgs) -> CliResult {
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
-    if tp_allreduce::driver::device_count() == 0 {
-        println!("no CUDA device: nothing to measure here; the plan for the default topology instead (`tp-allreduce plan`):\n");
-        return plan(PlanArgs { topology: None, world: None, dtype: args.dtype.clone(), list: false });
+    let visible = tp_allreduce::driver::device_count();
+    if visible == 0 {
+        return bench_plan(&args);
     }
-    let (opts, scenarios) = bench_options(&args)?;
+    let (opts, scenarios) = args.options(visible, Config::from_env().map_err(text)?)?;
     if args.processes {
         // One process per rank: this command again as `bench-rank` workers.
         let exe = std::env::current_exe().map_err(|e| format!("locating this executable: {e}"))?;
@@ -382,21 +361,23 @@ fn bench(args: BenchArgs) -> Result<(), String> {
             grace: std::time::Duration::from_secs(30),
             timeout: None,
         };
-        let outcomes = tp_allreduce::tools::launcher::launch(&launch, &worker).map_err(|e| e.to_string())?;
+        let outcomes = tp_allreduce::tools::launcher::launch(&launch, &worker).map_err(text)?;
         return match outcomes.iter().find(|o| !o.success) {
             None => Ok(()),
-            Some(o) => Err(format!("bench rank {} failed: {}", o.rank, o.status)),
+            Some(o) => Err(format!("bench rank {} failed: {}", o.rank, o.status).into()),
         };
     }
-    let rep = bench::run(&opts, &scenarios, &command_line).map_err(|e| e.to_string())?;
+    let rep = bench::run(&opts, &scenarios, &command_line).map_err(text)?;
     write_outputs(&rep, args.out, args.compare)
 }
 
-fn bench_rank(args: BenchArgs) -> Result<(), String> {
+fn bench_rank(args: BenchArgs) -> CliResult {
     let env = rank_env()?;
     let command_line =
         format!("tp-allreduce bench --processes {}", std::env::args().skip(2).collect::<Vec<_>>().join(" "));
-    let (opts, scenarios) = bench_options(&BenchArgs { processes: true, ..args.clone() })?;
+    let visible = tp_allreduce::driver::device_count();
+    let (opts, scenarios) =
+        BenchArgs { processes: true, ..args.clone() }.options(visible, Config::from_env().map_err(text)?)?;
     match bench::processes::run_rank(&env, &opts, &scenarios, &command_line)
         .map_err(|e| format!("rank {}: {e}", env.rank))?
     {
@@ -405,45 +386,43 @@ fn bench_rank(args: BenchArgs) -> Result<(), String> {
     }
 }
 
-fn inspect(args: InspectArgs) -> Result<(), String> {
-    let report = tp_allreduce::tools::inspect::inspect(&args.arch, &args.out).map_err(|e| e.to_string())?;
-    print!("{}", tp_allreduce::tools::inspect::render(&report));
-    println!("files: {}", args.out.display());
-    Ok(())
+fn inspect(args: InspectArgs) -> CliResult {
+    let report = tp_allreduce::tools::inspect::inspect(&args.arch, &args.out).map_err(text)?;
+    emit(tp_allreduce::tools::inspect::render(&report) + &format!("files: {}\n", args.out.display()))
 }
 
-fn launch(args: LaunchArgs) -> Result<(), String> {
+fn launch(args: LaunchArgs) -> CliResult {
     let opts = tp_allreduce::tools::launcher::LaunchOptions {
         world_size: args.ranks,
         gpus: args.gpus,
         grace: std::time::Duration::from_secs(args.grace),
         timeout: (args.timeout > 0).then(|| std::time::Duration::from_secs(args.timeout)),
     };
-    let outcomes = tp_allreduce::tools::launcher::launch(&opts, &args.command).map_err(|e| e.to_string())?;
-    let failed: Vec<_> = outcomes.iter().filter(|o| !o.success).collect();
+    let outcomes = tp_allreduce::tools::launcher::launch(&opts, &args.command).map_err(text)?;
+    let failed = outcomes.iter().filter(|o| !o.success).count();
     for o in &outcomes {
         eprintln!("launch: rank {}: {}", o.rank, o.status);
     }
-    if failed.is_empty() {
+    if failed == 0 {
         Ok(())
     } else {
-        Err(format!("{} of {} ranks failed", failed.len(), outcomes.len()))
+        Err(format!("{failed} of {} ranks failed", outcomes.len()).into())
     }
 }
 
-fn rank_env() -> Result<tp_allreduce::RankEnv, String> {
+fn rank_env() -> CliResult<tp_allreduce::RankEnv> {
     tp_allreduce::RankEnv::from_env()
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| "not started by `tp-allreduce launch` (TP_ALLREDUCE_RANK is not set)".to_string())
+        .map_err(text)?
+        .ok_or_else(|| "not started by `tp-allreduce launch` (TP_ALLREDUCE_RANK is not set)".into())
 }
 
-fn selftest(args: SelftestArgs) -> Result<(), String> {
-    let env = rank_env()?;
+fn selftest_options(
+    args: &SelftestArgs,
+    env: &tp_allreduce::RankEnv,
+) -> CliResult<tp_allreduce::tools::selftest::SelftestOptions> {
     let algorithms = match &args.algorithms {
         None => Algorithm::OURS.to_vec(),
-        Some(list) => {
-            list.split(',').map(|a| a.parse::<Algorithm>().map_err(|e| e.to_string())).collect::<Result<_, _>>()?
-        }
+        Some(list) => list.split(',').map(|a| a.parse::<Algorithm>().map_err(text)).collect::<CliResult<_>>()?,
     };
     let fault = match &args.fault {
         None => None,
@@ -452,11 +431,17 @@ fn selftest(args: SelftestArgs) -> Result<(), String> {
             Some((r.parse().map_err(|_| "bad fault rank")?, k.parse().map_err(|_| "bad fault call count")?))
         }
     };
-    let seed = args
-        .seed
-        .or_else(tp_allreduce::env::test_seed)
-        .unwrap_or_else(|| u64::from_le_bytes(env.id.job_id()[..8].try_into().unwrap()));
-    let mut config = Config::from_env().map_err(|e| e.to_string())?;
+    let delay_first_call = match &args.delay_first_call {
+        None => None,
+        Some(d) => {
+            let (r, ms) = d.split_once(':').ok_or("--delay-first-call takes RANK:MILLISECONDS")?;
+            let ms: u64 = ms.parse().map_err(|_| "bad delay in milliseconds")?;
+            Some((r.parse().map_err(|_| "bad delay rank")?, std::time::Duration::from_millis(ms)))
+        }
+    };
+    let job_seed = || u64::from_le_bytes(env.id.job_id()[..8].try_into().expect("8 bytes of the job id"));
+    let seed = args.seed.or_else(tp_allreduce::env::test_seed).unwrap_or_else(job_seed);
+    let mut config = Config::from_env().map_err(text)?;
     if args.island_size.is_some() {
         config.island_size = args.island_size;
     }
@@ -465,61 +450,65 @@ fn selftest(args: SelftestArgs) -> Result<(), String> {
     } else {
         vec![2, 6, 18, 34, 1_000, 4_096, 16_386, 43_008, 65_538, 262_142, 1_048_578, 8_388_608]
     };
-    let opts = tp_allreduce::tools::selftest::SelftestOptions {
+    Ok(tp_allreduce::tools::selftest::SelftestOptions {
         sizes,
         dtypes: DType::ALL.to_vec(),
         algorithms,
         graph_allreduces: if args.quick { 50 } else { 60 },
-        graph_replays: if args.quick { 200 } else { 300 },
+        graph_replays: args.replays.unwrap_or(if args.quick { 200 } else { 300 }),
         seed,
         fault,
+        delay_first_call,
         config,
-    };
-    println!("rank {}: seed {seed}", env.rank);
+    })
+}
+
+fn selftest(args: SelftestArgs) -> CliResult {
+    let env = rank_env()?;
+    let opts = selftest_options(&args, &env)?;
+    emit(format!("rank {}: seed {}\n", env.rank, opts.seed))?;
     let summary = tp_allreduce::tools::selftest::run(&env, &opts).map_err(|e| format!("rank {}: {e}", env.rank))?;
-    println!(
+    emit(format!(
         "rank {}: selftest passed: {} eager cases, {} graph replays, {} registration rounds \
-         ({} reused the previous round's addresses) ({:.1} s)",
+         ({} reused the previous round's addresses) ({:.1} s)\n",
         env.rank,
         summary.eager_cases,
         summary.graph_replays,
         summary.registration_rounds,
         summary.reused_addresses,
         summary.elapsed.as_secs_f64()
-    );
-    Ok(())
+    ))
 }
 
-fn probe_rendezvous(rounds: usize) -> Result<(), String> {
+fn probe_rendezvous(rounds: usize) -> CliResult {
     let env = rank_env()?;
     let rdv = tp_allreduce::rendezvous::connect(&env.id, env.rank, env.world_size, std::time::Duration::from_secs(30))
-        .map_err(|e| e.to_string())?;
+        .map_err(text)?;
     for round in 0..rounds {
         let mine = format!("rank {} round {round} pid {}", env.rank, std::process::id()).into_bytes();
-        let all = rdv.all_gather(&mine).map_err(|e| e.to_string())?;
+        let all = rdv.all_gather(&mine).map_err(text)?;
         for (r, got) in all.iter().enumerate() {
             let text = String::from_utf8_lossy(got);
             if !text.starts_with(&format!("rank {r} round {round} pid ")) {
-                return Err(format!("round {round}: rank {r} sent {text:?}"));
+                return Err(format!("round {round}: rank {r} sent {text:?}").into());
             }
         }
     }
-    println!("rank {}: {rounds} rendezvous rounds across {} processes ok", env.rank, env.world_size);
-    Ok(())
+    emit(format!("rank {}: {rounds} rendezvous rounds across {} processes ok\n", env.rank, env.world_size))
 }
 
-fn report_cmd(results: &std::path::Path, svg: Option<PathBuf>, compare: Option<PathBuf>) -> Result<(), String> {
-    let rep = report::read_json(results).map_err(|e| e.to_string())?;
-    print!("{}", report::render_table(&rep));
+fn report_cmd(results: &std::path::Path, svg: Option<PathBuf>, compare: Option<PathBuf>) -> CliResult {
+    let rep = report::read_json(results).map_err(text)?;
+    let mut shown = report::render_table(&rep);
     if let Some(path) = svg {
         std::fs::write(&path, report::render_svg(&rep)).map_err(|e| format!("writing {}: {e}", path.display()))?;
-        println!("plot: {}", path.display());
+        shown += &format!("plot: {}\n", path.display());
     }
     if let Some(old) = compare {
-        let old = report::read_json(&old).map_err(|e| e.to_string())?;
-        print!("{}", report::render_compare(&old, &rep));
+        let old = report::read_json(&old).map_err(text)?;
+        shown += &report::render_compare(&old, &rep);
     }
-    Ok(())
+    emit(shown)
 }
 
 fn main() -> ExitCode {
@@ -537,8 +526,8 @@ fn main() -> ExitCode {
         Command::Report { results, svg, compare } => report_cmd(&results, svg, compare),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        Ok(()) | Err(Failure::StdoutClosed) => ExitCode::SUCCESS,
+        Err(Failure::Message(e)) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }

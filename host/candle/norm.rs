@@ -1,6 +1,8 @@
 //! The transformer layer's epilogue after a row-parallel projection:
 //! allreduce, residual add, RMSNorm.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor, D};

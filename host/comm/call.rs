@@ -4,24 +4,35 @@
 //! message into launches, make the input peer-visible (pull: registered or
 //! staged), launch.
 
+#![allow(unsafe_code)]
+
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
 use tp_allreduce_kernels::ids::DType;
 use tp_allreduce_kernels::layout::ErrorRecord;
 use tp_allreduce_kernels::layout::{PACK_BYTES, THREADS_PER_BLOCK};
 use tp_allreduce_kernels::partition::packs_for;
 
+use super::params;
 use super::registry::InputSource;
 use super::{CallPlan, Comm, Element, ReduceOp};
 use crate::algorithm::Algorithm;
-use crate::algorithms::{self, AlgorithmHost};
+use crate::algorithm::{self, AlgorithmHost};
 use crate::driver::{self, KernelArgs};
 use crate::error::DeviceFailure;
 use crate::error::{Error, Result};
 
-/// The algorithm for one call: the forced one, else the selection table's
-/// choice for this size bucket (no allocation).
-fn choose(comm: &Comm, bytes: usize, dtype: DType, capturing: bool) -> Algorithm {
-    comm.config.algorithm.unwrap_or_else(|| comm.selection.lookup(bytes, dtype, capturing).algorithm)
+/// The algorithm for one call and the launch shape the tuning table
+/// measured for it (sentinel algorithms): the forced algorithm (no tuned
+/// shape), else the selection table's choice for this size bucket (no
+/// allocation).
+fn choose(comm: &Comm, bytes: usize, dtype: DType, capturing: bool) -> (Algorithm, Option<(u32, u32)>) {
+    match comm.config.algorithm {
+        Some(forced) => (forced, None),
+        None => {
+            let c = comm.selection.lookup(bytes, dtype, capturing);
+            (c.algorithm, c.shape)
+        }
+    }
 }
 
 /// [`choose`] with the reason, for callers that want to explain it.
@@ -55,6 +66,7 @@ impl Comm {
         op: &ReduceOp,
     ) -> Result<()> {
         check_op(op)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         if send.len() != recv.len() {
             return Err(Error::invalid(format!(
                 "all_reduce: send has {} elements, recv has {}",
@@ -73,6 +85,7 @@ impl Comm {
     /// In-place allreduce (sum) of `buf`.
     pub fn all_reduce_in_place<R: DevicePtrMut<T>, T: Element>(&self, buf: &mut R, op: &ReduceOp) -> Result<()> {
         check_op(op)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         let count = buf.len();
         let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
         // SAFETY: as in `all_reduce`.
@@ -124,7 +137,7 @@ impl Comm {
         if overlap {
             return Err(Error::invalid("all_reduce: send and recv overlap without being equal"));
         }
-        driver::bind(&self.ctx)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         for (what, ptr) in [("send", send), ("recv", recv)] {
             self.validate_device_range(what, ptr, bytes, count, dtype)?;
         }
@@ -207,13 +220,14 @@ impl Comm {
         // SAFETY: as above.
         unsafe { self.order_after_previous_call(stream, capture)? };
         let capturing = capture.is_some();
-        match choose(self, bytes, dtype, capturing) {
+        let (algorithm, tuned_shape) = choose(self, bytes, dtype, capturing);
+        match algorithm {
             Algorithm::Nccl => match &self.nccl {
                 Some(nccl) => nccl.all_reduce(send, recv, count, dtype, stream),
                 None => Err(Error::Nccl("the NCCL algorithm was selected but no NCCL communicator exists".into())),
             },
             a if a.reads_peer_inputs() => self.run_pull(a, send, recv, count, dtype, stream, capturing),
-            a => self.run_push(a, send, recv, count, dtype, stream),
+            a => self.run_push(a, send, recv, count, dtype, stream, tuned_shape),
         }
         .inspect_err(|e| {
             if e.breaks_communicator() {
@@ -272,11 +286,12 @@ impl Comm {
     /// The host side and kernel of `algorithm` for `dtype`, once the one
     /// availability rule allows it here.
     fn prepare(&self, algorithm: Algorithm, dtype: DType) -> Result<(&'static dyn AlgorithmHost, sys::CUfunction)> {
-        algorithms::availability(algorithm, &self.capabilities(), None).map_err(Error::Unsupported)?;
-        let host = algorithms::host(algorithm).ok_or_else(|| Error::invalid("NCCL has no kernel of ours"))?;
+        algorithm::availability(algorithm, &self.capabilities(), None).map_err(Error::Unsupported)?;
+        let host = algorithm::host(algorithm).ok_or_else(|| Error::invalid("NCCL has no kernel of ours"))?;
         Ok((host, self.module.function(&crate::kernels::entry_name(host.kernel(), dtype))?))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run_push(
         &self,
         algorithm: Algorithm,
@@ -285,8 +300,12 @@ impl Comm {
         count: usize,
         dtype: DType,
         stream: sys::CUstream,
+        tuned_shape: Option<(u32, u32)>,
     ) -> Result<()> {
         let (host, f) = self.prepare(algorithm, dtype)?;
+        if host.sentinel() {
+            return self.run_sentinel(host, send, recv, count, dtype, stream, tuned_shape);
+        }
         let geometry = self.setup.geometry();
         let elem = dtype.size_bytes() as u64;
         for (start, n) in chunks(count, dtype, host.launch_capacity_packs(&geometry)) {
@@ -301,6 +320,55 @@ impl Comm {
             // SAFETY: push kernels take (handle, input, output, count); the
             // pointers are valid for `n` elements (checked by the caller).
             unsafe { driver::launch(f, grid, THREADS_PER_BLOCK, stream, &args)? };
+        }
+        Ok(())
+    }
+
+    /// A sentinel algorithm (OneShotPush): parameters by value from the
+    /// rank's template, a launch shape per launch (configured, tuned or the
+    /// default rule, within residency). The host validates what the kernel
+    /// does not: each launch fits the receive region (`chunks`) and its
+    /// shape stays resident.
+    #[allow(clippy::too_many_arguments)]
+    fn run_sentinel(
+        &self,
+        host: &dyn AlgorithmHost,
+        send: sys::CUdeviceptr,
+        recv: sys::CUdeviceptr,
+        count: usize,
+        dtype: DType,
+        stream: sys::CUstream,
+        tuned_shape: Option<(u32, u32)>,
+    ) -> Result<()> {
+        let geometry = self.setup.geometry();
+        let capacity = host.launch_capacity_packs(&geometry);
+        let name = if self.world == 2 && self.config.one_shot_push_tp2 {
+            crate::kernels::one_shot_push2_entry(dtype)
+        } else {
+            crate::kernels::entry_name(host.kernel(), dtype)
+        };
+        let f = self.module.function(&name)?;
+        let elem = dtype.size_bytes() as u64;
+        for (start, n) in chunks(count, dtype, capacity) {
+            let packs = packs_for(n as u64, dtype);
+            if packs == 0 || packs > capacity {
+                return Err(Error::Unsupported(format!(
+                    "{}: a launch of {n} elements does not fit the receive region ({capacity} packs)",
+                    host.kernel().kernel_prefix()
+                )));
+            }
+            let default = host.launch_shape(&geometry, packs);
+            let (blocks, threads) =
+                params::choose_shape(self.config.launch_shape, tuned_shape, default, &geometry.sentinel_resident)?;
+            let off = start as u64 * elem;
+            let p = self.sentinel.one_shot_push(send + off, recv + off, n as u64);
+            // SAFETY: the sentinel entries take one OneShotPushParams by value
+            // (sizes pinned on both sides, checked against the PTX by the
+            // tests); the template's addresses are this communicator's mapped
+            // regions, alive as long as it is; input and output are valid for
+            // `n` elements (checked by the caller); the shape is within the
+            // resident cap and the block limit (choose_shape, Config::validate).
+            unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
         }
         Ok(())
     }

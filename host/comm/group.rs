@@ -3,6 +3,8 @@
 //! registration helpers for in-process groups. Both paths run the same
 //! initialisation (`setup::build`); only the rendezvous differs.
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,13 +32,16 @@ impl Comm {
         }
         driver::require_driver()?;
         let ctx = stream.context().clone();
-        driver::bind(&ctx)?;
+        let _context = driver::CurrentContext::bind(&ctx)?;
         let module = KernelModule::for_context(&ctx)?;
         let (view, mut notes) = selector::rank_view(&ctx, rank, world, &*rendezvous)?;
         let mut config = config;
         config.island_size = selector::island_size(&view, &config);
         let setup = setup::build(&stream, rank, world, &*rendezvous, &config, &module)?;
-        let nccl = if config.nccl_fallback && setup.ranks_on_device == 1 && world > 1 {
+        let sentinel = super::params::SentinelLaunches::build(&ctx, &setup, rank, &config)?;
+        // Decided from the gathered placement, the same on every rank: NCCL's
+        // creation is collective.
+        let nccl = if setup.nccl_eligible {
             match crate::nccl::NcclComm::from_rendezvous(&stream, &*rendezvous) {
                 Ok(n) => n,
                 Err(e) => {
@@ -49,6 +54,7 @@ impl Comm {
         };
         let (selection, topology, more) = selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
         notes.extend(more);
+        let watchdog = super::watchdog::Watchdog::start(&ctx, setup.watched_peers.clone(), setup.abort_targets(rank))?;
         Ok(Comm {
             rank,
             world,
@@ -57,14 +63,17 @@ impl Comm {
             module,
             config,
             setup,
+            sentinel,
             registry: Mutex::new(Registry::default()),
             broken: Mutex::new(None),
             order: Mutex::new(Default::default()),
-            rendezvous,
+            rendezvous: Arc::from(rendezvous),
             nccl,
             selection,
             topology,
             notes,
+            watchdog,
+            restore_context: driver::RestoreOnDrop::default(),
         })
     }
 

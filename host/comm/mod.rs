@@ -27,13 +27,33 @@
 //! device copy); `register_buffer` makes a buffer zero-copy; in a captured
 //! graph each call records its input and `register_graph_buffers` (after
 //! capture, on every rank) makes the replays zero-copy. See ARCHITECTURE.md.
+//!
+//! # Teardown
+//! Dropping a communicator waits for its context's work; the memory peers
+//! touch is freed only when no peer can touch it any more (the last
+//! communicator of the group in this process, after bounded barriers with
+//! ranks in other processes). Dropping the ranks of an in-process group one
+//! after the other, in any order, right after unsynchronised calls is safe.
+//! [`Comm::close`] does the same and reports errors.
 
 mod call;
+mod fd_passing;
 mod group;
+mod ipc;
+mod p2p_check;
+pub(crate) mod params;
 mod registry;
 mod selection_setup;
 pub(crate) mod setup;
 mod shm;
+mod teardown;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod test_hooks;
+#[cfg(not(feature = "tools"))]
+mod test_hooks;
+mod vmm_buffers;
+pub(crate) mod watchdog;
 
 use std::sync::{Arc, Mutex};
 
@@ -41,26 +61,12 @@ use cudarc::driver::{CudaContext, CudaStream};
 pub use cudarc::nccl::ReduceOp;
 
 pub use crate::config::{Config, TransportPreference};
+pub use crate::element::Element;
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::driver::{self, KernelModule};
 use crate::error::{Error, Result};
 use crate::DType;
-
-/// Element types the allreduce accepts (accumulated in f32).
-pub trait Element: cudarc::driver::DeviceRepr {
-    const DTYPE: DType;
-}
-
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
-}
-impl Element for half::f16 {
-    const DTYPE: DType = DType::F16;
-}
-impl Element for half::bf16 {
-    const DTYPE: DType = DType::Bf16;
-}
 
 /// One rank of a communicator.
 pub struct Comm {
@@ -71,14 +77,19 @@ pub struct Comm {
     module: Arc<KernelModule>,
     config: Config,
     setup: setup::Setup,
+    sentinel: params::SentinelLaunches,
     registry: Mutex<registry::Registry>,
     broken: Mutex<Option<String>>,
     order: Mutex<call::CallOrder>,
-    rendezvous: Box<dyn crate::rendezvous::Rendezvous>,
+    rendezvous: Arc<dyn crate::rendezvous::Rendezvous>,
     nccl: Option<crate::nccl::NcclComm>,
     selection: crate::select::selection::SelectionTable,
     topology: crate::select::topology::Topology,
     notes: Vec<String>,
+    /// Watches the peers in other processes (stopped first at teardown).
+    watchdog: Option<watchdog::Watchdog>,
+    /// Last field: restores the caller's current context after every other field's drop.
+    restore_context: driver::RestoreOnDrop,
 }
 
 /// What a call will do: the algorithm, how the input reaches peers, why.
@@ -164,17 +175,37 @@ impl Comm {
     /// Takes effect immediately on this rank; every rank must do the same.
     pub fn set_algorithm(&mut self, algorithm: Option<Algorithm>) -> Result<()> {
         if let Some(a) = algorithm {
-            crate::algorithms::availability(a, &self.capabilities(), None).map_err(Error::Unsupported)?;
+            crate::algorithm::availability(a, &self.capabilities(), None).map_err(Error::Unsupported)?;
         }
         self.config.algorithm = algorithm;
         Ok(())
     }
 
+    /// Forces the launch shape `(blocks, threads)` of later sentinel
+    /// (OneShotPush) launches on this rank (`None`: tuning table, else the
+    /// default rule). Ranks may use different shapes: the protocol only
+    /// needs the same calls on every rank. A shape that does not stay
+    /// resident fails the call that would use it.
+    pub fn set_launch_shape(&mut self, shape: Option<(u32, u32)>) -> Result<()> {
+        if let Some(s) = shape {
+            crate::env::check_launch_shape(s).map_err(|why| Error::invalid(format!("launch shape: {why}")))?;
+        }
+        self.config.launch_shape = shape;
+        Ok(())
+    }
+
+    /// Most blocks of `threads` threads a sentinel launch may use on this
+    /// rank (they stay resident with the other ranks sharing the GPU); 0
+    /// for an unsupported block size.
+    pub fn max_sentinel_blocks(&self, threads: u32) -> u32 {
+        self.setup.sentinel_resident.cap(threads)
+    }
+
     /// What this communicator offers, the input of the one availability
-    /// rule (`algorithms::availability`).
-    pub(crate) fn capabilities(&self) -> crate::algorithms::Capabilities {
+    /// rule (`algorithm::availability`).
+    pub(crate) fn capabilities(&self) -> crate::algorithm::Capabilities {
         let islands = &self.setup.islands;
-        crate::algorithms::Capabilities {
+        crate::algorithm::Capabilities {
             world: self.world,
             transport: self.setup.transport,
             island_size: (islands.island_count >= 2).then_some(islands.island_size as usize),
@@ -203,9 +234,48 @@ impl Comm {
         Ok(())
     }
 
+    /// The per-launch timestamps the sentinel kernels recorded since the
+    /// last call (`Config::trace`; one record per generation modulo
+    /// `TRACE_RECORDS`, unused ones zero), once the work queued so far on
+    /// the communicator's stream completed; the ring is cleared. `None` when
+    /// tracing is off. Diagnostics (`bench --trace`); call it only while
+    /// this rank's calls are idle.
+    pub fn take_trace_records(&self) -> Result<Option<Vec<tp_allreduce_kernels::params::TraceRecord>>> {
+        let _bound = driver::CurrentContext::bind(&self.ctx)?;
+        driver::synchronize(&self.stream)?;
+        self.sentinel.take_trace_records()
+    }
+
+    /// Test-only: this rank's protocol counters after its stream's work:
+    /// the OneShotPush generation, then block 0's barrier epoch (pull),
+    /// TwoShotPush epoch, Hierarchical epoch, ring messages sent and
+    /// received (see `Config::test_initial_counter`).
+    #[doc(hidden)]
+    pub fn test_counters(&self) -> Result<[u32; 6]> {
+        use std::mem::offset_of;
+        use tp_allreduce_kernels::layout::LocalState;
+        use tp_allreduce_kernels::params::Control;
+        let _bound = driver::CurrentContext::bind(&self.ctx)?;
+        driver::synchronize(&self.stream)?;
+        let base = self.setup.local_state.ptr();
+        let read = |offset: usize| -> Result<u32> {
+            let mut word = [0u8; 4];
+            driver::memcpy_dtoh(&mut word, base + offset as u64)?;
+            Ok(u32::from_ne_bytes(word))
+        };
+        Ok([
+            read(offset_of!(LocalState, control) + offset_of!(Control, generation))?,
+            read(offset_of!(LocalState, barrier_epoch))?,
+            read(offset_of!(LocalState, two_shot_push_epoch))?,
+            read(offset_of!(LocalState, hierarchical_epoch))?,
+            read(offset_of!(LocalState, ring_sent))?,
+            read(offset_of!(LocalState, ring_received))?,
+        ])
+    }
+
     /// Waits for the communicator's stream, then checks for device errors.
     pub fn synchronize(&self) -> Result<()> {
-        driver::bind(&self.ctx)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
         let synced = driver::synchronize(&self.stream);
         self.check()?;
         synced
@@ -220,12 +290,61 @@ impl Comm {
     }
 }
 
+impl Comm {
+    /// Collective teardown that reports what went wrong: what `drop` does
+    /// (see [`Drop`](#impl-Drop-for-Comm)), with the rendezvous timeout as
+    /// the bound of each barrier. Returns the first error of waiting for the
+    /// device or of the barriers (a rank of another process that did not
+    /// arrive is named); the memory is released in every case. Call it on
+    /// every rank, like `drop`. In a group of ranks of one process, only the
+    /// last one to go runs the barriers, so only its `close` can report them.
+    pub fn close(mut self) -> Result<()> {
+        let bound = self.config.rendezvous_timeout;
+        self.leave(bound)
+    }
+
+    /// Waits for this rank's device work, then hands its peer-visible
+    /// memory to the process's group of ranks (`teardown.rs`), which frees
+    /// it once no peer can touch it any more. Idempotent.
+    fn leave(&mut self, bound: std::time::Duration) -> Result<()> {
+        // Peers exit after teardown: nothing to watch from here on.
+        drop(self.watchdog.take());
+        let Some(group) = self.setup.local_group.take() else {
+            return Ok(());
+        };
+        // A call or a graph replay may have run on any stream of the
+        // context: wait for all of them.
+        let synced = driver::CurrentContext::bind(&self.ctx).and_then(|_context| driver::context_synchronize());
+        let registered = self.setup.registered_mappings.get_mut().map(std::mem::take).unwrap_or_default();
+        let departed = teardown::Departed {
+            memory: Box::new(self.setup.region.clone()),
+            mappings: Box::new((std::mem::take(&mut self.setup.peer_mappings), registered)),
+            rendezvous: group.meets_other_processes().then(|| self.rendezvous.clone()),
+        };
+        let released = group.leave(departed, bound);
+        synced.and(released)
+    }
+}
+
+/// Dropping a communicator waits for all work of its CUDA context (a call
+/// may have run on any of its streams), then releases its memory in a way
+/// that is safe while peers still run:
+///
+/// * Ranks of this process: the memory peers write into (flags, credits,
+///   pushed data) stays allocated until the last communicator of the group
+///   in this process is dropped, so dropping ranks one after the other from
+///   one thread, in any order, right after unsynchronised calls, is safe;
+///   a rank that keeps calling after a peer left gets `Error::Timeout` and
+///   writes only into memory that is still allocated.
+/// * Ranks in other processes: the last communicator of this process meets
+///   them in two barriers (work done; mappings of each other's memory
+///   closed) before freeing, each bounded by min(rendezvous timeout, 10 s);
+///   a dead peer costs that bound, never a hang. Errors are ignored;
+///   [`Comm::close`] reports them.
 impl Drop for Comm {
     fn drop(&mut self) {
-        // Outstanding work may still use our memory: wait for the stream
-        // (errors are ignored: nothing useful can be done in drop).
-        if driver::bind(&self.ctx).is_ok() {
-            let _ = driver::synchronize(&self.stream);
-        }
+        self.restore_context.save();
+        let bound = self.config.rendezvous_timeout.min(teardown::DROP_BARRIER_BOUND);
+        let _ = self.leave(bound);
     }
 }

@@ -12,18 +12,31 @@
 //! records `UnregisteredBuffer`, every rank fails fast, nothing is read from
 //! a bad address.
 //!
-//! An input that cannot be exported (stream-ordered pool memory) is detected
+//! An input that cannot be exported (stream-ordered pool memory; when a peer
+//! runs in another process also cuMem memory without a POSIX
+//! file-descriptor handle type, or anything not device memory) is detected
 //! at capture time and goes through the staging copy instead (captured as a
-//! memcpy node), so capture never produces an unregistrable graph.
+//! memcpy node, with a note in [`Comm::registration_notes`]), so capture
+//! never produces an unregistrable graph. cuMem (VMM) inputs — PyTorch's
+//! expandable segments — cross processes as file descriptors of their
+//! physical chunks (`ipc.rs`, `vmm_buffers.rs`).
+//!
+//! Every public call here restores the caller's current CUDA context.
+
+#![forbid(unsafe_code)]
 
 use cudarc::driver::sys;
 use tp_allreduce_kernels::layout::{PeerPointers, MAX_RANKS};
 
 use serde::{de::DeserializeOwned, Serialize};
 
-use super::setup::{gather_json, import, BufferDescriptor};
+use super::fd_passing::{Deadline, Serving};
+use super::ipc::{self, PeerMapping, StepOffer};
+use super::setup::gather_json;
+use super::vmm_buffers;
 use super::Comm;
-use crate::driver;
+use crate::driver::vmm::{self, Backing, ChunkHandle, VmmMapping};
+use crate::driver::{self, CurrentContext};
 use crate::error::{Error, Result};
 
 /// Where a pull kernel reads this rank's input from.
@@ -41,10 +54,21 @@ struct Registered {
     ptr: u64,
     bytes: usize,
     entry: usize,
+    backing: Backing,
     /// The driver's id of the allocation (`CU_POINTER_ATTRIBUTE_BUFFER_ID`,
-    /// never reused in a process): tells a freed-and-reallocated address
-    /// from the buffer that was registered.
-    buffer_id: u64,
+    /// or the physical allocation's id for cuMem memory; never reused in a
+    /// process): tells a freed-and-reallocated address from the buffer that
+    /// was registered.
+    allocation_id: u64,
+}
+
+/// A buffer to register in one step: its address, table entry and length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PendingInput {
+    ptr: u64,
+    entry: usize,
+    /// The longest call on it (what a cuMem buffer's peers map).
+    bytes: usize,
 }
 
 /// Table bookkeeping of one rank. Entries are handed out once and never
@@ -54,9 +78,9 @@ struct Registered {
 pub(crate) struct Registry {
     next_entry: usize,
     registered: Vec<Registered>,
-    /// Inputs captured since the last `register_graph_buffers`: (pointer,
-    /// entry), one per distinct pointer.
-    pending_graph: Vec<(u64, usize)>,
+    /// Inputs captured since the last `register_graph_buffers`, one per
+    /// distinct pointer.
+    pending_graph: Vec<PendingInput>,
     /// For each pull call captured since the last registration, where its
     /// input comes from: [`STAGED_CALL`], [`REGISTERED_CALL`] | index in
     /// `registered` (the same on every rank: registration is collective), or
@@ -66,7 +90,12 @@ pub(crate) struct Registry {
     pending_calls: Vec<u32>,
     /// Entries below this were zeroed by `deregister_buffers`.
     first_live_entry: usize,
+    /// Why captured calls were staged (distinct reasons, at most
+    /// [`MAX_NOTES`]).
+    notes: Vec<String>,
 }
+
+const MAX_NOTES: usize = 32;
 
 /// Pattern tag of a captured call that reads the staging copy.
 const STAGED_CALL: u32 = u32::MAX;
@@ -89,17 +118,27 @@ impl Registry {
         Ok(e)
     }
 
-    /// The entry for a pull call captured on `ptr`: calls on the same input
-    /// within one capture share an entry (one registration each).
-    fn capture_entry(&mut self, ptr: u64, capacity: usize) -> Result<usize> {
-        if let Some(index) = self.pending_graph.iter().position(|(p, _)| *p == ptr) {
+    /// The entry for a pull call of `bytes` captured on `ptr`: calls on the
+    /// same input within one capture share an entry (one registration each).
+    fn capture_entry(&mut self, ptr: u64, bytes: usize, capacity: usize) -> Result<usize> {
+        if let Some(index) = self.pending_graph.iter().position(|p| p.ptr == ptr) {
             self.pending_calls.push(index as u32);
-            return Ok(self.pending_graph[index].1);
+            let input = &mut self.pending_graph[index];
+            input.bytes = input.bytes.max(bytes);
+            return Ok(input.entry);
         }
         let entry = self.alloc_entry(capacity)?;
         self.pending_calls.push(self.pending_graph.len() as u32);
-        self.pending_graph.push((ptr, entry));
+        self.pending_graph.push(PendingInput { ptr, entry, bytes });
         Ok(entry)
+    }
+
+    /// A captured call that reads the staging copy, and why.
+    fn capture_staged(&mut self, why: String) {
+        self.pending_calls.push(STAGED_CALL);
+        if self.notes.len() < MAX_NOTES && !self.notes.contains(&why) {
+            self.notes.push(why);
+        }
     }
 
     /// Forgets every registration; returns the entries to zero (handed out
@@ -127,7 +166,7 @@ impl Comm {
         }
         let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
         if must_stage {
-            reg.pending_calls.push(STAGED_CALL);
+            reg.pending_calls.push(STAGED_CALL); // by the algorithm's rule, no note
             return Ok(InputSource::Staging);
         }
         if let Some(index) = reg.registered.iter().position(|r| r.ptr == send) {
@@ -138,7 +177,7 @@ impl Comm {
                     r.bytes
                 )));
             }
-            if driver::buffer_id(send)? != r.buffer_id {
+            if vmm::allocation_id(send, r.backing)? != r.allocation_id {
                 return Err(Error::invalid(format!(
                     "all_reduce: the buffer registered at {send:#x} was freed and the address now belongs to \
                      another allocation; peers would read the freed one. Call deregister_buffers() (collective) \
@@ -154,11 +193,36 @@ impl Comm {
         if !capturing {
             return Ok(InputSource::Staging);
         }
-        if driver::is_pool_memory(send) {
-            reg.pending_calls.push(STAGED_CALL);
+        if let Some(why) = self.capture_obstacle(send, bytes) {
+            reg.capture_staged(format!("captured pull calls on such inputs read a staged copy: {why}"));
             return Ok(InputSource::Staging);
         }
-        Ok(InputSource::Table(reg.capture_entry(send, self.setup.table_capacity)?))
+        Ok(InputSource::Table(reg.capture_entry(send, bytes, self.setup.table_capacity)?))
+    }
+
+    /// Why a captured input cannot be registered, if it cannot: pool memory
+    /// never (as a rule, also within one process), and, when a peer runs in
+    /// another process, whatever cannot be exported to it. Decided from
+    /// pointer queries, which are legal during capture.
+    fn capture_obstacle(&self, send: u64, bytes: usize) -> Option<String> {
+        if driver::is_pool_memory(send) {
+            return Some(format!(
+                "the input at {send:#x} is stream-ordered pool memory (cuMemAllocAsync), which cannot be exported"
+            ));
+        }
+        if !ipc::cross_process_needed(&self.setup.same_process) {
+            return None;
+        }
+        vmm_buffers::cross_process_obstacle(send, bytes)
+    }
+
+    /// Why captured pull calls since this communicator's creation read a
+    /// staged copy instead of their input in place (distinct reasons): the
+    /// input could not be exported to a peer in another process (pool
+    /// memory, cuMem memory allocated without a POSIX file-descriptor
+    /// handle type, ...). Such graphs are correct, one device copy slower.
+    pub fn registration_notes(&self) -> Vec<String> {
+        self.registry.lock().map(|r| r.notes.clone()).unwrap_or_default()
     }
 
     /// Number of distinct graph-captured pull inputs awaiting
@@ -181,28 +245,38 @@ impl Comm {
     /// reallocated is refused on that rank (its peers then fail with a
     /// timeout).
     pub fn register_buffer(&self, ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+        let context = CurrentContext::bind(&self.ctx);
         let local = (|| {
+            bound(&context)?;
             self.check()?;
             if ptr == 0 || bytes == 0 {
                 return Err(Error::invalid("register_buffer: null pointer or empty range"));
             }
-            driver::bind(&self.ctx)?;
-            let buffer_id = driver::buffer_id(ptr)?;
+            if ipc::cross_process_needed(&self.setup.same_process) {
+                if let Some(why) = vmm_buffers::cross_process_obstacle(ptr, bytes) {
+                    return Err(Error::Unsupported(format!(
+                        "register_buffer: {why}; unregistered, calls on it are staged (one extra device copy)"
+                    )));
+                }
+            }
+            let backing = vmm::backing(ptr);
+            let allocation_id = vmm::allocation_id(ptr, backing)?;
             let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
             if reg.registered.iter().any(|r| r.ptr == ptr) {
                 return Err(Error::invalid(format!(
                     "register_buffer: {ptr:#x} is already registered (deregister_buffers() releases registrations)"
                 )));
             }
-            Ok((buffer_id, reg.alloc_entry(self.setup.table_capacity)?))
+            Ok((backing, allocation_id, reg.alloc_entry(self.setup.table_capacity)?))
         })();
-        let outcomes = self.gather_outcomes("register_buffer", local)?;
-        let (buffer_id, entry) = *outcomes
+        let backing = local.as_ref().map_or(Backing::Other, |l| l.0);
+        let outcomes = self.gather_outcomes("register_buffer", local.map(|(_, id, entry)| (id, entry)))?;
+        let (allocation_id, entry) = *outcomes
             .get(self.rank)
             .ok_or_else(|| Error::Broken("register_buffer: the rendezvous returned too few ranks".into()))?;
-        self.fill_entries(&[(ptr, entry)])?;
+        self.fill_entries(&[PendingInput { ptr, entry, bytes }])?;
         let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
-        reg.registered.push(Registered { ptr, bytes, entry, buffer_id });
+        reg.registered.push(Registered { ptr, bytes, entry, backing, allocation_id });
         Ok(())
     }
 
@@ -215,15 +289,18 @@ impl Comm {
     /// returns, or until every rank's communicator is dropped (as for
     /// [`register_buffer`](Self::register_buffer)).
     pub fn register_graph_buffers(&self) -> Result<usize> {
+        let context = CurrentContext::bind(&self.ctx);
         let (pending, calls) = {
             let mut reg = self.registry.lock().map_err(|_| Error::Broken("registry lock poisoned".into()))?;
             (std::mem::take(&mut reg.pending_graph), std::mem::take(&mut reg.pending_calls))
         };
-        let patterns = self.gather_outcomes("register_graph_buffers", self.check().map(|()| calls))?;
+        let local = bound(&context).and_then(|()| self.check()).map(|()| calls);
+        let patterns = self.gather_outcomes("register_graph_buffers", local)?;
         if let Some(why) = pattern_mismatch(&patterns) {
             return Err(Error::invalid(format!(
                 "register_graph_buffers: {why}; every rank must capture the same sequence of allreduces, \
-                 reusing an input exactly where the other ranks reuse theirs"
+                 reusing an input exactly where the other ranks reuse theirs, from memory of the same kind (an \
+                 input that cannot be exported to other processes is staged: see registration_notes())"
             )));
         }
         self.fill_entries(&pending)?;
@@ -250,9 +327,10 @@ impl Comm {
     /// capturing.
     pub fn deregister_buffers(&self) -> Result<usize> {
         // No kernel may still read a peer's buffer, nor a peer ours.
+        let context = CurrentContext::bind(&self.ctx);
         let idle = (|| {
+            bound(&context)?;
             self.check()?;
-            driver::bind(&self.ctx)?;
             driver::context_synchronize()?;
             self.check()
         })();
@@ -293,67 +371,99 @@ impl Comm {
     }
 
     /// Exchanges this rank's buffers (in order) and writes, for each, the
-    /// table entry holding every rank's address of its i-th buffer.
-    fn fill_entries(&self, buffers: &[(u64, usize)]) -> Result<()> {
-        // Registration may run on any thread (group helpers spawn one per rank).
-        let needs_ipc = self.setup.same_process.iter().any(|s| !s);
-        let descs = (|| {
-            driver::bind(&self.ctx)?;
-            let mut descs = Vec::with_capacity(buffers.len());
-            for &(ptr, _) in buffers {
-                let desc = if needs_ipc {
-                    let (base, _) = driver::allocation_range(ptr)?;
-                    // Exported afresh every time, never cached by address: a
-                    // freed buffer's address is reused by later allocations,
-                    // and a cached handle would make peers read the freed one.
-                    let handle = driver::ipc_export(&self.ctx, base)?;
-                    BufferDescriptor::Ipc { handle: handle.to_vec(), offset: ptr - base }
-                } else {
-                    BufferDescriptor::Local { addr: ptr }
-                };
-                descs.push((desc, ptr));
-            }
-            Ok(descs)
-        })();
-        let all: Vec<Vec<(BufferDescriptor, u64)>> = self.gather_outcomes("registering buffers", descs)?;
-        let filled = (|| {
-            let mut entries = vec![PeerPointers::default(); buffers.len()];
-            let mut mappings = Vec::new();
-            for (p, list) in all.iter().enumerate() {
-                if list.len() != buffers.len() {
-                    return Err(Error::invalid(format!(
-                        "rank {p} registered {} buffers in this step, rank {} registered {}",
-                        list.len(),
-                        self.rank,
-                        buffers.len()
-                    )));
-                }
-                for (i, (desc, addr)) in list.iter().enumerate() {
-                    let address = if p == self.rank {
-                        *addr
-                    } else {
-                        let (a, mapping) = import(&self.ctx, desc, *addr, self.setup.same_process[p], 0)?;
-                        mappings.push(mapping);
-                        a
-                    };
-                    debug_assert!(p < MAX_RANKS);
-                    entries[i].ptrs[p] = address;
-                }
-            }
-            for (entry, &(_, index)) in entries.iter().zip(buffers.iter()) {
-                driver::write_struct(self.setup.table_entry(index), entry)?;
-            }
-            self.setup
-                .registered_mappings
-                .lock()
-                .map_err(|_| Error::Broken("registry lock poisoned".into()))?
-                .extend(mappings);
-            Ok(())
-        })();
+    /// table entry holding every rank's address of its i-th buffer. Each peer
+    /// maps the form of a buffer that fits it (see `ipc.rs`): the address when
+    /// it shares the owner's process, the IPC handle or the cuMem chunks'
+    /// descriptors otherwise. The caller binds the communicator's context.
+    fn fill_entries(&self, buffers: &[PendingInput]) -> Result<()> {
+        let same_process = &self.setup.same_process;
+        let list: Vec<(u64, usize)> = buffers.iter().map(|b| (b.ptr, b.bytes)).collect();
+        let (offer, exports) = match ipc::offer_step(&self.ctx, &list, same_process) {
+            Ok((offer, exports)) => (Ok(offer), exports),
+            Err(e) => (Err(e), None),
+        };
+        let all: Vec<StepOffer> = self.gather_outcomes("registering buffers", offer)?;
+        // The ranks in other processes fetch this rank's cuMem chunks (on a
+        // thread of its own) while it fetches theirs; all bounded by the
+        // rendezvous timeout.
+        let deadline = Deadline::after(self.config.rendezvous_timeout);
+        let others: Vec<usize> = (0..self.world).filter(|&p| !same_process[p]).collect();
+        let (serving, filled) = match exports.map(|x| x.serve(&others, deadline)).transpose() {
+            Ok(serving) => (serving, self.map_step(&all, buffers, deadline)),
+            Err(e) => (None, Err(e)),
+        };
+        let served = serving.map_or(Ok(()), Serving::finish);
         // A rank whose imports failed (its mappings are closed again on the
         // way out) takes the others down with it: no rank replays alone.
-        self.gather_outcomes("registering buffers", filled)?;
+        self.gather_outcomes("registering buffers", filled.and(served))?;
         Ok(())
+    }
+
+    /// Maps every rank's buffers of one step and writes the table entries.
+    fn map_step(&self, all: &[StepOffer], buffers: &[PendingInput], deadline: Deadline) -> Result<()> {
+        let same_process = &self.setup.same_process;
+        // Every peer's cuMem chunks first, all of them even after a failure,
+        // so that every rank's server completes instead of waiting.
+        let fetched: Vec<Option<Result<Vec<ChunkHandle>>>> = all
+            .iter()
+            .enumerate()
+            .map(|(p, step)| match &step.vmm {
+                Some(export) if !same_process[p] => Some(vmm_buffers::fetch_chunks(export, self.rank, deadline)),
+                _ => None,
+            })
+            .collect();
+        let mut entries = vec![PeerPointers::default(); buffers.len()];
+        let mut mappings = Vec::new();
+        for (p, (step, chunks)) in all.iter().zip(fetched).enumerate() {
+            if step.buffers.len() != buffers.len() {
+                return Err(Error::invalid(format!(
+                    "rank {p} registered {} buffers in this step, rank {} registered {}",
+                    step.buffers.len(),
+                    self.rank,
+                    buffers.len()
+                )));
+            }
+            // Where this rank mapped each run of the peer's cuMem chunks.
+            let runs: Vec<u64> = match (chunks, &step.vmm) {
+                (Some(chunks), Some(export)) => {
+                    let mapped = vmm_buffers::map_runs(&self.ctx, &export.runs, chunks?)?;
+                    let starts = mapped.iter().map(VmmMapping::ptr).collect();
+                    mappings.extend(mapped.into_iter().map(PeerMapping::Vmm));
+                    starts
+                }
+                _ => Vec::new(),
+            };
+            for (i, offer) in step.buffers.iter().enumerate() {
+                let address = if p == self.rank {
+                    offer.addr
+                } else {
+                    let desc = ipc::descriptor_for_peer(offer, same_process[p])?;
+                    let (a, mapping) = ipc::import_registered(&self.ctx, &desc, &runs)?;
+                    mappings.push(mapping);
+                    a
+                };
+                debug_assert!(p < MAX_RANKS);
+                entries[i].ptrs[p] = address;
+            }
+        }
+        for (entry, input) in entries.iter().zip(buffers.iter()) {
+            driver::write_struct(self.setup.table_entry(input.entry), entry)?;
+        }
+        self.setup
+            .registered_mappings
+            .lock()
+            .map_err(|_| Error::Broken("registry lock poisoned".into()))?
+            .extend(mappings);
+        Ok(())
+    }
+}
+
+/// `Ok` when the communicator's context is bound (the binding's own error
+/// becomes this rank's outcome of a collective step, so peers fail with it).
+fn bound(context: &Result<CurrentContext>) -> Result<()> {
+    match context {
+        Ok(_) => Ok(()),
+        Err(e) => Err(Error::Broken(format!("binding the communicator's CUDA context failed: {e}"))),
     }
 }
 
@@ -388,25 +498,50 @@ mod tests {
     #[test]
     fn captured_calls_on_one_input_share_an_entry() {
         let mut reg = Registry::default();
-        let a = reg.capture_entry(0x1000, 16).unwrap();
-        let b = reg.capture_entry(0x2000, 16).unwrap();
+        let a = reg.capture_entry(0x1000, 64, 16).unwrap();
+        let b = reg.capture_entry(0x2000, 64, 16).unwrap();
         assert_eq!((a, b), (1, 2), "entry 0 is the staging buffer");
-        assert_eq!(reg.capture_entry(0x1000, 16).unwrap(), a);
+        assert_eq!(reg.capture_entry(0x1000, 64, 16).unwrap(), a);
         assert_eq!(reg.pending_graph.len(), 2);
+    }
+
+    #[test]
+    fn a_captured_input_records_its_longest_call() {
+        // Peers map what the calls read of a cuMem input: the longest one.
+        let mut reg = Registry::default();
+        reg.capture_entry(0x1000, 64, 16).unwrap();
+        reg.capture_entry(0x1000, 4096, 16).unwrap();
+        reg.capture_entry(0x1000, 128, 16).unwrap();
+        assert_eq!(reg.pending_graph, [PendingInput { ptr: 0x1000, entry: 1, bytes: 4096 }]);
+    }
+
+    #[test]
+    fn staged_captures_count_as_calls_and_leave_one_note_per_reason() {
+        let mut reg = Registry::default();
+        reg.capture_staged("cuMem without a POSIX fd handle type".into());
+        reg.capture_entry(0x1000, 64, 16).unwrap();
+        reg.capture_staged("cuMem without a POSIX fd handle type".into());
+        reg.capture_staged("pool memory".into());
+        assert_eq!(reg.pending_calls, [STAGED_CALL, 0, STAGED_CALL, STAGED_CALL]);
+        assert_eq!(reg.notes, ["cuMem without a POSIX fd handle type", "pool memory"]);
+        for i in 0..2 * MAX_NOTES {
+            reg.capture_staged(format!("reason {i}"));
+        }
+        assert_eq!(reg.notes.len(), MAX_NOTES, "notes are bounded");
     }
 
     #[test]
     fn released_entries_are_never_handed_out_again() {
         let mut reg = Registry::default();
         assert_eq!(reg.release_all(), 1..1, "nothing to release yet");
-        reg.capture_entry(0x1000, 16).unwrap();
+        reg.capture_entry(0x1000, 64, 16).unwrap();
         reg.alloc_entry(16).unwrap();
         assert_eq!(reg.release_all(), 1..3);
         assert!(reg.pending_graph.is_empty() && reg.registered.is_empty());
         assert_eq!(reg.release_all(), 3..3, "a second release zeroes nothing");
         // The same pointer captured again gets a new entry: a graph captured
         // before the release keeps finding its zeroed one.
-        assert_eq!(reg.capture_entry(0x1000, 16).unwrap(), 3);
+        assert_eq!(reg.capture_entry(0x1000, 64, 16).unwrap(), 3);
         assert_eq!(reg.release_all(), 3..4);
     }
 
@@ -415,10 +550,10 @@ mod tests {
         let mut a = Registry::default();
         let mut b = Registry::default();
         for p in [0x10, 0x10, 0x20] {
-            a.capture_entry(p, 16).unwrap();
+            a.capture_entry(p, 64, 16).unwrap();
         }
         for p in [0x30, 0x40, 0x40] {
-            b.capture_entry(p, 16).unwrap();
+            b.capture_entry(p, 64, 16).unwrap();
         }
         assert_eq!(a.pending_calls, [0, 0, 1]);
         let why = pattern_mismatch(&[a.pending_calls.clone(), b.pending_calls.clone()]).unwrap();
@@ -442,7 +577,7 @@ mod tests {
         for expected in 1..4 {
             assert_eq!(reg.alloc_entry(4).unwrap(), expected);
         }
-        let e = reg.capture_entry(0x1000, 4).unwrap_err().to_string();
+        let e = reg.capture_entry(0x1000, 64, 4).unwrap_err().to_string();
         assert!(e.contains("max_registered_buffers"), "{e}");
     }
 }

@@ -4,11 +4,12 @@
 //! tuning table when one matches, and the precomputed selection table every
 //! call looks up (a binary search, no allocation).
 
-use std::sync::Arc;
+#![forbid(unsafe_code)]
 
 use cudarc::driver::CudaContext;
+use serde::{Deserialize, Serialize};
 
-use super::setup::Setup;
+use super::setup::{gather_json, Setup};
 use crate::algorithm::Transport;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -20,10 +21,7 @@ use crate::select::tuning::{Loaded, TuningTable};
 
 /// The PCI bus id of the context's device, normalised.
 fn bus_id(ctx: &CudaContext) -> Result<String> {
-    let mut buf = [0 as std::ffi::c_char; 32];
-    crate::driver::cu!(cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, ctx.cu_device()))?;
-    // SAFETY: the driver wrote a NUL-terminated string into `buf`.
-    let raw = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
+    let raw = crate::driver::pci_bus_id(ctx.cu_device())?;
     Ok(crate::select::topology::discover::normalize_bus_id(&raw))
 }
 
@@ -31,12 +29,11 @@ fn bus_id(ctx: &CudaContext) -> Result<String> {
 /// Rank 0 discovers the machine (or takes `TP_ALLREDUCE_TOPOLOGY`) and
 /// sends the view to everyone. Returns the view and notes for the log.
 pub(crate) fn rank_view(
-    ctx: &Arc<CudaContext>,
+    ctx: &CudaContext,
     rank: usize,
     world: usize,
     rdv: &dyn Rendezvous,
 ) -> Result<(Topology, Vec<String>)> {
-    crate::driver::bind(ctx)?;
     let mine = bus_id(ctx)?;
     let ids = rdv.all_gather(mine.as_bytes())?;
     let mut notes = Vec::new();
@@ -102,10 +99,12 @@ pub(crate) fn build_table(
         setup.layout.one_shot_push_max_packs as usize * tp_allreduce_kernels::layout::PACK_BYTES;
     constraints.communicator_override = config.algorithm;
     let mut notes = Vec::new();
+    let mut tuning_used = "none".to_string();
     let tuning = match crate::env::tuning_file(&view.fingerprint(), world) {
         Some(path) => match TuningTable::load_for(&path, &view)? {
             Loaded::Usable(t) => {
                 notes.push(format!("tuning table {} applies", path.display()));
+                tuning_used = path.display().to_string();
                 Some(t)
             }
             Loaded::Ignored { reason } => {
@@ -117,12 +116,76 @@ pub(crate) fn build_table(
     };
     let model = CostModel::new(CostParams::default());
     let table = SelectionTable::build(&model, tuning.as_ref(), &view, &constraints);
-    let digests = rdv.all_gather(table.digest().as_bytes())?;
-    if digests.iter().any(|d| d != &digests[0]) {
-        return Err(Error::Config(
-            "ranks built different selection tables (different tuning files or TP_ALLREDUCE_* settings per rank)"
-                .into(),
-        ));
-    }
+    let mine = TableSummary {
+        digest: table.digest(),
+        inputs: format!("topology {}, tuning table {tuning_used}, {constraints:?}", view.fingerprint()),
+    };
+    agree_on_tables(&gather_json(rdv, &mine)?)?;
     Ok((table, view, notes))
+}
+
+/// What a rank built its selection table from, and the table's digest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct TableSummary {
+    pub digest: String,
+    /// The inputs that may differ between ranks: topology fingerprint,
+    /// tuning table, constraints.
+    pub inputs: String,
+}
+
+/// Every rank must have built the same table; the error names the first
+/// rank that did not and what its inputs were. Pure.
+pub(crate) fn agree_on_tables(all: &[TableSummary]) -> Result<()> {
+    let Some(first) = all.first() else { return Ok(()) };
+    match all.iter().position(|s| s.digest != first.digest) {
+        None => Ok(()),
+        Some(r) if all[r].inputs == first.inputs => Err(Error::Config(format!(
+            "rank {r} built a different selection table than rank 0 from the same inputs ({})",
+            first.inputs
+        ))),
+        Some(r) => Err(Error::Config(format!(
+            "ranks built different selection tables (different tuning files or TP_ALLREDUCE_* settings per rank):\n  \
+             rank 0: {}\n  rank {r}: {}",
+            first.inputs, all[r].inputs
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::select::topology::embedded;
+
+    fn summary(digest: &str, inputs: &str) -> TableSummary {
+        TableSummary { digest: digest.into(), inputs: inputs.into() }
+    }
+
+    #[test]
+    fn equal_tables_agree_and_a_different_one_is_named_with_its_inputs() {
+        assert!(agree_on_tables(&[summary("a", "x"), summary("a", "x"), summary("a", "x")]).is_ok());
+        let err =
+            agree_on_tables(&[summary("a", "nccl: false"), summary("a", "nccl: false"), summary("b", "nccl: true")])
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("rank 2: nccl: true") && err.contains("rank 0: nccl: false"), "{err}");
+    }
+
+    /// Issue 13 item 7: 3 ranks on 2 GPUs. The constraints come from the
+    /// gathered view and group-wide facts only, so every rank builds the
+    /// same table whatever its own GPU holds.
+    #[test]
+    fn constraints_of_an_uneven_placement_are_the_same_on_every_rank() {
+        let machine = embedded::default_topology();
+        let view = machine.for_ranks(&[0, 0, 1]).unwrap();
+        let json = view.to_json().unwrap();
+        let tables: Vec<SelectionTable> = (0..3)
+            .map(|_rank| {
+                let view = Topology::from_json(&json).unwrap();
+                let constraints = Constraints::for_topology(&view);
+                assert!(!constraints.nccl_available, "ranks 0 and 1 share a GPU: no NCCL on any rank");
+                SelectionTable::build(&CostModel::default(), None, &view, &constraints)
+            })
+            .collect();
+        assert!(tables.iter().all(|t| t.digest() == tables[0].digest()));
+    }
 }

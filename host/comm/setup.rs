@@ -1,45 +1,56 @@
 //! Communicator initialisation, the same for ranks that are threads of one
-//! process and for ranks that are processes:
+//! process and for ranks that are processes ([`build`]):
 //!
-//! 1. Round 1 (rendezvous all-gather): process token, GPU UUID, SM count,
+//! 1. **Placement** (all-gather, `setup/placement.rs`): process token, GPU UUID, SM count,
 //!    occupancy, configuration shape. Ranks sharing a GPU are counted and the
 //!    per-launch block limits agreed so that every block of every rank can be
 //!    resident at once (the cross-rank barriers need it).
-//! 2. Round 2: which peers each rank can reach with P2P; the transport is
-//!    chosen (P2P only if every pair can).
-//! 3. Allocate the rank's peer-visible region (signal block | scratch |
-//!    staging) with `cuMemAlloc` (or pinned host memory for HostStaged), its
+//! 2. **Reachability** (all-gather): which peers each rank can reach with
+//!    P2P; the first transport is chosen ([`initial_transport`]).
+//! 3. **Allocate** the rank's peer-visible region (signal block | scratch |
+//!    staging) with `cuMemAlloc` (pinned host memory for HostStaged), its
 //!    private state, the device handle, the error record and the table of
 //!    registered buffers.
-//! 4. Round 3: region descriptors — a plain address for ranks in the same
-//!    process, a CUDA IPC handle for other processes (shared memory name for
-//!    HostStaged). Each rank maps every peer's region.
-//! 5. P2P check: a known pattern written to and read from every peer; a
-//!    failing pair switches an `Auto` communicator to HostStaged (all ranks
-//!    agree) and fails a forced-P2P one with `Error::P2pCheck`.
+//! 4. **Map** (all-gather): every rank offers its region (an address for
+//!    peers in its process, an IPC handle or shared-memory name for the
+//!    others, see `ipc.rs`), maps every peer's region and all-gathers how
+//!    that went.
+//! 5. **P2P check** (`p2p_check.rs`): the real protocol moves a known
+//!    pattern over every pair.
 //!
-//! Everything allocated or opened is owned by RAII values and released on
-//! every error path.
+//! A problem in step 4 or 5 on any rank is seen by all of them; [`verdict`]
+//! then switches an `Auto` communicator to HostStaged on every rank
+//! (repeating steps 3-5) or fails a forced transport on every rank with an
+//! error naming the pair. Everything allocated or opened is owned by RAII
+//! values and released on every path; the caller's current context is
+//! restored on return.
 
-use std::collections::BTreeSet;
-use std::mem::{offset_of, size_of};
+#![forbid(unsafe_code)]
+
+use std::mem::size_of;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
-use tp_allreduce_kernels::ids::AlgorithmId;
 use tp_allreduce_kernels::layout::{
-    p2p_pattern, DeviceHandle, ErrorRecord, IslandLayout, LocalState, PeerPointers, ScratchConfig, ScratchLayout,
-    SignalBlock, LAMPORT_EMPTY_WORD, MAX_RANKS, P2P_CHECK_WORDS, PACK_BYTES, THREADS_PER_BLOCK,
+    DeviceHandle, ErrorRecord, IslandLayout, LocalState, PeerPointers, ScratchConfig, ScratchLayout, SignalBlock,
+    PACK_BYTES, SENTINEL_EMPTY_WORD,
 };
 
+use super::ipc::{self, BufferOffer, PeerMapping, Region};
+use super::p2p_check;
 use super::shm::SharedHostRegion;
+use super::teardown::LocalGroup;
+use super::test_hooks;
 use crate::algorithm::Transport;
-use crate::algorithms::Geometry;
+use crate::algorithm::{Geometry, ResidentBlocks};
 use crate::config::{Config, TransportPreference};
-use crate::driver::{self, DeviceMemory, IpcMapping, KernelArgs, KernelModule, PinnedHostMemory};
+use crate::driver::{self, CurrentContext, DeviceMemory, KernelModule, PinnedHostMemory};
 use crate::error::{Error, Result};
 use crate::rendezvous::Rendezvous;
+use placement::{agree_placement, Placement};
+
+mod placement;
 
 /// A random token identifying this process (pids collide across containers).
 pub(crate) fn process_token() -> &'static str {
@@ -64,78 +75,58 @@ pub(crate) struct RegionOffsets {
     pub total: usize,
 }
 
-/// A rank's own peer-visible memory.
-pub(crate) enum Region {
-    Device(DeviceMemory),
-    Pinned(PinnedHostMemory),
-    Shared(SharedHostRegion),
-}
-
-impl Region {
-    pub fn device_ptr(&self) -> u64 {
-        match self {
-            Region::Device(m) => m.ptr(),
-            Region::Pinned(m) => m.device_ptr(),
-            Region::Shared(m) => m.device_ptr(),
-        }
-    }
-}
-
-/// How a peer reaches a buffer.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, Hash)]
-pub(crate) enum BufferDescriptor {
-    /// Same process: the address itself.
-    Local { addr: u64 },
-    /// CUDA IPC handle of the allocation starting `offset` bytes before it.
-    Ipc { handle: Vec<u8>, offset: u64 },
-    /// POSIX shared memory (HostStaged across processes).
-    Shm { name: String, bytes: u64 },
-}
-
-/// Keeps a peer mapping alive (held only for its `Drop`).
-pub(crate) enum PeerMapping {
-    None,
-    Ipc(#[allow(dead_code)] Arc<IpcMapping>),
-    Shm(#[allow(dead_code)] SharedHostRegion),
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Hello {
-    process: String,
-    device_uuid: String,
-    ordinal: usize,
-    cc: (i32, i32),
-    sms: u32,
-    blocks_per_sm: u32,
-    shape: String,
-    salt: u32,
-    job: String,
-}
-
 /// Everything a rank holds after init.
 pub(crate) struct Setup {
     pub transport: Transport,
     pub transport_reason: String,
     pub ranks_on_device: usize,
+    /// NCCL backs the `Nccl` algorithm: the same on every rank (no two
+    /// ranks share a GPU and every rank asks for it).
+    pub nccl_eligible: bool,
     pub same_process: Vec<bool>,
+    /// Ranks in other processes of this pid namespace (the watchdog).
+    pub watched_peers: Vec<(usize, crate::comm::watchdog::ProcessIdentity)>,
     pub layout: ScratchLayout,
     pub islands: IslandLayout,
     pub offsets: RegionOffsets,
     pub pull_max_blocks: u32,
     pub ring_blocks: u32,
-    pub region: Region,
+    /// Shared with the teardown, which frees it once no peer can touch it.
+    pub region: Arc<Region>,
     /// Held for their `Drop` (peers' regions stay mapped while we run).
-    pub _peer_mappings: Vec<PeerMapping>,
-    pub _local_state: DeviceMemory,
+    pub peer_mappings: Vec<PeerMapping>,
+    /// This process's ranks of the communicator (see `teardown.rs`); taken
+    /// by the communicator's drop or `close`.
+    pub local_group: Option<Arc<LocalGroup>>,
+    pub local_state: DeviceMemory,
     pub handle: DeviceMemory,
-    pub error_record: PinnedHostMemory,
+    /// Shared with the watchdog, which may publish a record into it.
+    pub error_record: Arc<PinnedHostMemory>,
     pub table: DeviceMemory,
     pub table_capacity: usize,
     /// Extra mappings opened for registered buffers (kept alive).
     pub registered_mappings: Mutex<Vec<PeerMapping>>,
+    /// Every rank's region as this rank maps it (sentinel parameter templates).
+    pub region_bases: Vec<u64>,
+    /// Resident blocks of a sentinel kernel per block size (launch shapes).
+    pub sentinel_resident: ResidentBlocks,
 }
 
 impl Setup {
+    /// What the watchdog raises when a peer process is gone.
+    pub fn abort_targets(&self, rank: usize) -> crate::comm::watchdog::AbortTargets {
+        use std::mem::offset_of;
+        use tp_allreduce_kernels::layout::Control;
+        let control = self.local_state.ptr() + offset_of!(LocalState, control) as u64;
+        crate::comm::watchdog::AbortTargets {
+            rank,
+            record: self.error_record.clone(),
+            error_claim: control + offset_of!(Control, error_claim) as u64,
+            control_abort: control + offset_of!(Control, abort) as u64,
+            signal_abort: self.region.device_ptr() + offset_of!(SignalBlock, abort) as u64,
+        }
+    }
+
     /// What launch grids and capacities follow from (set at init).
     pub fn geometry(&self) -> Geometry {
         Geometry {
@@ -143,6 +134,7 @@ impl Setup {
             layout: self.layout,
             pull_max_blocks: self.pull_max_blocks,
             ring_blocks: self.ring_blocks,
+            sentinel_resident: self.sentinel_resident,
         }
     }
 
@@ -170,17 +162,93 @@ pub(crate) fn gather_json<T: Serialize + DeserializeOwned>(rdv: &dyn Rendezvous,
         .collect()
 }
 
-fn uuid_hex(ctx: &CudaContext) -> Result<String> {
-    let uuid = ctx.uuid().map_err(|e| crate::error::driver("cuDeviceGetUuid", e))?;
-    Ok(uuid.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect())
+/// One pair on which a transport attempt failed: `rank` could not use what
+/// `peer` offered (for an export failure, `peer == rank`).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub(crate) struct TransportProblem {
+    pub rank: usize,
+    pub peer: usize,
+    pub what: String,
 }
 
-/// The local device with this UUID, if visible to this process.
-fn local_device_by_uuid(uuid: &str) -> Option<usize> {
-    let n = driver::device_count();
-    (0..n).find(|&i| CudaContext::new(i).ok().and_then(|c| uuid_hex(&c).ok()).as_deref() == Some(uuid))
+impl std::fmt::Display for TransportProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {} <- rank {}: {}", self.rank, self.peer, self.what)
+    }
 }
 
+/// Which init step found transport problems.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Step 4: mapping the peers' regions (IPC open, shared memory, peer access).
+    Map,
+    /// Step 5: the P2P transfer check.
+    Check,
+}
+
+/// What init does after a step that tests the transport.
+#[derive(Debug)]
+pub(crate) enum Verdict {
+    /// No problem: keep this transport.
+    Keep,
+    /// `Auto` on P2P: every rank switches to host staging, for this reason.
+    FallBack(String),
+    /// Forced transport, or host staging failed too: every rank fails.
+    Fail(Error),
+}
+
+/// The decision after `step` found `problems` (all-gathered, so every rank
+/// decides alike). Pure.
+pub(crate) fn verdict(
+    preference: TransportPreference,
+    transport: Transport,
+    step: Step,
+    problems: &[TransportProblem],
+) -> Verdict {
+    let Some(first) = problems.first() else {
+        return Verdict::Keep;
+    };
+    let listed = problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+    let what = match step {
+        Step::Map => "mapping the peers' regions",
+        Step::Check => "the P2P transfer check",
+    };
+    match (preference, transport) {
+        (TransportPreference::Auto, Transport::PeerToPeer) => {
+            Verdict::FallBack(format!("{what} failed ({listed}): host-staged transport"))
+        }
+        _ => Verdict::Fail(match step {
+            Step::Check => Error::P2pCheck { rank: first.rank, peer: first.peer, what: listed },
+            Step::Map => Error::Ipc(format!(
+                "rank {} could not map the region of rank {} over the {transport} transport ({listed}){}",
+                first.rank,
+                first.peer,
+                if preference == TransportPreference::Auto { "" } else { "; the transport is forced by configuration" }
+            )),
+        }),
+    }
+}
+
+/// The transport to try first, from the pairs without P2P access. Pure.
+pub(crate) fn initial_transport(
+    preference: TransportPreference,
+    unreachable: &[(usize, usize)],
+) -> Result<(Transport, String)> {
+    match preference {
+        TransportPreference::Force(Transport::PeerToPeer) if !unreachable.is_empty() => Err(Error::Unsupported(
+            format!("P2P transport forced, but these rank pairs have no P2P access: {unreachable:?}"),
+        )),
+        TransportPreference::Force(t) => Ok((t, format!("forced to {t} by configuration"))),
+        TransportPreference::Auto if unreachable.is_empty() => {
+            Ok((Transport::PeerToPeer, "every pair reports P2P access".to_string()))
+        }
+        TransportPreference::Auto => {
+            Ok((Transport::HostStaged, format!("no P2P access between ranks {unreachable:?}: host-staged transport")))
+        }
+    }
+}
+
+/// Runs the init sequence (module docs) for `rank` on `stream`.
 pub(crate) fn build(
     stream: &Arc<CudaStream>,
     rank: usize,
@@ -190,154 +258,75 @@ pub(crate) fn build(
     module: &Arc<KernelModule>,
 ) -> Result<Setup> {
     let ctx = stream.context().clone();
-    driver::bind(&ctx)?;
-
-    // ---- Round 1: who is where, and the block limits.
-    let sms = driver::device_attribute(&ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-    let mut blocks_per_sm = u32::MAX;
-    for name in crate::kernels::hot_entries() {
-        blocks_per_sm = blocks_per_sm.min(module.max_blocks_per_sm(&name, THREADS_PER_BLOCK)?);
-    }
-    let salt: u32 = rand_u32();
-    let hello = Hello {
-        process: process_token().to_string(),
-        device_uuid: uuid_hex(&ctx)?,
-        ordinal: ctx.ordinal(),
-        cc: ctx.compute_capability().map_err(|e| crate::error::driver("cuDeviceGetAttribute", e))?,
-        sms,
-        blocks_per_sm,
-        shape: config.shape_fingerprint(),
-        salt,
-        job: format!("{:016x}", (salt as u64) << 32 | rand_u32() as u64),
-    };
-    let hellos = gather_json(rdv, &hello)?;
-    for (r, h) in hellos.iter().enumerate() {
-        if h.shape != hello.shape {
-            return Err(Error::invalid(format!(
-                "rank {r} uses a different configuration than rank {rank}:\n  rank {r}: {}\n  rank {rank}: {}",
-                h.shape, hello.shape
-            )));
+    let _bound = CurrentContext::bind(&ctx)?;
+    let placement = agree_placement(&ctx, module, rank, rdv, config)?;
+    // Joined before the next round, so no rank of this process can leave
+    // before every one of them has joined.
+    let local_group = super::teardown::join(&placement.job, placement.same_process.iter().any(|same| !same));
+    let unreachable = reachability(&ctx, &placement, rdv)?;
+    let (mut transport, mut reason) = initial_transport(config.transport, &unreachable)?;
+    let islands = island_layout(rank, world, config.island_size)?;
+    let resident = super::params::resident_blocks(module, placement.hellos[rank].sms, placement.ranks_on_device)?;
+    loop {
+        let mut attempt = allocate(&ctx, (rank, world), config, transport, &placement, &islands)?;
+        let (mut problems, peer_bases) = map_peers(&ctx, (rank, world), rdv, transport, &placement, &mut attempt)?;
+        let mut step = Step::Map;
+        if problems.is_empty() {
+            write_handle(&attempt, (rank, world), transport, &peer_bases, &islands, config)?;
+            if config.check_p2p {
+                step = Step::Check;
+                let ptrs = (attempt.region.device_ptr(), attempt.local_state.ptr(), &attempt.handle);
+                let salts = (placement.salt, p2p_check_salt(transport, rank, placement.salt));
+                problems = p2p_check::run(stream, module, ptrs, (rank, world), rdv, salts)?;
+            }
+        }
+        match verdict(config.transport, transport, step, &problems) {
+            Verdict::Keep => {
+                let sentinel = (peer_bases, resident);
+                let setup = attempt.into_setup(transport, reason, &placement, islands, config, sentinel);
+                return Ok(Setup { local_group: Some(local_group), ..setup });
+            }
+            // `attempt` is dropped here: its memory and mappings released.
+            Verdict::FallBack(why) => (transport, reason) = (Transport::HostStaged, why),
+            Verdict::Fail(e) => return Err(e),
         }
     }
-    let salt = hellos[0].salt;
-    let job = hellos[0].job.clone();
-    let same_process: Vec<bool> = hellos.iter().map(|h| h.process == hello.process).collect();
-    let ranks_on = |uuid: &str| hellos.iter().filter(|h| h.device_uuid == uuid).count();
-    let ranks_on_device = ranks_on(&hello.device_uuid);
-    // Every rank's blocks must fit on its GPU together with the blocks of
-    // the other ranks sharing it; all ranks use the smallest such limit.
-    let resident_limit = hellos
-        .iter()
-        .map(|h| (h.sms as usize * h.blocks_per_sm.max(1) as usize / ranks_on(&h.device_uuid)).max(1))
-        .min()
-        .unwrap_or(1) as u32;
-    let push_blocks = config.push_blocks.min(resident_limit);
-    let pull_max_blocks = config.pull_max_blocks.min(resident_limit);
-    let ring_blocks = config.ring_blocks.min(resident_limit);
+}
 
-    // ---- Round 2: P2P reachability and the transport.
-    let mut reach = Vec::with_capacity(world);
-    for h in &hellos {
-        let ok = if h.device_uuid == hello.device_uuid {
+/// The salt this rank's check kernel runs with (another one only under a
+/// test hook, on the P2P transport).
+fn p2p_check_salt(transport: Transport, rank: usize, salt: u32) -> u32 {
+    match transport {
+        Transport::PeerToPeer => test_hooks::p2p_check_kernel_salt(rank, salt),
+        Transport::HostStaged => salt,
+    }
+}
+
+/// Step 2: the rank pairs without P2P access. Devices are identified by
+/// UUID (`cuDeviceGet` + `cuDeviceGetUuid`), so no context is created on
+/// any GPU.
+fn reachability(ctx: &CudaContext, placement: &Placement, rdv: &dyn Rendezvous) -> Result<Vec<(usize, usize)>> {
+    let my_uuid = driver::device_uuid(ctx.cu_device())?;
+    let mut reach = Vec::with_capacity(placement.hellos.len());
+    for h in &placement.hellos {
+        let ok = if h.device_uuid == my_uuid {
             true
         } else {
-            match local_device_by_uuid(&h.device_uuid) {
-                Some(ordinal) => {
-                    let peer =
-                        CudaContext::new(ordinal).map_err(|e| crate::error::driver("cuDevicePrimaryCtxRetain", e))?;
-                    let mut can = 0i32;
-                    driver::cu!(cuDeviceCanAccessPeer(&mut can, ctx.cu_device(), peer.cu_device()))?;
-                    can != 0
-                }
-                // Not visible here (per-process CUDA_VISIBLE_DEVICES): the
-                // IPC open and the transfer check decide.
+            match driver::ordinal_with_uuid(&h.device_uuid)? {
+                Some(ordinal) => driver::can_access_peer(ctx.cu_device(), driver::device(ordinal)?)?,
+                // Not visible here (per-process CUDA_VISIBLE_DEVICES): mapping
+                // and the transfer check decide.
                 None => true,
             }
         };
         reach.push(ok);
     }
     let reach_all: Vec<Vec<bool>> = gather_json(rdv, &reach)?;
-    let unreachable: Vec<(usize, usize)> = reach_all
+    Ok(reach_all
         .iter()
         .enumerate()
         .flat_map(|(r, row)| row.iter().enumerate().filter(|(_, ok)| !**ok).map(move |(p, _)| (r, p)))
-        .collect();
-    let (mut transport, mut reason) = match config.transport {
-        TransportPreference::Force(t) => (t, format!("forced to {t} by configuration")),
-        TransportPreference::Auto if unreachable.is_empty() => {
-            (Transport::PeerToPeer, "every pair reports P2P access".to_string())
-        }
-        TransportPreference::Auto => {
-            (Transport::HostStaged, format!("no P2P access between ranks {:?}: host-staged transport", unreachable))
-        }
-    };
-    if transport == Transport::PeerToPeer && !unreachable.is_empty() {
-        return Err(Error::Unsupported(format!(
-            "P2P transport forced, but these rank pairs have no P2P access: {unreachable:?}"
-        )));
-    }
-
-    // Islands for Hierarchical: consecutive ranks.
-    let islands = island_layout(rank, world, config.island_size)?;
-
-    loop {
-        let attempt = allocate_and_map(
-            &ctx,
-            rank,
-            world,
-            rdv,
-            config,
-            transport,
-            &same_process,
-            &islands,
-            (push_blocks, ring_blocks),
-            &job,
-        )?;
-        let (verdict_ok, detail) = if config.check_p2p {
-            p2p_check(&attempt, stream, module, rank, world, rdv, salt)?
-        } else {
-            (true, String::new())
-        };
-        if verdict_ok {
-            return Ok(Setup {
-                transport,
-                transport_reason: reason,
-                ranks_on_device,
-                same_process,
-                layout: attempt.layout,
-                islands,
-                offsets: attempt.offsets,
-                pull_max_blocks,
-                ring_blocks,
-                region: attempt.region,
-                _peer_mappings: attempt.peer_mappings,
-                _local_state: attempt.local_state,
-                handle: attempt.handle,
-                error_record: attempt.error_record,
-                table: attempt.table,
-                table_capacity: config.max_registered_buffers,
-                registered_mappings: Mutex::new(Vec::new()),
-            });
-        }
-        match (config.transport, transport) {
-            (TransportPreference::Auto, Transport::PeerToPeer) => {
-                reason = format!("P2P transfer check failed ({detail}): host-staged transport");
-                transport = Transport::HostStaged;
-                // `attempt` is dropped here: its memory and mappings released.
-            }
-            _ => {
-                let (r, p) = first_bad_pair(&detail);
-                return Err(Error::P2pCheck { rank: r, peer: p, what: detail });
-            }
-        }
-    }
-}
-
-fn first_bad_pair(detail: &str) -> (usize, usize) {
-    // detail starts with "rank R <- rank P" (see p2p_check).
-    let nums: Vec<usize> =
-        detail.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).filter_map(|s| s.parse().ok()).collect();
-    (nums.first().copied().unwrap_or(0), nums.get(1).copied().unwrap_or(0))
+        .collect())
 }
 
 fn island_layout(rank: usize, world: usize, island_size: Option<usize>) -> Result<IslandLayout> {
@@ -360,16 +349,7 @@ fn island_layout(rank: usize, world: usize, island_size: Option<usize>) -> Resul
     Ok(layout)
 }
 
-fn rand_u32() -> u32 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    let token = u128::from_str_radix(process_token(), 16).unwrap_or(0);
-    let mut x = (t ^ token ^ (t >> 64)) as u64;
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x as u32
-}
-
+/// One try of steps 3-5 with one transport.
 struct Attempt {
     layout: ScratchLayout,
     offsets: RegionOffsets,
@@ -381,30 +361,68 @@ struct Attempt {
     table: DeviceMemory,
 }
 
+impl Attempt {
+    fn into_setup(
+        self,
+        transport: Transport,
+        transport_reason: String,
+        placement: &Placement,
+        islands: IslandLayout,
+        config: &Config,
+        (region_bases, sentinel_resident): (Vec<u64>, ResidentBlocks),
+    ) -> Setup {
+        Setup {
+            transport,
+            transport_reason,
+            ranks_on_device: placement.ranks_on_device,
+            nccl_eligible: placement.nccl_eligible,
+            same_process: placement.same_process.clone(),
+            watched_peers: crate::comm::watchdog::peers_to_watch(
+                &placement.hellos.iter().map(|h| h.process_identity).collect::<Vec<_>>(),
+                &placement.same_process,
+                crate::comm::watchdog::ProcessIdentity::of_self(),
+            ),
+            layout: self.layout,
+            islands,
+            offsets: self.offsets,
+            pull_max_blocks: placement.pull_max_blocks,
+            ring_blocks: placement.ring_blocks,
+            region: Arc::new(self.region),
+            peer_mappings: self.peer_mappings,
+            local_group: None,
+            local_state: self.local_state,
+            handle: self.handle,
+            error_record: Arc::new(self.error_record),
+            table: self.table,
+            table_capacity: config.max_registered_buffers,
+            registered_mappings: Mutex::new(Vec::new()),
+            region_bases,
+            sentinel_resident,
+        }
+    }
+}
+
 fn align(v: usize, a: usize) -> usize {
     v.div_ceil(a) * a
 }
 
-#[allow(clippy::too_many_arguments)]
-fn allocate_and_map(
+/// Step 3: this rank's memory for one transport, zero-filled (OneShotPush
+/// receive buffers "empty").
+fn allocate(
     ctx: &Arc<CudaContext>,
-    rank: usize,
-    world: usize,
-    rdv: &dyn Rendezvous,
+    (rank, world): (usize, usize),
     config: &Config,
     transport: Transport,
-    same_process: &[bool],
+    placement: &Placement,
     islands: &IslandLayout,
-    (push_blocks, ring_blocks): (u32, u32),
-    job: &str,
 ) -> Result<Attempt> {
     let pack = PACK_BYTES as u64;
     let layout = ScratchLayout::new(&ScratchConfig {
         world_size: world as u32,
         max_packs: config.max_chunk_bytes as u64 / pack,
-        one_shot_push_max_packs: config.one_shot_push_max_bytes as u64 / pack,
-        push_blocks,
-        ring_blocks,
+        one_shot_push_max_packs: config.one_shot_push_capacity(world) as u64 / pack,
+        push_blocks: placement.push_blocks,
+        ring_blocks: placement.ring_blocks,
         ring_slots: config.ring_slots,
         ring_chunk_packs: config.ring_chunk_bytes as u64 / pack,
         island_size: islands.island_size,
@@ -417,205 +435,223 @@ fn allocate_and_map(
     let staging_bytes = if transport == Transport::PeerToPeer { config.max_chunk_bytes } else { 0 };
     let offsets = RegionOffsets { scratch, staging, total: staging + staging_bytes };
 
-    // The rank's peer-visible region, zero-filled.
-    let all_local = same_process.iter().all(|s| *s);
+    let all_local = placement.same_process.iter().all(|s| *s);
     let region = match transport {
         Transport::PeerToPeer => Region::Device(DeviceMemory::alloc_zeroed(ctx, offsets.total)?),
         Transport::HostStaged if all_local => Region::Pinned(PinnedHostMemory::alloc(ctx, offsets.total)?),
         Transport::HostStaged => {
-            Region::Shared(SharedHostRegion::create(ctx, &format!("/tpar-{job}-{rank}"), offsets.total)?)
+            let name = format!("/tpar-{}-{rank}", placement.job);
+            Region::Shared(SharedHostRegion::create(ctx, &name, offsets.total)?)
         }
     };
-    let base = region.device_ptr();
     // OneShotPush receive buffers start out "empty".
     let one_shot_push_bytes = (layout.two_shot_push_offset - layout.one_shot_push_offset) as usize;
     if one_shot_push_bytes > 0 {
-        let start = base + offsets.scratch as u64 + layout.one_shot_push_offset;
-        debug_assert_eq!(LAMPORT_EMPTY_WORD, 0xFFFF_FFFF);
+        let start = region.device_ptr() + offsets.scratch as u64 + layout.one_shot_push_offset;
+        debug_assert_eq!(SENTINEL_EMPTY_WORD, 0xFFFF_FFFF);
         driver::memset_d8(start, 0xFF, one_shot_push_bytes)?;
     }
-
     let local_state = DeviceMemory::alloc_zeroed(ctx, size_of::<LocalState>())?;
-    let handle = DeviceMemory::alloc_zeroed(ctx, size_of::<DeviceHandle>())?;
-    let error_record = PinnedHostMemory::alloc(ctx, size_of::<ErrorRecord>())?;
-    let table = DeviceMemory::alloc_zeroed(ctx, config.max_registered_buffers * size_of::<PeerPointers>())?;
-
-    // ---- Round 3: region descriptors, then map every peer's region.
-    let mine = match (&region, transport) {
-        (Region::Shared(s), _) => BufferDescriptor::Shm { name: s.name().to_string(), bytes: offsets.total as u64 },
-        _ => {
-            // Ranks of this process use the address; others get an IPC handle
-            // (device memory only; pinned memory is only used when every
-            // rank is local).
-            let handle = if transport == Transport::PeerToPeer && !all_local {
-                Some(driver::ipc_export(ctx, base)?)
-            } else {
-                None
-            };
-            match handle {
-                Some(h) => BufferDescriptor::Ipc { handle: h.to_vec(), offset: 0 },
-                None => BufferDescriptor::Local { addr: base },
-            }
-        }
-    };
-    let descriptors: Vec<(BufferDescriptor, u64)> = gather_json(rdv, &(mine.clone(), base))?;
-    let mut peer_bases = Vec::with_capacity(world);
-    let mut peer_mappings = Vec::with_capacity(world);
-    for (p, (desc, addr)) in descriptors.iter().enumerate() {
-        if p == rank {
-            peer_bases.push(base);
-            peer_mappings.push(PeerMapping::None);
-            continue;
-        }
-        let (peer_base, mapping) = import(ctx, desc, *addr, same_process[p], offsets.total as u64)?;
-        peer_bases.push(peer_base);
-        peer_mappings.push(mapping);
+    if let Some(seed) = config.test_initial_counter {
+        // Before step 4: no peer can have written a flag of this region yet.
+        super::params::seed_counters(region.device_ptr(), local_state.ptr(), seed)?;
     }
-    // Everyone has mapped every region: shared-memory names can go now, so
-    // nothing is left behind if a process dies later.
-    rdv.barrier()?;
-    if let Region::Shared(s) = &region {
+    Ok(Attempt {
+        layout,
+        offsets,
+        region,
+        peer_mappings: Vec::new(),
+        local_state,
+        handle: DeviceMemory::alloc_zeroed(ctx, size_of::<DeviceHandle>())?,
+        error_record: PinnedHostMemory::alloc(ctx, size_of::<ErrorRecord>())?,
+        table: DeviceMemory::alloc_zeroed(ctx, config.max_registered_buffers * size_of::<PeerPointers>())?,
+    })
+}
+
+/// What a rank publishes in step 4.
+#[derive(Serialize, Deserialize)]
+enum RegionOffer {
+    Ready(BufferOffer),
+    /// The cross-process form could not be made (a transport problem).
+    ExportFailed(String),
+}
+
+/// Step 4: offer this rank's region, map every peer's and all-gather how it
+/// went. Returns every rank's problems and the peers' region addresses here.
+fn map_peers(
+    ctx: &Arc<CudaContext>,
+    (rank, world): (usize, usize),
+    rdv: &dyn Rendezvous,
+    transport: Transport,
+    placement: &Placement,
+    attempt: &mut Attempt,
+) -> Result<(Vec<TransportProblem>, Vec<u64>)> {
+    let same_process = &placement.same_process;
+    let offer = match ipc::offer_region(ctx, &attempt.region, attempt.offsets.total, same_process) {
+        Ok(offer) => RegionOffer::Ready(offer),
+        Err(e) => RegionOffer::ExportFailed(e.to_string()),
+    };
+    let offers: Vec<RegionOffer> = gather_json(rdv, &offer)?;
+    let mut problems = Vec::new();
+    let mut peer_bases = vec![attempt.region.device_ptr(); world];
+    attempt.peer_mappings = (0..world).map(|_| PeerMapping::None).collect();
+    for (p, offer) in offers.iter().enumerate().filter(|(p, _)| *p != rank) {
+        let imported = match offer {
+            RegionOffer::ExportFailed(why) => {
+                problems.push(TransportProblem {
+                    rank: p,
+                    peer: p,
+                    what: format!("offering its region failed: {why}"),
+                });
+                continue;
+            }
+            _ if transport == Transport::PeerToPeer && test_hooks::region_import_fails(rank) => {
+                Err(Error::Ipc("opening the peer's region failed (injected by a test hook)".into()))
+            }
+            RegionOffer::Ready(offer) => {
+                ipc::descriptor_for_peer(offer, same_process[p]).and_then(|desc| ipc::import(ctx, &desc))
+            }
+        };
+        match imported {
+            Ok((base, mapping)) => (peer_bases[p], attempt.peer_mappings[p]) = (base, mapping),
+            Err(e) => problems.push(TransportProblem { rank, peer: p, what: e.to_string() }),
+        }
+    }
+    // Every rank has tried to map every region once this returns: the
+    // shared-memory names can go, so nothing is left behind if a process
+    // dies later, and every rank knows whether all mappings worked.
+    let mut all: Vec<TransportProblem> = gather_json(rdv, &problems)?.into_iter().flatten().collect();
+    if let Region::Shared(s) = &attempt.region {
         s.unlink();
     }
+    // A failed export is reported by every rank that saw it: keep one.
+    all.sort();
+    all.dedup();
+    Ok((all, peer_bases))
+}
 
-    // The device handle.
+/// Writes the device handle (every rank's region) and, for P2P, table
+/// entry 0 (every rank's staging buffer, read by pull algorithms on eager
+/// calls).
+fn write_handle(
+    attempt: &Attempt,
+    (rank, world): (usize, usize),
+    transport: Transport,
+    peer_bases: &[u64],
+    islands: &IslandLayout,
+    config: &Config,
+) -> Result<()> {
     let mut h = DeviceHandle {
         rank: rank as u32,
         world_size: world as u32,
-        timeout_ns: config.timeout.as_nanos().min(u64::MAX as u128) as u64,
-        local_state: local_state.ptr(),
-        error_record: error_record.device_ptr(),
-        scratch_layout: layout,
+        timeout_ns: config.wait_bounds_ns().0,
+        launch_timeout_ns: config.wait_bounds_ns().1,
+        local_state: attempt.local_state.ptr(),
+        error_record: attempt.error_record.device_ptr(),
+        scratch_layout: attempt.layout,
         islands: *islands,
         ..DeviceHandle::default()
     };
     for (p, base) in peer_bases.iter().enumerate() {
         h.signals[p] = *base;
-        h.scratch[p] = base + offsets.scratch as u64;
+        h.scratch[p] = base + attempt.offsets.scratch as u64;
     }
-    driver::write_struct(handle.ptr(), &h)?;
-    // Table entry 0: every rank's staging buffer (pull algorithms, eager).
+    driver::write_struct(attempt.handle.ptr(), &h)?;
     if transport == Transport::PeerToPeer {
         let mut staging = PeerPointers::default();
         for (p, base) in peer_bases.iter().enumerate() {
-            staging.ptrs[p] = base + offsets.staging as u64;
+            staging.ptrs[p] = base + attempt.offsets.staging as u64;
         }
-        driver::write_struct(table.ptr(), &staging)?;
+        driver::write_struct(attempt.table.ptr(), &staging)?;
     }
-    Ok(Attempt { layout, offsets, region, peer_mappings, local_state, handle, error_record, table })
+    Ok(())
 }
 
-/// Maps a peer's buffer described by `desc` into this rank.
-pub(crate) fn import(
-    ctx: &Arc<CudaContext>,
-    desc: &BufferDescriptor,
-    addr: u64,
-    same_process: bool,
-    bytes: u64,
-) -> Result<(u64, PeerMapping)> {
-    match desc {
-        BufferDescriptor::Local { addr: a } => {
-            if !same_process {
-                return Err(Error::Ipc("a peer in another process sent a local address".into()));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const AUTO: TransportPreference = TransportPreference::Auto;
+    const FORCE_P2P: TransportPreference = TransportPreference::Force(Transport::PeerToPeer);
+    const FORCE_HOST: TransportPreference = TransportPreference::Force(Transport::HostStaged);
+
+    fn problem(rank: usize, peer: usize) -> TransportProblem {
+        TransportProblem { rank, peer, what: "opening a peer's memory handle failed".into() }
+    }
+
+    #[test]
+    fn no_problem_keeps_the_transport() {
+        for preference in [AUTO, FORCE_P2P, FORCE_HOST] {
+            for step in [Step::Map, Step::Check] {
+                assert!(matches!(verdict(preference, Transport::PeerToPeer, step, &[]), Verdict::Keep));
             }
-            // Same process: enable P2P when the buffer lives on another GPU.
-            enable_access_to(ctx, *a)?;
-            Ok((*a, PeerMapping::None))
-        }
-        BufferDescriptor::Ipc { handle, offset } => {
-            let handle: [u8; 64] = handle
-                .as_slice()
-                .try_into()
-                .map_err(|_| Error::Protocol { from: "peer".into(), what: "IPC handle is not 64 bytes".into() })?;
-            let mapping = open_ipc_cached(ctx, &handle)?;
-            Ok((mapping.ptr() + offset, PeerMapping::Ipc(mapping)))
-        }
-        BufferDescriptor::Shm { name, bytes: b } => {
-            let _ = (addr, bytes);
-            let region = SharedHostRegion::open(ctx, name, *b as usize)?;
-            Ok((region.device_ptr(), PeerMapping::Shm(region)))
         }
     }
-}
 
-fn enable_access_to(ctx: &Arc<CudaContext>, addr: u64) -> Result<()> {
-    // SAFETY: the device ordinal attribute is an int.
-    let ordinal = unsafe {
-        driver::pointer_attribute(addr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, -1i32)
-    };
-    let ordinal = match ordinal {
-        Ok(o) if o >= 0 && o as usize != ctx.ordinal() => o,
-        // Host memory, or memory of this GPU: nothing to enable.
-        _ => return Ok(()),
-    };
-    let peer = CudaContext::new(ordinal as usize).map_err(|e| crate::error::driver("cuDevicePrimaryCtxRetain", e))?;
-    driver::enable_peer_access(ctx, &peer)
-}
-
-/// IPC mappings are opened once per (context, handle) in the process.
-fn open_ipc_cached(ctx: &Arc<CudaContext>, handle: &[u8; 64]) -> Result<Arc<IpcMapping>> {
-    type Cache = Mutex<std::collections::HashMap<(usize, [u8; 64]), std::sync::Weak<IpcMapping>>>;
-    static CACHE: OnceLock<Cache> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    let mut map = cache.lock().map_err(|_| Error::Broken("IPC cache poisoned".into()))?;
-    let key = (ctx.cu_ctx() as usize, *handle);
-    if let Some(m) = map.get(&key).and_then(std::sync::Weak::upgrade) {
-        return Ok(m);
-    }
-    let m = Arc::new(IpcMapping::open(ctx, handle)?);
-    map.insert(key, Arc::downgrade(&m));
-    Ok(m)
-}
-
-/// Writes/reads a pattern over every pair; returns (all ok, first failure).
-fn p2p_check(
-    attempt: &Attempt,
-    stream: &Arc<CudaStream>,
-    module: &KernelModule,
-    rank: usize,
-    world: usize,
-    rdv: &dyn Rendezvous,
-    salt: u32,
-) -> Result<(bool, String)> {
-    let base = attempt.region.device_ptr();
-    let outbox: Vec<u32> = (0..P2P_CHECK_WORDS as u32).map(|w| p2p_pattern(rank as u32, u32::MAX, w, salt)).collect();
-    driver::memcpy_htod(base + offset_of!(SignalBlock, p2p_outbox) as u64, bytemuck::cast_slice(&outbox))?;
-    rdv.barrier()?;
-    let f = module.function(AlgorithmId::P2pCheck.kernel_prefix())?;
-    let args = KernelArgs::new().u64(attempt.handle.ptr()).u32(salt);
-    // SAFETY: p2p_check(handle, salt) matches these arguments; the handle
-    // points at fully initialised state.
-    unsafe { driver::launch(f, 1, P2P_CHECK_WORDS as u32, stream.cu_stream(), &args)? };
-    driver::synchronize(stream)?;
-    rdv.barrier()?;
-    let mut problems: BTreeSet<String> = BTreeSet::new();
-    let mut inbox = vec![0u32; MAX_RANKS * P2P_CHECK_WORDS];
-    driver::memcpy_dtoh(bytemuck::cast_slice_mut(&mut inbox), base + offset_of!(SignalBlock, p2p_inbox) as u64)?;
-    let mut read_back = vec![0u32; MAX_RANKS * P2P_CHECK_WORDS];
-    driver::memcpy_dtoh(
-        bytemuck::cast_slice_mut(&mut read_back),
-        attempt.local_state.ptr() + offset_of!(LocalState, p2p_read_back) as u64,
-    )?;
-    for p in 0..world {
-        let wrote = &inbox[p * P2P_CHECK_WORDS..(p + 1) * P2P_CHECK_WORDS];
-        let bad_w =
-            (0..P2P_CHECK_WORDS).filter(|&w| wrote[w] != p2p_pattern(p as u32, rank as u32, w as u32, salt)).count();
-        if bad_w > 0 {
-            problems.insert(format!(
-                "rank {rank} <- rank {p}: {bad_w}/{P2P_CHECK_WORDS} words written by rank {p} arrived wrong"
-            ));
-        }
-        let read = &read_back[p * P2P_CHECK_WORDS..(p + 1) * P2P_CHECK_WORDS];
-        let bad_r =
-            (0..P2P_CHECK_WORDS).filter(|&w| read[w] != p2p_pattern(p as u32, u32::MAX, w as u32, salt)).count();
-        if bad_r > 0 {
-            problems.insert(format!(
-                "rank {rank} <- rank {p}: {bad_r}/{P2P_CHECK_WORDS} words read from rank {p} were wrong"
-            ));
+    #[test]
+    fn a_failed_import_under_auto_falls_back_on_every_rank() {
+        // The problems are all-gathered, so every rank evaluates the same list.
+        let all = [problem(1, 0)];
+        for _rank in 0..2 {
+            match verdict(AUTO, Transport::PeerToPeer, Step::Map, &all) {
+                Verdict::FallBack(why) => {
+                    assert!(why.contains("mapping the peers' regions failed"), "{why}");
+                    assert!(why.contains("rank 1 <- rank 0"), "{why}");
+                    assert!(why.contains("host-staged"), "{why}");
+                }
+                other => panic!("{other:?}"),
+            }
         }
     }
-    let all: Vec<Vec<String>> = gather_json(rdv, &problems.into_iter().collect::<Vec<_>>())?;
-    let flat: Vec<String> = all.into_iter().flatten().collect();
-    // The check touched only the inbox/outbox words, never a protocol flag.
-    Ok((flat.is_empty(), flat.join("; ")))
+
+    #[test]
+    fn a_failed_import_with_p2p_forced_fails_naming_the_pair() {
+        match verdict(FORCE_P2P, Transport::PeerToPeer, Step::Map, &[problem(1, 0), problem(2, 0)]) {
+            Verdict::Fail(Error::Ipc(msg)) => {
+                assert!(msg.contains("rank 1 could not map the region of rank 0"), "{msg}");
+                assert!(msg.contains("rank 2 <- rank 0"), "every pair is listed: {msg}");
+                assert!(msg.contains("forced"), "{msg}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn host_staging_that_fails_too_is_an_error() {
+        match verdict(AUTO, Transport::HostStaged, Step::Map, &[problem(0, 1)]) {
+            Verdict::Fail(Error::Ipc(msg)) => assert!(msg.contains("host-staged"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_failed_check_falls_back_under_auto_and_fails_when_forced() {
+        let bad = [TransportProblem { rank: 3, peer: 1, what: "7/4096 words written by rank 1 arrived wrong".into() }];
+        assert!(matches!(verdict(AUTO, Transport::PeerToPeer, Step::Check, &bad), Verdict::FallBack(_)));
+        match verdict(FORCE_P2P, Transport::PeerToPeer, Step::Check, &bad) {
+            Verdict::Fail(Error::P2pCheck { rank: 3, peer: 1, what }) => assert!(what.contains("7/4096"), "{what}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(verdict(FORCE_HOST, Transport::HostStaged, Step::Check, &bad), Verdict::Fail(_)));
+    }
+
+    #[test]
+    fn the_first_transport_follows_reachability_and_preference() {
+        assert_eq!(initial_transport(AUTO, &[]).unwrap().0, Transport::PeerToPeer);
+        let (t, why) = initial_transport(AUTO, &[(0, 1)]).unwrap();
+        assert_eq!(t, Transport::HostStaged);
+        assert!(why.contains("[(0, 1)]"), "{why}");
+        assert!(matches!(initial_transport(FORCE_P2P, &[(1, 0)]), Err(Error::Unsupported(_))));
+        assert_eq!(initial_transport(FORCE_HOST, &[]).unwrap().0, Transport::HostStaged);
+        assert_eq!(initial_transport(FORCE_P2P, &[]).unwrap().0, Transport::PeerToPeer);
+    }
+
+    #[test]
+    fn islands_are_consecutive_ranks() {
+        let l = island_layout(5, 8, Some(4)).unwrap();
+        assert_eq!((l.island_size, l.island_count, l.my_island, l.my_index), (4, 2, 1, 1));
+        assert_eq!(l.members[1][..4], [4, 5, 6, 7]);
+        assert!(island_layout(0, 6, Some(4)).is_err());
+        assert_eq!(island_layout(0, 4, None).unwrap().island_count, 0);
+    }
 }

@@ -8,6 +8,8 @@
 //! * [`selection`] — the pure choice (override > tuning > model, never
 //!   slower than NCCL) and the precomputed [`SelectionTable`].
 
+#![forbid(unsafe_code)]
+
 pub mod cost_model;
 pub mod selection;
 pub mod topology;

@@ -9,10 +9,15 @@
 //! (their collectives fail within the communicator's timeout) and then
 //! kills what is left, so a launch never hangs.
 
-use std::io::{BufRead, BufReader};
+#![forbid(unsafe_code)]
+
+use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
 
 use crate::env;
 use crate::error::{Error, Result};
@@ -37,8 +42,8 @@ fn describe(status: ExitStatus) -> String {
 
 /// SIGKILL to the rank's process group, then reap it.
 fn kill_group(child: &mut Child) {
-    // SAFETY: signals the group the launcher created for this child.
-    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+    // The child leads the group the launcher created for it (`process_group(0)`).
+    let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
     let _ = child.kill();
     let _ = child.wait();
 }
@@ -68,46 +73,81 @@ pub fn launch(opts: &LaunchOptions, command: &[String]) -> Result<Vec<RankOutcom
     let mut children: Vec<Option<Child>> = Vec::new();
     let mut printers = Vec::new();
     for rank in 0..opts.world_size {
-        let device = if opts.gpus.is_empty() { 0 } else { opts.gpus[rank % opts.gpus.len()] };
-        // Each rank leads its own process group so that killing it also
-        // kills whatever it started (which may hold its output pipes).
-        let spawned = Command::new(&command[0])
-            .args(&command[1..])
-            .process_group(0)
-            .env(env::RANK, rank.to_string())
-            .env(env::WORLD_SIZE, opts.world_size.to_string())
-            .env(env::ID, id.to_string())
-            .env(env::DEVICE, device.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn();
-        let mut child = match spawned {
-            Ok(c) => c,
+        match spawn_rank(opts, command, &id, rank) {
+            Ok((child, mut threads)) => {
+                children.push(Some(child));
+                printers.append(&mut threads);
+            }
             Err(e) => {
                 for c in children.iter_mut().flatten() {
                     kill_group(c);
                 }
-                return Err(Error::io(format!("starting rank {rank}: {}", command[0]), e));
+                return Err(e);
             }
-        };
-        if let Some(out) = child.stdout.take() {
-            printers.push(std::thread::spawn(move || {
-                for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
-                    println!("[rank {rank}] {line}");
-                }
-            }));
         }
-        if let Some(err) = child.stderr.take() {
-            printers.push(std::thread::spawn(move || {
-                for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
-                    eprintln!("[rank {rank}] {line}");
-                }
-            }));
-        }
-        children.push(Some(child));
     }
+    let outcomes = wait_all(opts, &mut children);
+    for p in printers {
+        let _ = p.join();
+    }
+    // Rank 0 removes its socket; after a crash the launcher does.
+    id.remove_files();
+    Ok(outcomes)
+}
+
+/// Starts rank `rank` with its environment, and the threads that forward
+/// its output prefixed with `[rank r]`.
+fn spawn_rank(
+    opts: &LaunchOptions,
+    command: &[String],
+    id: &Id,
+    rank: usize,
+) -> Result<(Child, Vec<std::thread::JoinHandle<()>>)> {
+    let device = if opts.gpus.is_empty() { 0 } else { opts.gpus[rank % opts.gpus.len()] };
+    // Each rank leads its own process group so that killing it also
+    // kills whatever it started (which may hold its output pipes).
+    let mut child = Command::new(&command[0])
+        .args(&command[1..])
+        .process_group(0)
+        .env(env::RANK, rank.to_string())
+        .env(env::WORLD_SIZE, opts.world_size.to_string())
+        .env(env::ID, id.to_string())
+        .env(env::DEVICE, device.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::io(format!("starting rank {rank}: {}", command[0]), e))?;
+    let mut threads = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        threads.push(forward(out, rank, std::io::stdout));
+    }
+    if let Some(err) = child.stderr.take() {
+        threads.push(forward(err, rank, std::io::stderr));
+    }
+    Ok((child, threads))
+}
+
+/// Copies `from` line by line to `to()` with the rank prefix; stops
+/// quietly when the destination is closed (`launch ... | head`).
+fn forward<R: std::io::Read + Send + 'static, W: Write + 'static>(
+    from: R,
+    rank: usize,
+    to: fn() -> W,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(from).lines().map_while(|l| l.ok()) {
+            if writeln!(to(), "[rank {rank}] {line}").is_err() {
+                break;
+            }
+        }
+    })
+}
+
+/// Polls every rank until all ended; after the first failure the others
+/// get `grace`, and the whole launch `timeout`, before they are killed.
+fn wait_all(opts: &LaunchOptions, children: &mut [Option<Child>]) -> Vec<RankOutcome> {
     let started = Instant::now();
-    let mut outcomes: Vec<Option<RankOutcome>> = vec![None; opts.world_size];
+    let mut outcomes: Vec<Option<RankOutcome>> = vec![None; children.len()];
     let mut first_failure: Option<Instant> = None;
     while outcomes.iter().any(|o| o.is_none()) {
         for (rank, slot) in children.iter_mut().enumerate() {
@@ -141,10 +181,5 @@ pub fn launch(opts: &LaunchOptions, command: &[String]) -> Result<Vec<RankOutcom
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    for p in printers {
-        let _ = p.join();
-    }
-    // Rank 0 removes its socket; after a crash the launcher does.
-    id.remove_files();
-    Ok(outcomes.into_iter().flatten().collect())
+    outcomes.into_iter().flatten().collect()
 }

@@ -1,23 +1,22 @@
-//! `tp-allreduce plan [--topology NAME]`: what the selection would do on a
-//! topology, with the model's predictions against NCCL, the verify-pass
-//! scenario of CONTEXT.md, and the model's assumptions. Pure: works without
-//! a GPU.
+//! `tp-allreduce plan`: what the selection would do on a topology, with the
+//! model's predictions against NCCL, the verify-pass scenario (the
+//! motivating workload, see README.md) and the model's assumptions. Pure:
+//! works without a GPU. `bench` falls back to it on a machine without one.
+#![forbid(unsafe_code)]
 
 use std::fmt::Write as _;
 
 use tp_allreduce_kernels::ids::DType;
+use tp_allreduce_kernels::layout::MAX_RANKS;
 
 use crate::algorithm::Algorithm;
 use crate::select::cost_model::{CostModel, Options};
 use crate::select::selection::{human_bytes, select_with, Constraints};
-use crate::select::topology::Topology;
+use crate::select::topology::{embedded, Topology};
+use crate::tools::bench::scenarios::{VERIFY_PASS_ALLREDUCES, VERIFY_PASS_BYTES};
+use crate::tools::{table, topology_view};
 
-/// The verify pass of CONTEXT.md: a 61-layer model, two allreduces per
-/// layer, ~42 KB each (3 tokens x hidden 7168 x bf16).
-pub const VERIFY_PASS_ALLREDUCES: usize = 122;
-pub const VERIFY_PASS_BYTES: usize = 42 * 1024;
-
-/// Sizes the report shows: 4 KiB .. 8 MiB doubling, plus 42 KiB.
+/// Sizes the report shows by default: 4 KiB .. 8 MiB doubling, plus 42 KiB.
 pub fn report_sizes() -> Vec<usize> {
     let mut v: Vec<usize> = (12..=23).map(|k| 1usize << k).collect();
     v.push(VERIFY_PASS_BYTES);
@@ -25,127 +24,220 @@ pub fn report_sizes() -> Vec<usize> {
     v
 }
 
-/// The report `tp-allreduce plan` prints. `world`: ranks (default: one per
-/// GPU of `topology`); graph replay; constraints as
-/// [`Constraints::for_topology`] derives them (NCCL available unless ranks
-/// share a GPU).
-pub fn plan_report(topology: &Topology, world: Option<usize>, dtype: DType) -> String {
-    let world = world.unwrap_or(topology.len());
-    let mut s = String::new();
-    let view = match topology.for_world(world) {
-        Ok(v) => v,
-        Err(e) => return format!("plan: {e}\n"),
-    };
-    let model = CostModel::default();
-    let c = Constraints::for_topology(&view);
-    let opts = Options { capturing: true, island_size: c.island_size, nccl: Default::default() };
+/// What to plan: ranks placed on GPUs of a (machine) topology.
+#[derive(Clone, Debug)]
+pub struct PlanRequest {
+    pub topology: Topology,
+    /// The GPU of each rank.
+    pub devices: Vec<usize>,
+    pub dtype: DType,
+    pub sizes: Vec<usize>,
+    /// Graph replay (else eager calls).
+    pub capturing: bool,
+}
 
-    let _ = writeln!(s, "tp-allreduce plan: {} ranks on {}, {}, CUDA-graph replay", world, view.name, dtype.name());
-    let _ = write!(s, "{}", view.summary());
-    let islands = c.island_size.map_or("none".to_string(), |m| format!("{} x {m} consecutive ranks", world / m));
-    let _ = writeln!(
-        s,
-        "transport: {}; NCCL: {}; hierarchical islands: {islands}; baseline: tuned NCCL (best of ring/tree x LL/Simple)\n",
-        c.transport,
-        if c.nccl_available { "available" } else { "unavailable (ranks share a GPU)" }
-    );
+/// The machine topology: `name`, else `TP_ALLREDUCE_TOPOLOGY`, else the
+/// default (the 8x RTX PRO 6000 PCIe machine). An unknown name is an error
+/// that lists the embedded ones.
+pub fn topology(name: Option<&str>) -> Result<Topology, String> {
+    match name {
+        Some(n) => embedded::by_name(n).map_err(|e| e.to_string()),
+        None => Ok(embedded::from_env().map_err(|e| e.to_string())?.unwrap_or_else(embedded::default_topology)),
+    }
+}
 
-    let _ = writeln!(
-        s,
-        "{:>9}  {:<14} {:<12} {:>10} {:>10} {:>8}",
-        "size", "algorithm", "transport", "predicted", "NCCL", "speedup"
-    );
-    for bytes in report_sizes() {
-        let ch = select_with(&model, None, &view, world, dtype, bytes, true, &c);
-        let _ = writeln!(
-            s,
-            "{:>9}  {:<14} {:<12} {:>7.1} us {:>7.1} us {:>7.2}x",
-            human_bytes(bytes),
-            ch.algorithm.name(),
-            ch.transport.name(),
-            ch.predicted_us,
-            ch.nccl_predicted_us,
-            ch.nccl_predicted_us / ch.predicted_us
-        );
+impl PlanRequest {
+    /// `world` ranks (default: every GPU), `ranks_per_gpu` on each of the
+    /// first `world / ranks_per_gpu` GPUs; graph replay, the default sizes.
+    pub fn for_world(
+        topology: Topology,
+        world: Option<usize>,
+        ranks_per_gpu: usize,
+        dtype: DType,
+    ) -> Result<PlanRequest, String> {
+        let rpg = ranks_per_gpu.max(1);
+        let world = world.unwrap_or(topology.len() * rpg);
+        if world == 0 {
+            return Err("--world must be at least 1".into());
+        }
+        if world % rpg != 0 {
+            return Err(format!("--world {world} is not a multiple of --ranks-per-gpu {rpg}"));
+        }
+        let gpus: Vec<usize> = (0..world / rpg).collect();
+        Self::on_gpus(topology, &gpus, rpg, dtype)
     }
 
-    // The verify pass.
-    let ch = select_with(&model, None, &view, world, dtype, VERIFY_PASS_BYTES, true, &c);
+    /// `ranks_per_gpu` ranks on each of `gpus` of the topology.
+    pub fn on_gpus(
+        topology: Topology,
+        gpus: &[usize],
+        ranks_per_gpu: usize,
+        dtype: DType,
+    ) -> Result<PlanRequest, String> {
+        let devices: Vec<usize> = gpus.iter().flat_map(|&g| std::iter::repeat_n(g, ranks_per_gpu.max(1))).collect();
+        check_placement(&topology, gpus, devices.len())?;
+        Ok(PlanRequest { topology, devices, dtype, sizes: report_sizes(), capturing: true })
+    }
+
+    pub fn world(&self) -> usize {
+        self.devices.len()
+    }
+}
+
+/// GPUs that exist, named once, and at most [`MAX_RANKS`] ranks.
+fn check_placement(topology: &Topology, gpus: &[usize], ranks: usize) -> Result<(), String> {
+    let n = topology.len();
+    if gpus.len() > n {
+        return Err(format!(
+            "{} GPUs asked for, but topology `{}` has {n}; for several ranks per GPU use --ranks-per-gpu",
+            gpus.len(),
+            topology.name
+        ));
+    }
+    if let Some(bad) = gpus.iter().find(|&&g| g >= n) {
+        return Err(format!("GPU {bad} does not exist: topology `{}` has GPUs 0..{}", topology.name, n - 1));
+    }
+    let mut distinct = gpus.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() != gpus.len() || gpus.is_empty() {
+        return Err("name each GPU once (and at least one)".into());
+    }
+    if ranks > MAX_RANKS {
+        return Err(format!("{ranks} ranks: tp-allreduce supports at most {MAX_RANKS} ranks"));
+    }
+    Ok(())
+}
+
+/// The report `tp-allreduce plan` prints.
+pub fn plan_report(req: &PlanRequest) -> Result<String, String> {
+    let world = req.world();
+    let view = req.topology.for_ranks(&req.devices).map_err(|e| e.to_string())?;
+    let c = Constraints::for_topology(&view);
+    let mut s = String::new();
+    let mode = if req.capturing { "CUDA-graph replay" } else { "eager calls" };
+    let _ = writeln!(s, "tp-allreduce plan: {world} ranks on {}, {}, {mode}", view.name, req.dtype.name());
+    s.push_str(&topology_view::render(&req.topology, &req.devices));
+    let islands = c.island_size.map_or("none".to_string(), |m| format!("{} x {m} consecutive ranks", world / m));
+    let nccl = if c.nccl_available { "available" } else { "unavailable (ranks share a GPU): no NCCL column" };
+    let _ = writeln!(s, "transport: {}; hierarchical islands: {islands}", c.transport);
+    let _ = writeln!(s, "NCCL: {nccl}; baseline: tuned NCCL (best of ring/tree x LL/Simple)\n");
+    s.push_str(&sizes_table(req, &view, &c));
+    s.push_str(&verify_pass(req, &view, &c));
+    s.push_str(&assumptions(&CostModel::default()));
+    Ok(s)
+}
+
+fn sizes_table(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
+    let model = CostModel::default();
+    let mut t = table::new(["size", "algorithm", "transport", "predicted us", "NCCL us", "speedup"], 3..6);
+    for &bytes in &req.sizes {
+        let ch = select_with(&model, None, view, req.world(), req.dtype, bytes, req.capturing, c);
+        let (nccl, speedup) = if c.nccl_available {
+            (format!("{:.1}", ch.nccl_predicted_us), format!("{:.2}x", ch.nccl_predicted_us / ch.predicted_us))
+        } else {
+            ("n/a".to_string(), "-".to_string())
+        };
+        t.add_row(vec![
+            human_bytes(bytes),
+            ch.algorithm.name().to_string(),
+            ch.transport.name().to_string(),
+            format!("{:.1}", ch.predicted_us),
+            nccl,
+            speedup,
+        ]);
+    }
+    table::render(&t)
+}
+
+fn verify_pass(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
+    let model = CostModel::default();
+    let world = req.world();
+    let bytes = VERIFY_PASS_BYTES;
+    let ch = select_with(&model, None, view, world, req.dtype, bytes, req.capturing, c);
     let ours_ms = VERIFY_PASS_ALLREDUCES as f64 * ch.predicted_us / 1e3;
     let nccl_ms = VERIFY_PASS_ALLREDUCES as f64 * ch.nccl_predicted_us / 1e3;
-    let _ = writeln!(
-        s,
-        "\nverify pass ({VERIFY_PASS_ALLREDUCES} allreduces of {} {}, CONTEXT.md):",
-        human_bytes(VERIFY_PASS_BYTES),
-        dtype.name()
+    let mut s = format!(
+        "\nverify pass ({VERIFY_PASS_ALLREDUCES} allreduces of {} {}, the motivating workload):\n",
+        human_bytes(bytes),
+        req.dtype.name()
     );
-    let _ = writeln!(
-        s,
-        "  {}: {:.2} ms per pass; tuned NCCL: {:.2} ms per pass ({:.1}x, {:.2} ms saved)",
-        ch.algorithm,
-        ours_ms,
-        nccl_ms,
-        nccl_ms / ours_ms,
-        nccl_ms - ours_ms
-    );
-    let _ = writeln!(
-        s,
-        "  the motivating deployment measured ~25-30 ms per pass (NCCL at ~200-250 us each: untuned/eager, \
-         consistent with NCCL through host memory); compute was ~5 ms"
-    );
-    let _ = writeln!(s, "  why: {}", ch.reason);
-    let _ = writeln!(s, "  every algorithm at {} (model):", human_bytes(VERIFY_PASS_BYTES));
+    let _ = write!(s, "  {}: {ours_ms:.2} ms per pass", ch.algorithm);
+    if c.nccl_available {
+        let _ =
+            write!(s, "; tuned NCCL: {nccl_ms:.2} ms ({:.1}x, {:.2} ms saved)", nccl_ms / ours_ms, nccl_ms - ours_ms);
+    }
+    let _ = writeln!(s, "\n  why: {}", ch.reason);
+    let _ = writeln!(s, "  every algorithm at {} (model, us):", human_bytes(bytes));
+    let opts = Options { capturing: req.capturing, island_size: c.island_size, nccl: Default::default() };
+    let header = ["algorithm", "total", "launch", "latency", "wire", "contention", "local", "note"];
+    let mut t = table::new(header, 1..7);
     for a in Algorithm::ALL {
-        let avail = c.available(a, world, VERIFY_PASS_BYTES);
-        match model.predict(&view, a, c.transport, VERIFY_PASS_BYTES, &opts) {
+        let mut row = vec![a.name().to_string()];
+        match model.predict(view, a, c.transport, bytes, &opts) {
             Ok(p) => {
-                let note = avail.err().map(|w| format!("  [not selectable: {w}]")).unwrap_or_default();
-                let _ = writeln!(s, "    {:<14} {}  ({}){note}", a.name(), p.breakdown, p.method);
+                let b = p.breakdown;
+                let cells = [b.total(), b.launch_us, b.latency_us, b.wire_us, b.contention_us, b.local_us];
+                row.extend(cells.iter().map(|v| format!("{v:.1}")));
+                row.push(
+                    c.available(a, world, bytes).err().map(|w| format!("not selectable: {w}")).unwrap_or_default(),
+                );
             }
             Err(why) => {
-                let _ = writeln!(s, "    {:<14} not applicable: {why}", a.name());
+                row.extend(std::iter::repeat_n("-".to_string(), 6));
+                row.push(format!("not applicable: {why}"));
             }
         }
+        t.add_row(row);
     }
+    s.push_str(&table::render(&t));
+    s
+}
 
+fn assumptions(model: &CostModel) -> String {
     let p = &model.params;
-    let _ = writeln!(s, "\nmodel assumptions (docs/COST-MODEL.md has the parameter table and residuals):");
+    let mut s = String::from("\nmodel assumptions (docs/COST-MODEL.md has the parameter table and residuals):\n");
     let _ = writeln!(
         s,
-        "  - launch+poll {:.1} us per kernel in a graph; each dependent hop = link latency ({:.2} us same switch, \
-         {:.2} us root complex, {:.2} us across sockets, {:.0} us through host memory) + {:.2} us fence/flag/poll",
-        p.launch_graph_us,
+        "  - launch+poll {:.1} us per kernel in a graph; each dependent hop costs the link latency",
+        p.launch_graph_us
+    );
+    let _ = writeln!(
+        s,
+        "    ({:.2} us same switch, {:.2} us root complex, {:.2} us across sockets, {:.0} us through host memory)",
         p.latency_pcie_switch_us,
         p.latency_pcie_root_complex_us,
         p.latency_pcie_cross_socket_us,
-        p.latency_host_staged_us,
-        p.hop_overhead_us
+        p.latency_host_staged_us
+    );
+    let _ = writeln!(s, "    + {:.2} us fence/flag/poll", p.hop_overhead_us);
+    let _ = writeln!(
+        s,
+        "  - PCIe single-flow bandwidth {:.0}% of raw (Gen5 x16: {:.0} GB/s); all-to-all keeps {:.0}% (staggered writes),",
+        p.pcie_efficiency * 100.0,
+        p.pcie_gbps(5, 16),
+        p.staggered_write_efficiency * 100.0
     );
     let _ = writeln!(
         s,
-        "  - PCIe single-flow bandwidth {:.0}% of raw (Gen5 x16: {:.0} GB/s); all-to-all keeps {:.0}% (staggered writes), \
-         {:.0}% (simultaneous writes), {:.0}% (simultaneous reads)",
-        p.pcie_efficiency * 100.0,
-        p.pcie_gbps(5, 16),
-        p.staggered_write_efficiency * 100.0,
+        "    {:.0}% (simultaneous writes), {:.0}% (simultaneous reads)",
         p.simultaneous_write_efficiency * 100.0,
         p.simultaneous_read_efficiency * 100.0
     );
     let _ = writeln!(
         s,
-        "  - the socket boundary carries {:.0} GB/s for one flow, falling to {:.0} GB/s aggregate with many; reads get {:.0}% of that",
+        "  - the socket boundary carries {:.0} GB/s for one flow, {:.0} GB/s aggregate with many; reads get {:.0}% of it",
         p.socket_single_flow_gbps,
         p.socket_many_flows_gbps,
         p.socket_read_factor * 100.0
     );
-    let _ = writeln!(
-        s,
-        "  - calibrated within +-25% on CONTEXT.md's figures (4x RTX PRO 6000 one-shot push and NCCL, tuned NCCL on 8 PCIe GPUs, \
-         one-stage pull ~2x NCCL); everything else, and every non-PCIe topology, is an uncalibrated assumption"
+    s.push_str(
+        "  - calibrated within +-25% on published PCIe figures (docs/COST-MODEL.md, sources in docs/SOURCES.md);\n    \
+         everything else, and every non-PCIe topology, is an uncalibrated assumption\n",
     );
     let _ = writeln!(
         s,
-        "  - ours is chosen only when predicted >= {:.0}% faster than tuned NCCL; measure with `tp-allreduce tune` to replace the model",
+        "  - ours is chosen only when predicted >= {:.0}% faster than tuned NCCL; `tp-allreduce tune` measures instead",
         crate::select::selection::MODEL_MARGIN * 100.0
     );
     s
@@ -154,29 +246,60 @@ pub fn plan_report(topology: &Topology, world: Option<usize>, dtype: DType) -> S
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::select::topology::embedded;
+
+    fn report(name: &str, world: Option<usize>, rpg: usize) -> Result<String, String> {
+        let t = embedded::by_name(name).unwrap();
+        plan_report(&PlanRequest::for_world(t, world, rpg, DType::Bf16)?)
+    }
 
     #[test]
-    fn report_for_every_embedded_topology() {
+    fn report_for_every_embedded_topology_fits_120_columns() {
         for name in embedded::names() {
-            let t = embedded::by_name(name).unwrap();
-            let r = plan_report(&t, None, DType::Bf16);
-            assert!(r.contains("42 KiB"), "{r}");
-            assert!(r.contains("8 MiB"), "{r}");
-            assert!(r.contains("verify pass"), "{r}");
-            assert!(r.contains("model assumptions"), "{r}");
+            let r = report(name, None, 1).unwrap();
+            for needle in ["42 KiB", "8 MiB", "verify pass", "model assumptions"] {
+                assert!(r.contains(needle), "{name}: {needle}\n{r}");
+            }
             assert!(!r.contains("NaN"), "{name}:\n{r}");
+            assert!(!r.contains("CONTEXT.md"), "{name}:\n{r}");
+            let wide: Vec<&str> = r.lines().filter(|l| l.chars().count() > 120).collect();
+            assert!(wide.is_empty(), "{name}: lines over 120 columns: {wide:#?}");
         }
-        let shared = embedded::by_name("h200-8x-nvswitch").unwrap().for_ranks(&[0]).unwrap();
-        let r = plan_report(&shared, Some(4), DType::F16);
-        assert!(r.contains("unavailable"), "{r}");
-        assert!(plan_report(&embedded::default_topology(), Some(0), DType::F32).contains("world size"));
+    }
+
+    #[test]
+    fn ranks_sharing_a_gpu_list_it_once_and_show_no_nccl_speedup() {
+        let r = report("h200-8x-nvswitch", Some(4), 4).unwrap();
+        assert!(r.contains("unavailable (ranks share a GPU)"), "{r}");
+        assert_eq!(r.lines().filter(|l| l.contains("NVIDIA H200")).count(), 1, "{r}");
+        let row = r.lines().find(|l| l.trim_start().starts_with("42 KiB")).unwrap();
+        assert!(row.contains("n/a") && !row.contains('x'), "{row}");
+        assert!(!r.contains("tuned NCCL:"), "{r}");
+    }
+
+    #[test]
+    fn impossible_worlds_are_errors() {
+        assert!(report(embedded::DEFAULT, Some(0), 1).unwrap_err().contains("at least 1"));
+        let e = report(embedded::DEFAULT, Some(16), 1).unwrap_err();
+        assert!(e.contains("has 8") && e.contains("--ranks-per-gpu"), "{e}");
+        assert!(report(embedded::DEFAULT, Some(16), 2).unwrap_err().contains("at most 8 ranks"));
+        assert!(report(embedded::DEFAULT, Some(6), 4).unwrap_err().contains("multiple"));
+        let t = embedded::default_topology();
+        assert!(PlanRequest::on_gpus(t.clone(), &[9], 1, DType::Bf16).unwrap_err().contains("GPU 9 does not exist"));
+        assert!(PlanRequest::on_gpus(t, &[1, 1], 1, DType::Bf16).is_err());
     }
 
     #[test]
     fn motivating_report_shows_a_win_at_42_kb() {
-        let r = plan_report(&embedded::default_topology(), None, DType::Bf16);
+        let r = report(embedded::DEFAULT, None, 1).unwrap();
         let line = r.lines().find(|l| l.trim_start().starts_with("42 KiB")).unwrap();
         assert!(!line.contains("nccl"), "{line}");
+        assert!(r.contains("tuned NCCL:"), "{r}");
+    }
+
+    #[test]
+    fn topology_names_resolve_and_bogus_ones_fail() {
+        assert_eq!(topology(Some("l40s-8x-pcie4")).unwrap().name, "l40s-8x-pcie4");
+        let e = topology(Some("dgx-9000")).unwrap_err();
+        assert!(e.contains("rtx-pro-6000-8x-pcie5-2socket"), "{e}");
     }
 }

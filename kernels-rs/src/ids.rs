@@ -187,6 +187,9 @@ pub enum DeviceErrorCode {
     BadLaunch = 4,
     /// The P2P check read back a wrong pattern.
     P2pMismatch = 5,
+    /// A peer's process exited while the communicator was in use (recorded
+    /// by the host-side watchdog, never by a kernel).
+    PeerExited = 6,
 }
 
 impl DeviceErrorCode {
@@ -198,6 +201,7 @@ impl DeviceErrorCode {
             3 => Some(DeviceErrorCode::UnregisteredBuffer),
             4 => Some(DeviceErrorCode::BadLaunch),
             5 => Some(DeviceErrorCode::P2pMismatch),
+            6 => Some(DeviceErrorCode::PeerExited),
             _ => None,
         }
     }

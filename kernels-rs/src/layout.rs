@@ -15,15 +15,15 @@ pub const MAX_RANKS: usize = 8;
 pub const MAX_BLOCKS: usize = 128;
 /// Threads per block of every allreduce kernel.
 pub const THREADS_PER_BLOCK: u32 = 512;
-/// Receive-buffer generations of the OneShotPush protocol (write one, read
-/// one, re-arm one; see `device/one_shot_push.rs`).
-pub const LAMPORT_SLOTS: usize = 3;
-/// Words of the init-time P2P transfer check, per direction and peer.
-pub const P2P_CHECK_WORDS: usize = 64;
-/// The bit pattern a OneShotPush receive word holds until its payload lands.
-/// Inputs whose elements equal the all-ones pattern are canonicalised to the
-/// type's quiet NaN first, so no real payload word is all ones.
-pub const LAMPORT_EMPTY_WORD: u32 = 0xFFFF_FFFF;
+/// Words of the init-time P2P transfer check, per direction and peer: a
+/// 16 KiB burst of 16-byte stores (several pages, so a broken IOMMU mapping
+/// of one page shows).
+pub const P2P_CHECK_WORDS: usize = 4096;
+/// The bit pattern a sentinel (OneShotPush) receive word holds until its
+/// payload lands ("EMPTY"). Inputs whose elements equal the all-ones pattern
+/// are canonicalised to the type's quiet NaN first, so no real payload word
+/// is all ones.
+pub const SENTINEL_EMPTY_WORD: u32 = 0xFFFF_FFFF;
 
 /// One rank's peer-visible signal block.
 ///
@@ -43,9 +43,15 @@ pub struct SignalBlock {
     /// it while they wait on this rank so that they fail fast, not by timeout.
     pub abort: u32,
     pub _pad0: [u32; 31],
-    /// Pattern the owner writes at init; peers read it in the P2P check.
+    /// P2P check: `p2p_flag[src]` is [`p2p_flag`]`(src, salt)` once rank
+    /// `src` has written its burst into `p2p_inbox[src]` and its own
+    /// `p2p_outbox` (`st.release.sys` after a block barrier: data before flag).
+    pub p2p_flag: [u32; MAX_RANKS],
+    pub _pad1: [u32; 32 - MAX_RANKS],
+    /// P2P check: the pattern the owner's kernel writes; peers read it
+    /// (non-posted reads) after acquiring the owner's flag.
     pub p2p_outbox: [u32; P2P_CHECK_WORDS],
-    /// `p2p_inbox[src]`: pattern rank `src` wrote in the P2P check.
+    /// P2P check: `p2p_inbox[src]` is the burst rank `src` wrote (posted writes).
     pub p2p_inbox: [[u32; P2P_CHECK_WORDS]; MAX_RANKS],
 }
 
@@ -54,16 +60,10 @@ pub struct SignalBlock {
 /// rank's stream order one call's update before the next call's read.
 #[repr(C, align(128))]
 pub struct LocalState {
-    /// Elects the one thread that fills the error record (`atom.cas`, gpu scope).
-    pub error_claim: u32,
-    pub _pad0: [u32; 31],
+    /// Abort, sentinel generations, arrivals, error claim (see [`Control`]).
+    pub control: Control,
     /// Per-block epoch of the barrier-based (pull) kernels.
     pub barrier_epoch: [u32; MAX_BLOCKS],
-    /// Per-block epoch of OneShotPush.
-    pub one_shot_push_epoch: [u32; MAX_BLOCKS],
-    /// `one_shot_push_used[block][slot]`: packs per source this block wrote into
-    /// receive generation `slot`, i.e. what it must re-arm later.
-    pub one_shot_push_used: [[u32; 4]; MAX_BLOCKS],
     /// Per-block epoch of TwoShotPush.
     pub two_shot_push_epoch: [u32; MAX_BLOCKS],
     /// Per-block epoch of Hierarchical.
@@ -72,15 +72,50 @@ pub struct LocalState {
     pub ring_sent: [u32; MAX_BLOCKS],
     /// Per-block count of ring messages received from the left neighbour.
     pub ring_received: [u32; MAX_BLOCKS],
-    /// P2P check: what this rank read from each peer's `p2p_outbox`.
-    pub p2p_read_back: [[u32; P2P_CHECK_WORDS]; MAX_RANKS],
+    /// P2P check, per source rank: the last value of its `p2p_flag` this
+    /// rank saw (not [`p2p_flag`]`(src, salt)`: the flag never arrived).
+    pub p2p_flag_seen: [u32; MAX_RANKS],
+    /// P2P check, per source rank: words of its burst into this rank's inbox
+    /// that were wrong when read after its flag.
+    pub p2p_pushed_bad: [u32; MAX_RANKS],
+    /// P2P check, per source rank: words of its outbox read wrong after its flag.
+    pub p2p_pulled_bad: [u32; MAX_RANKS],
+}
+
+/// Rank-local control words, in the rank's private device memory
+/// (`LocalState::control`), never written by peers.
+///
+/// * `abort`: sticky; set by every failing thread of any kernel of this rank
+///   (`st.relaxed.gpu`), together with the peer-visible `SignalBlock::abort`
+///   that peers poll (`st.release.sys`). Sentinel kernels read it at entry
+///   (the flag kernels read the signal block's copy).
+/// * `generation[r]`: launches of sentinel region `r` (`params::RegionId`) started on this rank (wrapping
+///   u32; its parity picks the receive half). Read by every thread at entry
+///   (one `ld.relaxed.gpu.v4` with `abort`), advanced by the last block of a
+///   launch to arrive (`arrivals[r]`), after that block's pushes.
+/// * `error_claim`: elects the one thread that fills the error record
+///   (`atom.cas.gpu`).
+///
+/// Kept in device memory (not in the peer-visible signal block) because the
+/// arrival and claim atomics must never touch host memory, which is where
+/// the signal block lives with the host-staged transport.
+#[repr(C, align(128))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Control {
+    pub abort: u32,
+    pub generation: [u32; 3],
+    /// Blocks of the running launch of region `r` that have read
+    /// `generation[r]` (reset to 0 by the last one). `[3]` is spare.
+    pub arrivals: [u32; 4],
+    pub error_claim: u32,
+    pub _pad: [u32; 23],
 }
 
 /// Where a kernel reports why it stopped. Pinned host memory mapped into the
 /// device, so the host reads it without synchronising any stream.
 ///
 /// Written once per communicator by the thread that wins
-/// `LocalState::error_claim`: all fields with plain stores, then `published`
+/// `Control::error_claim`: all fields with plain stores, then `published`
 /// with `st.release.sys`. The host reads `published` (volatile) first and the
 /// fields after an acquire fence.
 #[repr(C, align(64))]
@@ -160,10 +195,12 @@ pub struct ScratchLayout {
     /// TwoShotPull: this rank's reduced slice, `two_shot_pull_packs` packs.
     pub two_shot_pull_offset: u64,
     pub two_shot_pull_packs: u64,
-    /// OneShotPush: `[LAMPORT_SLOTS][world][push_blocks][one_shot_push_stripe_packs]`.
+    /// OneShotPush: `[half 0|1][slot 0..world-1][one_shot_push_max_packs]`
+    /// packs; slot `one_shot_push_slot(src, me)` holds source `src`'s payload.
     pub one_shot_push_offset: u64,
     pub one_shot_push_max_packs: u64,
-    pub one_shot_push_stripe_packs: u64,
+    /// Bytes from half 0 to half 1 (`(world - 1) * max_packs * 16`).
+    pub one_shot_push_half_bytes: u64,
     /// TwoShotPush: scatter `[2][push_blocks][world][stripe]`, then gather with
     /// the same shape.
     pub two_shot_push_offset: u64,
@@ -204,6 +241,10 @@ pub struct DeviceHandle {
     pub error_record: u64,
     pub scratch_layout: ScratchLayout,
     pub islands: IslandLayout,
+    /// Bound of a wait on a peer that has shown nothing of the current call
+    /// yet (it may not have launched it: first-call JIT, model-load skew);
+    /// once a wait of the call succeeded, waits use `timeout_ns`.
+    pub launch_timeout_ns: u64,
 }
 
 const fn div_ceil(a: u64, b: u64) -> u64 {
@@ -234,12 +275,9 @@ impl ScratchLayout {
         let two_shot_pull_offset = offset;
         offset = align_up(offset + two_shot_pull_packs * pack, SCRATCH_REGION_ALIGN);
 
-        let one_shot_push_stripe_packs = div_ceil(config.one_shot_push_max_packs, push_blocks);
+        let one_shot_push_half_bytes = world.saturating_sub(1) * config.one_shot_push_max_packs * pack;
         let one_shot_push_offset = offset;
-        offset = align_up(
-            offset + LAMPORT_SLOTS as u64 * world * push_blocks * one_shot_push_stripe_packs * pack,
-            SCRATCH_REGION_ALIGN,
-        );
+        offset = align_up(offset + 2 * one_shot_push_half_bytes, SCRATCH_REGION_ALIGN);
 
         let two_shot_push_stripe_packs =
             if config.enable_two_shot_push { div_ceil(div_ceil(config.max_packs, world), push_blocks) } else { 0 };
@@ -280,7 +318,7 @@ impl ScratchLayout {
             two_shot_pull_packs,
             one_shot_push_offset,
             one_shot_push_max_packs: config.one_shot_push_max_packs,
-            one_shot_push_stripe_packs,
+            one_shot_push_half_bytes,
             two_shot_push_offset,
             two_shot_push_stripe_packs,
             hierarchical_offset,
@@ -297,14 +335,10 @@ impl ScratchLayout {
         }
     }
 
-    /// Byte offset of OneShotPush pack `pack` of block `block` from `src` in
-    /// receive generation `slot`.
-    pub const fn one_shot_push_pack_offset(&self, world: u32, slot: u32, src: u32, block: u32, pack: u64) -> u64 {
-        let stripe = self.one_shot_push_stripe_packs;
-        let blocks = self.push_blocks as u64;
-        self.one_shot_push_offset
-            + ((((slot as u64 * world as u64 + src as u64) * blocks + block as u64) * stripe) + pack)
-                * PACK_BYTES as u64
+    /// Byte offset of OneShotPush receive slot `slot` (half 0, pack 0); half
+    /// 1 is `one_shot_push_half_bytes` further.
+    pub const fn one_shot_push_slot_offset(&self, slot: u32) -> u64 {
+        self.one_shot_push_offset + slot as u64 * self.one_shot_push_max_packs * PACK_BYTES as u64
     }
 
     /// Byte offset of TwoShotPush pack `pack` of (`gather`? gather : scatter)
@@ -354,21 +388,36 @@ impl ScratchLayout {
 
 // Layouts are pinned: a change here must be deliberate (and ARCHITECTURE.md
 // updated), because host and device must agree byte for byte.
-const _: () = assert!(core::mem::size_of::<SignalBlock>() == 43_392);
+const _: () = assert!(core::mem::size_of::<SignalBlock>() == 188_672);
 const _: () = assert!(core::mem::align_of::<SignalBlock>() == 128);
 const _: () = assert!(core::mem::offset_of!(SignalBlock, abort) == 40_960);
-const _: () = assert!(core::mem::offset_of!(SignalBlock, p2p_outbox) == 41_088);
-const _: () = assert!(core::mem::size_of::<LocalState>() == 7_296);
+const _: () = assert!(core::mem::offset_of!(SignalBlock, p2p_flag) == 41_088);
+const _: () = assert!(core::mem::offset_of!(SignalBlock, p2p_outbox) == 41_216);
+const _: () =
+    assert!(core::mem::offset_of!(SignalBlock, p2p_inbox).is_multiple_of(16) && P2P_CHECK_WORDS.is_multiple_of(4));
+const _: () = assert!(core::mem::size_of::<LocalState>() == 2_816);
+const _: () = assert!(core::mem::offset_of!(LocalState, control) == 0);
+const _: () = assert!(core::mem::size_of::<Control>() == 128);
+const _: () = assert!(core::mem::offset_of!(Control, generation) == 4);
+const _: () = assert!(core::mem::offset_of!(Control, arrivals) == 16);
+const _: () = assert!(core::mem::offset_of!(Control, error_claim) == 32);
 const _: () = assert!(core::mem::size_of::<ErrorRecord>() == 64);
 const _: () = assert!(core::mem::size_of::<PeerPointers>() == 8 * MAX_RANKS);
 const _: () = assert!(core::mem::size_of::<IslandLayout>() == 16 + MAX_RANKS * MAX_RANKS);
 const _: () = assert!(core::mem::size_of::<ScratchLayout>() == 128);
 const _: () = assert!(
-    core::mem::size_of::<DeviceHandle>() == (32 + 16 * MAX_RANKS + 128 + 16 + MAX_RANKS * MAX_RANKS).div_ceil(16) * 16
+    core::mem::size_of::<DeviceHandle>()
+        == (32 + 16 * MAX_RANKS + 128 + 16 + MAX_RANKS * MAX_RANKS + 8).div_ceil(16) * 16
 );
 const _: () = assert!(core::mem::offset_of!(DeviceHandle, scratch_layout) == 32 + 16 * MAX_RANKS);
 const _: () = assert!(MAX_RANKS <= 16, "the device-side rank unrolling covers at most 16 ranks");
 const _: () = assert!(MAX_BLOCKS as u32 * THREADS_PER_BLOCK <= 1 << 20);
+
+/// The value rank `src` releases into every rank's `p2p_flag[src]` in the
+/// init-time P2P check once its data is written. Never 0 (fresh memory).
+pub const fn p2p_flag(src: u32, salt: u32) -> u32 {
+    p2p_pattern(src, u32::MAX - 1, u32::MAX, salt) | 1
+}
 
 /// The word rank `src` writes into rank `dst`'s `p2p_inbox` (or, with
 /// `dst == u32::MAX`, into its own `p2p_outbox`) in the init-time P2P check.

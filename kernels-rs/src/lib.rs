@@ -3,7 +3,8 @@
 //! This crate is `#![no_std]` and compiles for two targets:
 //!
 //! * **the host** (any target with `std` available to the *caller*): only the
-//!   shared `#[repr(C)]` layouts ([`layout`]), the partition math
+//!   shared `#[repr(C)]` layouts ([`layout`]), the by-value kernel
+//!   parameters ([`params`]), the partition math
 //!   ([`partition`]) and the identifiers ([`ids`]) exist. The host library
 //!   `tp_allreduce` depends on this crate for them, so a layout change can never
 //!   leave host and device disagreeing.
@@ -19,6 +20,7 @@
 
 pub mod ids;
 pub mod layout;
+pub mod params;
 pub mod partition;
 
 #[cfg(target_arch = "nvptx64")]

@@ -4,7 +4,7 @@
 use rand::{Rng, SeedableRng};
 use tp_allreduce::{Algorithm, Config, DType, Transport};
 use tp_allreduce_kernels::ids::{AlgorithmId, DeviceErrorCode, Phase};
-use tp_allreduce_kernels::layout::{ErrorRecord, ScratchConfig, ScratchLayout, LAMPORT_SLOTS, PACK_BYTES};
+use tp_allreduce_kernels::layout::{ErrorRecord, ScratchConfig, ScratchLayout, PACK_BYTES};
 use tp_allreduce_kernels::partition::{elems_in_pack, even_part, packs_for, push_grid, seq_geq};
 
 fn scratch_config(world: u32, island_size: u32) -> ScratchConfig {
@@ -42,14 +42,12 @@ fn scratch_regions_are_disjoint_aligned_and_cover_their_largest_index() {
             }
             // The last pack of each region lies inside it.
             let pk = PACK_BYTES as u64;
-            let last_oneshot = l.one_shot_push_pack_offset(
-                world,
-                LAMPORT_SLOTS as u32 - 1,
-                world - 1,
-                l.push_blocks - 1,
-                l.one_shot_push_stripe_packs - 1,
-            );
+            // OneShotPush: half 1, slot world-2, last pack.
+            let last_oneshot = l.one_shot_push_half_bytes
+                + l.one_shot_push_slot_offset(world - 2)
+                + (l.one_shot_push_max_packs - 1) * pk;
             assert!(last_oneshot + pk <= l.two_shot_push_offset);
+            assert_eq!(l.one_shot_push_half_bytes, (world as u64 - 1) * cfg.one_shot_push_max_packs * pk);
             let last_push2 = l.two_shot_push_pack_offset(
                 world,
                 true,
@@ -82,7 +80,6 @@ fn scratch_regions_are_disjoint_aligned_and_cover_their_largest_index() {
             let last_ring = l.ring_slot_offset(l.ring_blocks - 1, l.ring_slots - 1) + l.ring_chunk_packs * pk;
             assert!(last_ring <= l.total_bytes);
             // Stripes hold the largest per-block part of the largest message.
-            assert!(l.one_shot_push_stripe_packs * l.push_blocks as u64 >= cfg.one_shot_push_max_packs);
             assert!(l.two_shot_push_stripe_packs * l.push_blocks as u64 * world as u64 >= cfg.max_packs);
         }
     }
@@ -196,7 +193,8 @@ fn ptx_choice_follows_compute_capability() {
     assert_eq!(pick(8, 6), Some("sm_80"));
     assert_eq!(pick(7, 5), None);
     let entries = tp_allreduce::kernels::expected_entries();
-    assert_eq!(entries.len(), 6 * 3 + 2 * 3 + 1);
+    // Six allreduce kernels, the two-rank OneShotPush, sum and affine, per dtype; the P2P check.
+    assert_eq!(entries.len(), 7 * 3 + 2 * 3 + 1);
 }
 
 #[test]
@@ -232,4 +230,153 @@ fn without_a_driver_init_fails_cleanly() {
     let e = tp_allreduce::driver::require_driver().unwrap_err();
     assert!(matches!(e, tp_allreduce::Error::NoDriver(_)), "{e}");
     assert_eq!(tp_allreduce::driver::device_count(), 0);
+}
+
+#[test]
+fn ring_slots_must_be_a_power_of_two() {
+    // The ring indexes its FIFO with a wrapping u32 message counter modulo
+    // ring_slots: only a power of two keeps the sequence across the wrap.
+    for slots in [1u32, 2, 4, 8, 64] {
+        assert!(Config { ring_slots: slots, ..Config::default() }.validate().is_ok(), "{slots}");
+    }
+    for slots in [0u32, 3, 5, 6, 12] {
+        let e = Config { ring_slots: slots, ..Config::default() }.validate().unwrap_err().to_string();
+        assert!(e.contains("ring_slots must be a power of two") && e.contains(&slots.to_string()), "{e}");
+    }
+    // Why: 2^32 % 3 != 0, so slot `n % 3` repeats at the wrap (u32::MAX and
+    // 0, consecutive messages, both give slot 0); `n % 4` does not.
+    let slot = |n: u32, k: u32| n % k;
+    assert_eq!(slot(u32::MAX, 3), slot(0, 3));
+    assert_ne!(slot(u32::MAX, 4), slot(0, 4));
+}
+
+#[test]
+fn launch_shapes_parse_and_validate() {
+    use tp_allreduce::env::{check_launch_shape, parse_launch_shape};
+    assert_eq!(parse_launch_shape("64x512"), Ok((64, 512)));
+    assert_eq!(parse_launch_shape(" 1X32 "), Ok((1, 32)));
+    for bad in ["64", "x512", "64x", "0x256", "4x100", "4x2048", "4x0", "ax256"] {
+        assert!(parse_launch_shape(bad).is_err(), "{bad}");
+    }
+    assert!(check_launch_shape((128, 1024)).is_ok());
+    let e = Config { launch_shape: Some((4, 48)), ..Config::default() }.validate().unwrap_err().to_string();
+    assert!(e.contains("launch_shape") && e.contains("multiple of 32"), "{e}");
+}
+
+#[test]
+fn one_shot_push_capacity_follows_the_world_size() {
+    let c = Config::default();
+    assert_eq!(c.one_shot_push_max_bytes, Config::ONE_SHOT_PUSH_AUTO);
+    assert_eq!(c.one_shot_push_capacity(2), 8 << 20);
+    assert_eq!(c.one_shot_push_capacity(8), (8 << 20) / 7 / 16 * 16);
+    for w in 2..=8 {
+        let cap = c.one_shot_push_capacity(w);
+        assert_eq!(cap % 16, 0);
+        // Two halves of world-1 copies: at most 16 MiB of receive region.
+        assert!(2 * (w - 1) * cap <= 16 << 20, "world {w}");
+    }
+    let fixed = Config { one_shot_push_max_bytes: 16 << 10, ..Config::default() };
+    assert_eq!(fixed.one_shot_push_capacity(8), 16 << 10);
+    assert!(Config { one_shot_push_max_bytes: 100, ..Config::default() }.validate().is_err());
+}
+
+/// Rust sources under `dir`, as (path relative to the repository, text).
+fn sources(dir: &str) -> Vec<(String, String)> {
+    fn walk(root: &std::path::Path, dir: &std::path::Path, out: &mut Vec<(String, String)>) {
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                walk(root, &path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let rel = path.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+                out.push((rel, std::fs::read_to_string(&path).unwrap()));
+            }
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut out = Vec::new();
+    walk(root, &root.join(dir), &mut out);
+    out.sort();
+    out
+}
+
+/// Issue 12: `unsafe` only in the driver, the call path, shared memory and
+/// NCCL. The crate denies it and exactly these files allow it back.
+#[test]
+fn unsafe_is_allowed_only_in_the_listed_rooms() {
+    let lib = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/host/lib.rs")).unwrap();
+    assert!(lib.contains("#![deny(unsafe_code)]"), "host/lib.rs must deny unsafe code crate-wide");
+    let allowed: Vec<String> = sources("host")
+        .into_iter()
+        .filter(|(_, text)| text.contains("#![allow(unsafe_code)]"))
+        .map(|(path, _)| path)
+        .collect();
+    assert_eq!(
+        allowed,
+        ["host/candle/mod.rs", "host/comm/call.rs", "host/comm/shm.rs", "host/driver.rs", "host/nccl.rs"]
+    );
+    // No per-item escape hatch either.
+    for (path, text) in sources("host") {
+        assert!(!text.contains("#[allow(unsafe_code)]"), "{path} allows unsafe code on an item");
+    }
+}
+
+/// Issue 12: no import loop between the library's top-level modules (nor
+/// between the kernel crate's modules). A module's dependencies are the
+/// `crate::<module>` paths in its non-comment lines.
+#[test]
+fn no_import_loop_between_modules() {
+    for (dir, root_files) in [("host", &["lib.rs", "bin"][..]), ("kernels-rs/src", &["lib.rs"][..])] {
+        let mut edges: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> = Default::default();
+        let files = sources(dir);
+        let module_of = |path: &str| -> Option<String> {
+            let rel = path.strip_prefix(dir)?.trim_start_matches('/');
+            let first = rel.split('/').next()?;
+            if root_files.contains(&first) {
+                return None;
+            }
+            Some(first.trim_end_matches(".rs").to_string())
+        };
+        let modules: std::collections::BTreeSet<String> = files.iter().filter_map(|(p, _)| module_of(p)).collect();
+        for (path, text) in &files {
+            let Some(from) = module_of(path) else { continue };
+            for line in text.lines().map(|l| l.split("//").next().unwrap_or("")) {
+                for part in line.split("crate::").skip(1) {
+                    let to: String = part.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                    if to != from && modules.contains(&to) {
+                        edges.entry(from.clone()).or_default().insert(to);
+                    }
+                }
+            }
+        }
+        // Depth-first search for a cycle.
+        fn visit(
+            m: &str,
+            edges: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+            path: &mut Vec<String>,
+            done: &mut std::collections::BTreeSet<String>,
+        ) -> Option<Vec<String>> {
+            if let Some(i) = path.iter().position(|p| p == m) {
+                return Some(path[i..].to_vec());
+            }
+            if done.contains(m) {
+                return None;
+            }
+            path.push(m.to_string());
+            for next in edges.get(m).into_iter().flatten() {
+                if let Some(cycle) = visit(next, edges, path, done) {
+                    return Some(cycle);
+                }
+            }
+            path.pop();
+            done.insert(m.to_string());
+            None
+        }
+        let mut done = Default::default();
+        for m in &modules {
+            if let Some(cycle) = visit(m, &edges, &mut Vec::new(), &mut done) {
+                panic!("{dir}: import loop {}", cycle.join(" -> "));
+            }
+        }
+    }
 }

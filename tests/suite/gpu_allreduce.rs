@@ -248,7 +248,7 @@ fn one_shot_push_sentinel_edge_cases() {
             );
         }
     };
-    // Repeat so that every receive generation (3 slots) sees the specials.
+    // Repeat so that both receive halves see the specials several times.
     for rep in 0..7 {
         let mut outs = Vec::new();
         let mut ins = Vec::new();
@@ -318,4 +318,38 @@ fn back_to_back_alternating_algorithms() {
         calls += 1;
     }
     eprintln!("back_to_back_alternating_algorithms: {calls} checked calls");
+}
+
+/// OneShotPush is grid-stride over packs: any launch shape gives the same
+/// result, and ranks may even use different shapes in the same call.
+#[test]
+fn one_shot_push_any_launch_shape() {
+    let _lock = common::gpu_lock();
+    let Some(ctx) = common::gpu("one_shot_push_any_launch_shape") else { return };
+    let mut rng = common::rng("one_shot_push_any_launch_shape");
+    let shapes: &[(u32, u32)] = &[(1, 32), (1, 1024), (3, 96), (7, 256), (16, 512), (40, 1024), (2, 64)];
+    let mut failures = Vec::new();
+    let mut cases = 0;
+    for world in [2usize, 3, 8] {
+        let mut comms = group(&ctx, world, test_config(None), Algorithm::OneShotPush);
+        for (i, &shape) in shapes.iter().enumerate() {
+            for (r, c) in comms.iter_mut().enumerate() {
+                // Rank r uses a different shape than rank 0 (grid independence).
+                let mine = shapes[(i + r) % shapes.len()];
+                let cap = c.max_sentinel_blocks(mine.1);
+                c.set_launch_shape(Some((mine.0.min(cap), mine.1))).unwrap();
+            }
+            for count in [1usize, 7, 8, 1000, 4096, 21_504, 100_003] {
+                for dtype in DType::ALL {
+                    cases += 1;
+                    let case = Case { algorithm: Algorithm::OneShotPush, count, offset: count % 2, in_place: false };
+                    if let Err(e) = run_typed(&comms, &mut rng, dtype, case) {
+                        failures.push(format!("world {world} shape {shape:?} {} count {count}: {e}", dtype.name()));
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("one_shot_push_any_launch_shape: {cases} cases, {} failures", failures.len());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -1,8 +1,8 @@
 //! The foundation path end to end: the Rust-built PTX for this device loads,
 //! and the first kernels (sum of K buffers, affine) match a CPU reference.
 
-use cudarc::driver::{CudaSlice, DevicePtr};
-use tp_allreduce::DType;
+use tp_allreduce::buffer::DeviceView;
+use tp_allreduce::{DType, DeviceBuffer};
 
 use crate::common::{self, TestElem, POISON};
 
@@ -20,7 +20,7 @@ fn embedded_ptx_for_this_device_loads() {
     }
 }
 
-fn sum_case<T: TestElem>(
+fn sum_case<T: TestElem + bytemuck::Pod>(
     ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
     rng: &mut rand::rngs::StdRng,
     k: usize,
@@ -29,33 +29,22 @@ fn sum_case<T: TestElem>(
 ) -> Result<(), String> {
     let stream = ctx.default_stream();
     let inputs: Vec<Vec<T>> = (0..k).map(|_| common::random_vec::<T>(rng, n)).collect();
-    let bufs: Vec<CudaSlice<T>> = inputs
+    let bufs: Vec<DeviceBuffer<T>> = inputs
         .iter()
         .map(|v| {
             let mut host = vec![T::default(); offset];
             host.extend_from_slice(v);
-            stream.clone_htod(&host).unwrap()
+            DeviceBuffer::from_host(&stream, &host).unwrap()
         })
         .collect();
-    // SAFETY: poisoned before use.
-    let out: CudaSlice<T> = unsafe { stream.alloc::<T>(n + offset) }.unwrap();
-    let (out_ptr, _g) = out.device_ptr(&stream);
-    // SAFETY: a live stream; the buffer holds n + offset elements.
-    unsafe {
-        tp_allreduce::driver::memset_d8_async(
-            out_ptr,
-            POISON,
-            (n + offset) * std::mem::size_of::<T>(),
-            stream.cu_stream(),
-        )
-    }
-    .unwrap();
-    let ptrs: Vec<u64> = bufs.iter().map(|b| common::ptr_of(&stream, b, offset)).collect();
-    let out_view = out_ptr + (offset * std::mem::size_of::<T>()) as u64;
-    // SAFETY: every pointer covers n elements inside a live buffer.
-    unsafe { tp_allreduce::tools::elementwise::sum_raw(&stream, &ptrs, out_view, n, T::DTYPE) }
-        .map_err(|e| e.to_string())?;
-    let host = stream.clone_dtoh(&out).unwrap();
+    let mut out = DeviceBuffer::<T>::alloc(&stream, n + offset).map_err(|e| e.to_string())?;
+    out.fill_bytes(POISON).map_err(|e| e.to_string())?;
+    // Views `offset` elements in: inputs and output not 16-byte aligned.
+    let views: Vec<DeviceView<'_, T>> = bufs.iter().map(|b| b.slice(offset..).unwrap()).collect();
+    let view_refs: Vec<&DeviceView<'_, T>> = views.iter().collect();
+    let mut out_view = out.slice_mut(offset..).map_err(|e| e.to_string())?;
+    tp_allreduce::tools::elementwise::sum(&stream, &view_refs, &mut out_view).map_err(|e| e.to_string())?;
+    let host = out.to_host().map_err(|e| e.to_string())?;
     if host[..offset].iter().any(|x| x.to_bits32() != common::poison_bits::<T>()) {
         return Err("wrote before the output view".into());
     }

@@ -9,15 +9,27 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext, CudaGraph};
 use rand::Rng;
 use tp_allreduce::driver::DeviceMemory;
-use tp_allreduce::{Algorithm, Comm, Config, DType};
+use tp_allreduce::{Algorithm, Comm, Config, DType, DeviceBuffer, ReduceOp};
 
 use crate::common;
 
 const LAYERS: usize = 122;
 
 struct RankBuffers {
-    x: Vec<DeviceMemory>,
-    y: Vec<DeviceMemory>,
+    x: Vec<DeviceBuffer<f32>>,
+    y: Vec<DeviceBuffer<f32>>,
+}
+
+/// Every rank's layer buffers (n f32 each) on its stream.
+fn rank_buffers(comms: &[Comm], n: usize) -> Vec<RankBuffers> {
+    let alloc = |c: &Comm| DeviceBuffer::<f32>::alloc(&c.stream(), n).unwrap();
+    comms
+        .iter()
+        .map(|c| RankBuffers {
+            x: (0..=LAYERS).map(|_| alloc(c)).collect(),
+            y: (0..LAYERS).map(|_| alloc(c)).collect(),
+        })
+        .collect()
 }
 
 fn bias(layer: usize) -> f32 {
@@ -57,26 +69,16 @@ fn capture_each(comms: &[Comm], mut record: impl FnMut(usize, &Comm, sys::CUstre
 }
 
 /// Captures the layer chain on every rank's stream.
-fn capture(ctx: &Arc<CudaContext>, comms: &[Comm], bufs: &[RankBuffers], n: usize) -> Vec<CudaGraph> {
+fn capture(comms: &[Comm], bufs: &mut [RankBuffers]) -> Vec<CudaGraph> {
     let world = comms.len();
-    capture_each(comms, |r, c, stream| {
+    capture_each(comms, |r, c, _| {
+        let stream = c.stream();
+        let b = &mut bufs[r];
         for l in 0..LAYERS {
-            // SAFETY: x[l], y[l], x[l+1] are live buffers of n f32.
-            unsafe {
-                c.all_reduce_raw(bufs[r].x[l].ptr(), bufs[r].y[l].ptr(), n, DType::F32, stream)
-                    .unwrap_or_else(|e| panic!("capture rank {r} layer {l}: {e}"));
-                tp_allreduce::tools::elementwise::affine_raw(
-                    ctx,
-                    stream,
-                    bufs[r].y[l].ptr(),
-                    bufs[r].x[l + 1].ptr(),
-                    n,
-                    DType::F32,
-                    1.0 / world as f32,
-                    bias(l),
-                )
-                .unwrap();
-            }
+            c.all_reduce(&b.x[l], &mut b.y[l], &ReduceOp::Sum)
+                .unwrap_or_else(|e| panic!("capture rank {r} layer {l}: {e}"));
+            let (x, y) = (&mut b.x[l + 1], &b.y[l]);
+            tp_allreduce::tools::elementwise::affine(&stream, y, x, 1.0 / world as f32, bias(l)).unwrap();
         }
     })
 }
@@ -92,13 +94,8 @@ fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: us
     let Some(ctx) = common::gpu(test) else { return };
     let mut rng = common::rng(test);
     let comms = group(&ctx, world, algorithm);
-    let bufs: Vec<RankBuffers> = (0..world)
-        .map(|_| RankBuffers {
-            x: (0..=LAYERS).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect(),
-            y: (0..LAYERS).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect(),
-        })
-        .collect();
-    let graphs = capture(&ctx, &comms, &bufs, n);
+    let mut bufs = rank_buffers(&comms, n);
+    let graphs = capture(&comms, &mut bufs);
     let registered = Comm::register_graph_buffers_group(&comms).unwrap();
     let plan = comms[0].plan_call(n * 4, DType::F32, true, false);
     eprintln!("{test}: {} per call ({}), {registered} captured inputs registered", plan.algorithm, plan.reason);
@@ -109,7 +106,7 @@ fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: us
     for rep in 0..replays {
         let x0: Vec<Vec<f32>> = (0..world).map(|_| (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()).collect();
         for (r, x) in x0.iter().enumerate() {
-            tp_allreduce::driver::memcpy_htod(bufs[r].x[0].ptr(), bytemuck::cast_slice(x)).unwrap();
+            bufs[r].x[0].copy_from_host(x).unwrap();
         }
         for g in &graphs {
             g.launch().unwrap();
@@ -124,7 +121,7 @@ fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: us
                 *v = world as f64 * (*v / world as f64 + bias(l) as f64);
             }
         }
-        let last: Vec<Vec<f32>> = (0..world).map(|r| download(&bufs[r].y[LAYERS - 1], n)).collect();
+        let last: Vec<Vec<f32>> = (0..world).map(|r| bufs[r].y[LAYERS - 1].to_host().unwrap()).collect();
         for (r, out) in last.iter().enumerate() {
             for i in 0..n {
                 assert!(
@@ -139,9 +136,9 @@ fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: us
         // Every 100th replay: every layer exactly against its actual inputs.
         if rep % 100 == 0 {
             for l in 0..LAYERS {
-                let xs: Vec<Vec<f32>> = bufs.iter().map(|b| download(&b.x[l], n)).collect();
+                let xs: Vec<Vec<f32>> = bufs.iter().map(|b| b.x[l].to_host().unwrap()).collect();
                 for (r, b) in bufs.iter().enumerate() {
-                    let out = download(&b.y[l], n);
+                    let out = b.y[l].to_host().unwrap();
                     common::check_sum(&xs, &out, 1).unwrap_or_else(|e| panic!("replay {rep} layer {l} rank {r}: {e}"));
                 }
             }
@@ -179,13 +176,8 @@ fn unregistered_graph_replay_fails_cleanly() {
     let world = 4;
     let n = 4_096;
     let comms = group(&ctx, world, Some(Algorithm::TwoShotPull));
-    let bufs: Vec<RankBuffers> = (0..world)
-        .map(|_| RankBuffers {
-            x: (0..=LAYERS).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect(),
-            y: (0..LAYERS).map(|_| DeviceMemory::alloc(&ctx, n * 4).unwrap()).collect(),
-        })
-        .collect();
-    let graphs = capture(&ctx, &comms, &bufs, n);
+    let mut bufs = rank_buffers(&comms, n);
+    let graphs = capture(&comms, &mut bufs);
     assert_eq!(comms[0].pending_graph_buffers(), LAYERS);
     let started = Instant::now();
     for g in &graphs {

@@ -6,12 +6,24 @@ mod common;
 
 #[cfg(feature = "candle")]
 mod candle;
+mod cli;
 mod cpu;
 mod gpu_allreduce;
+mod gpu_context;
 mod gpu_errors;
 mod gpu_foundation;
 mod gpu_graph;
+mod gpu_mixed_placement;
 mod gpu_streams;
+mod gpu_teardown;
 mod gpu_timeout;
+mod gpu_transport;
+mod gpu_uneven_placement;
+mod gpu_vmm;
+mod gpu_vmm_processes;
+mod gpu_wrap;
 mod multiprocess;
+mod multiprocess_host_staged;
+mod multiprocess_teardown;
 mod ptx;
+mod sentinel_model;

@@ -161,13 +161,14 @@ fn hot_kernels_use_no_local_memory() {
                                 r.stack_frame_bytes, r.spill_store_bytes, r.spill_load_bytes
                             ));
                         }
-                        // Every kernel launches with THREADS_PER_BLOCK threads;
-                        // more registers than the register file holds per
-                        // thread would make the launch fail.
-                        let budget = 65_536 / tp_allreduce_kernels::layout::THREADS_PER_BLOCK;
+                        // Sentinel kernels launch with up to 1024 threads,
+                        // the others with THREADS_PER_BLOCK: more registers
+                        // than the register file holds per thread at that
+                        // block size would make the launch fail.
+                        let budget = kernels::max_registers(&name);
                         if r.registers > budget {
                             failures.push(format!(
-                                "{arch} {name}: {} registers > {budget} (512-thread launch fails)",
+                                "{arch} {name}: {} registers > {budget} (its largest block cannot launch)",
                                 r.registers
                             ));
                         }
@@ -185,6 +186,59 @@ fn hot_kernels_use_no_local_memory() {
     }
     eprintln!("registers per kernel (ptxas -v; +stack/spill-store/spill-load bytes when non-zero):\n{table}");
     assert!(failures.is_empty(), "hot kernels use local memory (stack or spills):\n{}", failures.join("\n"));
+}
+
+/// `.param .align A .b8 <entry>_param_0[N]` of `entry` in `ptx`: `Some(N)`
+/// when the entry takes exactly one by-value struct parameter.
+fn struct_param_bytes(ptx: &str, entry: &str) -> Option<usize> {
+    let start = ptx.find(&format!(".entry {entry}("))?;
+    let params = &ptx[start..start + ptx[start..].find(')')?];
+    let decls: Vec<&str> = params.lines().filter(|l| l.trim_start().starts_with(".param")).collect();
+    let [decl] = decls.as_slice() else { return None };
+    let size = decl.split('[').nth(1)?.split(']').next()?;
+    decl.contains(".b8").then(|| size.trim().parse().ok()).flatten()
+}
+
+#[test]
+fn sentinel_entries_take_the_parameter_struct_the_host_passes() {
+    let host_size = std::mem::size_of::<tp_allreduce_kernels::params::OneShotPushParams>();
+    let align = std::mem::align_of::<tp_allreduce_kernels::params::OneShotPushParams>();
+    let sentinel = kernels::sentinel_entries();
+    assert_eq!(sentinel.len(), 6, "{sentinel:?}");
+    let mut failures = Vec::new();
+    let mut sources: Vec<(String, String)> =
+        kernels::embedded().into_iter().map(|p| (format!("embedded {}", p.arch), p.text.to_string())).collect();
+    for (arch, file) in committed_ptx_files() {
+        sources.push((format!("committed {arch}"), fs::read_to_string(&file).unwrap_or_default()));
+    }
+    for (what, text) in &sources {
+        for entry in &sentinel {
+            match struct_param_bytes(text, entry) {
+                Some(n) if n == host_size => {}
+                Some(n) => failures.push(format!("{what} {entry}: .param of {n} bytes, host passes {host_size}")),
+                None => failures.push(format!("{what} {entry}: not one by-value struct parameter")),
+            }
+            let needle = format!(".param .align {align} .b8 {entry}_param_0[{host_size}]");
+            if !text.contains(&needle) {
+                failures.push(format!("{what} {entry}: no `{needle}`"));
+            }
+        }
+        // The flag kernels keep their scalar/pointer parameters.
+        assert!(struct_param_bytes(text, "two_shot_push_bf16").is_none(), "{what}");
+    }
+    assert!(failures.is_empty(), "host and device disagree on the parameter struct:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn register_budgets_are_stated_per_entry_in_the_ptx() {
+    for p in kernels::embedded() {
+        for name in kernels::expected_entries() {
+            let start = p.text.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("{} {name}", p.arch));
+            let body = &p.text[start..];
+            let line = body.lines().find(|l| l.starts_with(".maxnreg")).unwrap_or("(none)");
+            assert_eq!(line, format!(".maxnreg {}", kernels::max_registers(&name)), "{} {name}", p.arch);
+        }
+    }
 }
 
 // ---------------------------------------------------------------- committed PTX

@@ -56,8 +56,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::algorithm::{self, Capabilities, CostShape, LatencyOver};
 use crate::algorithm::{Algorithm, Transport};
-use crate::algorithms::{self, Capabilities, CostShape, LatencyOver};
 use crate::select::topology::Topology;
 
 pub use calibration::{calibration_points, residual_table, residuals, CalibrationPoint, Residual, Subject, Target};
@@ -228,8 +228,8 @@ impl CostModel {
             one_shot_push_max_bytes: usize::MAX,
             nccl_available: true,
         };
-        algorithms::availability(algorithm, &caps, None).map_err(NotApplicable)?;
-        let Some(host) = algorithms::host(algorithm) else {
+        algorithm::availability(algorithm, &caps, None).map_err(NotApplicable)?;
+        let Some(host) = algorithm::host(algorithm) else {
             return Err(NotApplicable(format!("{algorithm} has no kernel of ours")));
         };
         let recipe = host.cost(&CostShape { world: n, island_size: opts.island_size });

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::network::{Flow, Net, Phase};
 use super::{Breakdown, CostModel, Method, NcclTuning, Options, Prediction};
 use crate::algorithm::Transport;
-use crate::algorithms::{Op, Pattern};
+use crate::algorithm::{Op, Pattern};
 use crate::select::topology::Topology;
 
 /// NCCL's algorithms within one node.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use super::{CostModel, CostParams};
 use crate::algorithm::Transport;
-use crate::algorithms::{FlowSet, Op, Pattern};
+use crate::algorithm::{FlowSet, Op, Pattern};
 use crate::select::topology::{components, LinkKind, PcieRelation, Topology};
 
 /// Link classes: one latency and one bandwidth rule each.

@@ -34,8 +34,8 @@ use std::fmt;
 
 use tp_allreduce_kernels::ids::DType;
 
+use crate::algorithm::{self, Capabilities};
 use crate::algorithm::{Algorithm, Transport};
-use crate::algorithms::{self, Capabilities};
 use crate::env;
 use crate::error::Result;
 use crate::select::cost_model::{CostModel, NcclTuning, Options};
@@ -47,8 +47,6 @@ use crate::select::tuning::{TuningEntry, TuningTable};
 pub const MODEL_MARGIN: f64 = 0.10;
 /// The same when both sides were measured (run-to-run noise).
 pub const MEASURED_MARGIN: f64 = 0.02;
-/// `one_shot_push_max_bytes` of the default communicator configuration.
-pub const DEFAULT_ONE_SHOT_PUSH_MAX_BYTES: usize = 512 << 10;
 
 /// What may run on this communicator.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -79,7 +77,10 @@ impl Constraints {
             transport: if view.all_p2p_usable() { Transport::PeerToPeer } else { Transport::HostStaged },
             nccl_available: !view.has_shared_device(),
             island_size: view.islands().and_then(|i| i.consecutive_size()),
-            one_shot_push_max_bytes: DEFAULT_ONE_SHOT_PUSH_MAX_BYTES,
+            one_shot_push_max_bytes: crate::config::resolve_one_shot_push_max_bytes(
+                crate::config::Config::ONE_SHOT_PUSH_AUTO,
+                view.len(),
+            ),
             disabled: Vec::new(),
             communicator_override: None,
             env_override: None,
@@ -105,7 +106,7 @@ impl Constraints {
             one_shot_push_max_bytes: self.one_shot_push_max_bytes,
             nccl_available: self.nccl_available,
         };
-        algorithms::availability(algorithm, &caps, Some(bytes))
+        algorithm::availability(algorithm, &caps, Some(bytes))
     }
 }
 
@@ -130,6 +131,9 @@ pub struct Choice {
     /// NCCL's time at this size (measured or predicted, us).
     pub nccl_predicted_us: f64,
     pub source: Source,
+    /// The launch shape `(blocks, threads)` the tuning table measured for
+    /// the chosen algorithm at this size (sentinel algorithms), if any.
+    pub shape: Option<(u32, u32)>,
 }
 
 impl fmt::Display for Choice {
@@ -182,6 +186,7 @@ pub fn select_with(
                     predicted_us: f64::NAN,
                     nccl_predicted_us: f64::NAN,
                     source: Source::Model,
+                    shape: None,
                 }
             }
         }
@@ -227,6 +232,7 @@ impl Selecting<'_> {
             predicted_us: t.map_or(f64::NAN, |t| t.us),
             nccl_predicted_us: nccl.us,
             source,
+            shape: self.entry.and_then(|e| e.shape_of(algorithm, self.c.transport)),
         }
     }
 
@@ -458,6 +464,10 @@ impl SelectionTable {
             eat(&(i as u64).to_le_bytes());
             eat(c.algorithm.name().as_bytes());
             eat(c.transport.name().as_bytes());
+            if let Some((blocks, threads)) = c.shape {
+                eat(&blocks.to_le_bytes());
+                eat(&threads.to_le_bytes());
+            }
         }
         format!("{h:016x}")
     }

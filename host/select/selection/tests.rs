@@ -154,6 +154,7 @@ fn tuning_measurements_replace_predictions() {
         algorithm,
         transport: Transport::PeerToPeer,
         median_us,
+        shape: None,
     };
     // Measured: ring clearly beats NCCL, hierarchical is slow here.
     let table = TuningTable::from_measurements(
@@ -202,6 +203,7 @@ fn past_the_tuning_table_nccl_stays_when_it_won_the_last_bucket() {
         algorithm,
         transport: Transport::PeerToPeer,
         median_us,
+        shape: None,
     };
     let table = TuningTable::from_measurements(
         TuningMeta::for_topology(&view, "test"),
@@ -246,6 +248,7 @@ fn table_uses_tuning_only_where_measured() {
         algorithm,
         transport: Transport::PeerToPeer,
         median_us,
+        shape: None,
     };
     let tuning = TuningTable::from_measurements(meta, vec![m(Algorithm::Ring, 9.0), m(Algorithm::Nccl, 20.0)]).unwrap();
     let model = CostModel::default();

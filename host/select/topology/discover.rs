@@ -19,16 +19,19 @@
 //! `Error::NoDriver` naming the embedded topologies to model with instead.
 //! The driver probe is guarded (`is_culib_present`, then `cuInit` inside
 //! `catch_unwind`, as cudarc's dynamic loading panics when a symbol is
-//! missing), so discovery never panics.
+//! missing), so discovery never panics. Every CUDA call goes through
+//! `crate::driver` (device queries that create no context).
+
+#![forbid(unsafe_code)]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
-use cudarc::driver::sys;
 use nvml_wrapper::enum_wrappers::device::{P2pCapabilitiesIndex, P2pStatus, TopologyLevel};
 use nvml_wrapper::Nvml;
 
 use super::{embedded, GpuInfo, LinkKind, PairInfo, PcieRelation, Topology};
+use crate::driver;
 use crate::error::{Error, Result};
 
 /// NVML's `NVML_NVLINK_MAX_LINKS`.
@@ -121,89 +124,36 @@ pub fn discover() -> Result<Topology> {
     Ok(t)
 }
 
-/// Whether the CUDA driver can be loaded and initialised; never panics.
-fn cuda_available() -> bool {
-    // Candle builds link libcuda (cudarc `dynamic-linking`): no probe.
-    #[cfg(not(feature = "candle"))]
-    // SAFETY: only tries to dlopen the candidate library names.
-    if !unsafe { sys::is_culib_present() } {
-        return false;
-    }
-    catch_unwind(|| cudarc::driver::result::init().is_ok()).unwrap_or(false)
-}
-
-fn cu_check(call: &str, status: sys::CUresult) -> std::result::Result<(), String> {
-    if status == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{call} failed: {status:?}"))
-    }
-}
-
 /// Devices in ordinal order and the peer-access matrix, or why not.
 fn cuda_probe() -> std::result::Result<(Vec<CudaDevice>, Vec<Vec<bool>>), String> {
-    if !cuda_available() {
+    if !driver::driver_available() {
         return Err("libcuda could not be loaded or cuInit failed".into());
     }
-    catch_unwind(AssertUnwindSafe(cuda_probe_inner))
+    catch_unwind(AssertUnwindSafe(|| cuda_probe_inner().map_err(|e| e.to_string())))
         .unwrap_or_else(|_| Err("the CUDA driver lacks an entry point discovery needs (driver too old?)".into()))
 }
 
-fn cuda_probe_inner() -> std::result::Result<(Vec<CudaDevice>, Vec<Vec<bool>>), String> {
-    use cudarc::driver::result::device;
-    let count = device::get_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))?.max(0);
-    let mut handles = Vec::new();
-    let mut devices = Vec::new();
-    for ordinal in 0..count {
-        let dev = device::get(ordinal).map_err(|e| format!("cuDeviceGet({ordinal}): {e:?}"))?;
-        let name = device::get_name(dev).unwrap_or_else(|_| "unknown NVIDIA GPU".into());
-        // SAFETY: `dev` came from cuDeviceGet.
-        let major = unsafe {
-            device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-        };
-        // SAFETY: as above.
-        let minor = unsafe {
-            device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
-        };
-        // SAFETY: as above.
-        let memory_bytes = unsafe { device::total_mem(dev) }.unwrap_or(0) as u64;
-        let mut buf = [0 as std::ffi::c_char; 32];
-        // SAFETY: `buf` is writable for its full length, which is passed.
-        cu_check("cuDeviceGetPCIBusId", unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev) })?;
-        // SAFETY: the driver wrote a NUL-terminated string into `buf`
-        // (the last byte is never written for a 32-byte buffer: ids are 13).
-        let raw = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
+fn cuda_probe_inner() -> Result<(Vec<CudaDevice>, Vec<Vec<bool>>)> {
+    let handles: Vec<_> = (0..driver::device_count()).map(driver::device).collect::<Result<_>>()?;
+    let mut devices = Vec::with_capacity(handles.len());
+    for &dev in &handles {
+        let info = driver::device_info(dev)?;
         devices.push(CudaDevice {
-            name,
-            cc: (major.unwrap_or(0).max(0) as u32, minor.unwrap_or(0).max(0) as u32),
-            bus_id: normalize_bus_id(&raw),
-            memory_bytes,
+            name: info.name,
+            cc: info.compute_capability,
+            bus_id: normalize_bus_id(&info.pci_bus_id),
+            memory_bytes: info.memory_bytes,
         });
-        handles.push(dev);
     }
     let n = handles.len();
     let mut p2p = vec![vec![true; n]; n];
     for i in 0..n {
         for j in 0..n {
-            if i == j {
-                continue;
+            if i != j {
+                // An old driver without the attribute: trust cuDeviceCanAccessPeer.
+                let supported = driver::p2p_access_supported(handles[i], handles[j]).unwrap_or(true);
+                p2p[i][j] = driver::can_access_peer(handles[i], handles[j])? && supported;
             }
-            let mut can = 0;
-            // SAFETY: both handles came from cuDeviceGet; `can` is writable.
-            cu_check("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, handles[i], handles[j]) })?;
-            let mut supported = 0;
-            // SAFETY: as above.
-            let attr = unsafe {
-                sys::cuDeviceGetP2PAttribute(
-                    &mut supported,
-                    sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
-                    handles[i],
-                    handles[j],
-                )
-            };
-            // An old driver without the attribute: trust cuDeviceCanAccessPeer.
-            let supported = if attr == sys::CUresult::CUDA_SUCCESS { supported != 0 } else { true };
-            p2p[i][j] = can != 0 && supported;
         }
     }
     Ok((devices, p2p))

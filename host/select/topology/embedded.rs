@@ -16,6 +16,8 @@
 //! | `rtx-4090-8x-no-p2p` | 8x GeForce RTX 4090, sm_89, 24 GB, Gen4 x16 | 4+4 over two sockets, **no P2P** | GeForce 40-series drivers do not expose PCIe P2P; host-staged push or NCCL (over host memory) only. Socket split *assumed* |
 //! | `h200-8x-nvswitch` | 8x H200 SXM, sm_90, 141 GB HBM3e, Gen5 x16 host link | NVSwitch, 18 NVLink 4 links per GPU | NVIDIA H200 datasheet (NVLink 900 GB/s bidirectional per GPU) |
 
+#![forbid(unsafe_code)]
+
 use super::{GpuInfo, Islands, LinkKind, PairInfo, PcieRelation, Topology};
 use crate::error::{Error, Result};
 

@@ -32,6 +32,8 @@
 //! is implemented here, not `std`'s randomized `DefaultHasher`, so the value
 //! is the same across runs, builds and platforms.
 
+#![forbid(unsafe_code)]
+
 pub mod discover;
 pub mod embedded;
 

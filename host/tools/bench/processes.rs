@@ -4,16 +4,26 @@
 //! collective's time (all-gathered to rank 0, which verifies, reports and
 //! writes the files). NCCL runs per process, so it is captured in graphs too
 //! (unlike one thread driving several GPUs).
+#![forbid(unsafe_code)]
 
-use cudarc::driver::{sys, CudaContext, CudaEvent};
+use std::sync::Arc;
 
-use super::report::{self, Report};
-use super::{decode, measurement, percentiles, random_bits, unit_roundoff, Mode, Options, Scenarios, Selection};
-use crate::algorithm::Algorithm;
+use cudarc::driver::{sys, CudaContext, CudaGraph};
+
+use super::in_process::usable_selections;
+use super::progress::Progress;
+use super::report::{self, Report, VerifyPass};
+use super::scenarios::{VERIFY_PASS_ALLREDUCES, VERIFY_PASS_BYTES};
+use super::stats::{measurement, percentiles, set_speedups, Measurement, RowKey};
+use super::timing::{elapsed_us, event, launch, record};
+use super::trace::{summarize, TraceSummary};
+use super::{Mode, Options, Scenarios};
 use crate::comm::Comm;
-use crate::driver::{self, DeviceMemory};
-use crate::error::{Error, Result};
+use crate::driver;
+use crate::error::{driver as driver_error, Error, Result};
 use crate::nccl::NcclComm;
+use crate::tools::any_buffer::{self, AnyBuffer};
+use crate::tools::reference::{check_sum, decode, random_bits};
 use crate::DType;
 use crate::RankEnv;
 
@@ -25,22 +35,20 @@ enum Runner<'a> {
 }
 
 impl Runner<'_> {
-    /// # Safety
-    /// Device buffers of `count` elements of `dtype` on this rank's context.
-    unsafe fn call(&self, send: u64, recv: u64, count: usize, dtype: DType, stream: sys::CUstream) -> Result<()> {
+    /// One allreduce of `input` into `output` on the communicator's stream.
+    fn call(&self, comm: &Comm, input: &AnyBuffer, output: &mut AnyBuffer) -> Result<()> {
         match self {
-            Runner::Ours(c) => c.all_reduce_raw(send, recv, count, dtype, stream),
-            Runner::Nccl(n) => n.all_reduce(send, recv, count, dtype, stream),
+            Runner::Ours(c) => any_buffer::all_reduce(c, input, output),
+            Runner::Nccl(n) => any_buffer::nccl_all_reduce(n, input, output, &comm.stream()),
         }
     }
 }
 
 /// This rank's buffers of one size and every rank's input values.
 struct RankBuffers {
-    count: usize,
     dtype: DType,
-    input: DeviceMemory,
-    output: DeviceMemory,
+    input: AnyBuffer,
+    output: AnyBuffer,
     all_inputs: Vec<Vec<f64>>,
 }
 
@@ -49,46 +57,25 @@ fn seed(size_index: usize, rank: usize) -> u64 {
 }
 
 impl RankBuffers {
-    fn new(
-        ctx: &std::sync::Arc<CudaContext>,
-        env: &RankEnv,
-        bytes: usize,
-        dtype: DType,
-        size_index: usize,
-    ) -> Result<Self> {
+    fn new(comm: &Comm, env: &RankEnv, bytes: usize, dtype: DType, size_index: usize) -> Result<Self> {
         let count = (bytes / dtype.size_bytes()).max(1);
         let (raw, _) = random_bits(dtype, count, seed(size_index, env.rank));
         let all_inputs = (0..env.world_size).map(|r| random_bits(dtype, count, seed(size_index, r)).1).collect();
-        let input = DeviceMemory::alloc(ctx, raw.len())?;
-        driver::memcpy_htod(input.ptr(), &raw)?;
-        let output = DeviceMemory::alloc(ctx, raw.len())?;
-        Ok(RankBuffers { count, dtype, input, output, all_inputs })
+        let stream = comm.stream();
+        let input = AnyBuffer::from_bytes(&stream, dtype, &raw)?;
+        let output = AnyBuffer::alloc(&stream, dtype, count)?;
+        Ok(RankBuffers { dtype, input, output, all_inputs })
     }
 
     fn bytes(&self) -> usize {
-        self.count * self.dtype.size_bytes()
+        self.input.num_bytes()
     }
 
     /// This rank's output against the f64 sum; the verdict is agreed on by
     /// every rank (so all stop together on a failure).
     fn verify(&self, comm: &Comm, roundings: usize, what: &str) -> Result<()> {
-        let mut raw = vec![0u8; self.bytes()];
-        driver::memcpy_dtoh(&mut raw, self.output.ptr())?;
-        let got = decode(self.dtype, &raw);
-        let u = unit_roundoff(self.dtype);
-        let mut bad: Option<String> = None;
-        for (i, g) in got.iter().enumerate() {
-            let (mut exact, mut mag) = (0.0, 0.0);
-            for x in &self.all_inputs {
-                exact += x[i];
-                mag += x[i].abs();
-            }
-            let tol = roundings as f64 * u * mag * 1.001 + self.all_inputs.len() as f64 * 6e-8 * mag + 1e-30;
-            if (g - exact).abs().is_nan() || (g - exact).abs() > tol {
-                bad = Some(format!("element {i} is {g} but the sum is {exact}"));
-                break;
-            }
-        }
+        let got = decode(self.dtype, &self.output.to_host_bytes()?);
+        let bad = check_sum(self.dtype, &self.all_inputs, &got, roundings).err();
         let verdicts = comm.all_gather_bytes(bad.as_deref().unwrap_or("").as_bytes())?;
         if let Some((r, why)) = verdicts.iter().enumerate().find(|(_, v)| !v.is_empty()) {
             return Err(Error::InvalidUsage(format!(
@@ -100,89 +87,72 @@ impl RankBuffers {
     }
 }
 
-fn event(ctx: &std::sync::Arc<CudaContext>) -> Result<CudaEvent> {
-    ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| crate::error::driver("cuEventCreate", e))
-}
-
 /// Times `warmup + repeats` calls of `launch` on this rank, each aligned by
 /// a rendezvous barrier; returns the slowest rank's time per sample (us).
-fn timed(
-    comm: &Comm,
-    ctx: &std::sync::Arc<CudaContext>,
-    warmup: usize,
-    repeats: usize,
-    mut launch: impl FnMut() -> Result<()>,
-) -> Result<Vec<f64>> {
+fn timed(comm: &Comm, warmup: usize, repeats: usize, mut launch: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
     let stream = comm.stream();
-    let (start, end) = (event(ctx)?, event(ctx)?);
+    let (start, end) = (event(comm.context())?, event(comm.context())?);
     let mut mine = Vec::with_capacity(repeats);
     for i in 0..warmup + repeats {
         comm.all_gather_bytes(&[])?;
-        start.record(&stream).map_err(|e| crate::error::driver("cuEventRecord", e))?;
+        record(&start, &stream)?;
         launch()?;
-        end.record(&stream).map_err(|e| crate::error::driver("cuEventRecord", e))?;
+        record(&end, &stream)?;
         comm.synchronize()?;
         if i >= warmup {
-            mine.push(start.elapsed_ms(&end).map_err(|e| crate::error::driver("cuEventElapsedTime", e))? as f64 * 1e3);
+            mine.push(elapsed_us(&start, &end)?);
         }
     }
     let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
     let all = comm.all_gather_bytes(&bytes)?;
+    Ok(slowest_per_sample(&all, repeats))
+}
+
+/// Per sample, the largest of every rank's value (little-endian f64s).
+fn slowest_per_sample(all: &[Vec<u8>], repeats: usize) -> Vec<f64> {
     let mut worst = vec![0f64; repeats];
-    for rank_samples in &all {
+    for rank_samples in all {
         for (k, chunk) in rank_samples.chunks_exact(8).enumerate().take(repeats) {
-            let v = f64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+            let v = f64::from_le_bytes(chunk.try_into().expect("chunks_exact(8)"));
             worst[k] = worst[k].max(v);
         }
     }
-    Ok(worst)
+    worst
+}
+
+fn capture(comm: &Comm, mut body: impl FnMut() -> Result<()>) -> Result<CudaGraph> {
+    driver::capture(&comm.stream(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, &mut body)
 }
 
 /// Verifies, then times one row on this rank; returns per-allreduce
 /// microseconds per sample (the slowest rank's).
 fn time_row(
     comm: &Comm,
-    ctx: &std::sync::Arc<CudaContext>,
     runner: Runner,
-    bufs: &RankBuffers,
+    bufs: &mut RankBuffers,
     opts: &Options,
-    what: &str,
-    roundings: usize,
+    (what, roundings): (&str, usize),
 ) -> Result<Vec<f64>> {
-    let stream = comm.stream();
-    let cu = stream.cu_stream();
-    driver::memset_d8(bufs.output.ptr(), 0x7F, bufs.bytes())?;
-    // SAFETY: this rank's buffers hold `count` elements.
-    unsafe { runner.call(bufs.input.ptr(), bufs.output.ptr(), bufs.count, bufs.dtype, cu)? };
+    bufs.output.fill_bytes(0x7F)?;
+    runner.call(comm, &bufs.input, &mut bufs.output)?;
     comm.synchronize()?;
     bufs.verify(comm, roundings, &format!("{what}, eager call"))?;
     let samples = match opts.mode {
         Mode::Graph => {
-            let graph =
-                driver::capture(&stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, || {
-                    for _ in 0..opts.iterations {
-                        // SAFETY: as above.
-                        unsafe { runner.call(bufs.input.ptr(), bufs.output.ptr(), bufs.count, bufs.dtype, cu)? };
-                    }
-                    Ok(())
-                })?;
-            comm.register_graph_buffers()?;
-            graph.upload().map_err(|e| crate::error::driver("cuGraphUpload", e))?;
-            let s = timed(comm, ctx, opts.warmup, opts.repeats, || {
-                graph.launch().map_err(|e| crate::error::driver("cuGraphLaunch", e))
+            let graph = capture(comm, || {
+                (0..opts.iterations).try_for_each(|_| runner.call(comm, &bufs.input, &mut bufs.output))
             })?;
+            comm.register_graph_buffers()?;
+            graph.upload().map_err(|e| driver_error("cuGraphUpload", e))?;
+            let s = timed(comm, opts.warmup, opts.repeats, || launch(&graph))?;
             bufs.verify(comm, roundings, &format!("{what}, after the graph replays"))?;
             // Peers close their mappings of this size's buffers before the
             // buffers are freed (CUDA leaves the other order undefined).
             comm.deregister_buffers()?;
             s
         }
-        Mode::Eager => timed(comm, ctx, opts.warmup, opts.repeats, || {
-            for _ in 0..opts.iterations {
-                // SAFETY: as above.
-                unsafe { runner.call(bufs.input.ptr(), bufs.output.ptr(), bufs.count, bufs.dtype, cu)? };
-            }
-            Ok(())
+        Mode::Eager => timed(comm, opts.warmup, opts.repeats, || {
+            (0..opts.iterations).try_for_each(|_| runner.call(comm, &bufs.input, &mut bufs.output))
         })?,
     };
     Ok(samples.into_iter().map(|us| us / opts.iterations as f64).collect())
@@ -190,154 +160,131 @@ fn time_row(
 
 /// The verify-pass scenario on this rank: 122 x (allreduce 42 KB bf16 +
 /// dependent kernel) in one graph.
-fn verify_pass(
-    comm: &Comm,
-    ctx: &std::sync::Arc<CudaContext>,
-    runner: Runner,
-    env: &RankEnv,
-    selection: &str,
-) -> Result<report::VerifyPass> {
-    const ALLREDUCES: usize = 122;
-    const BYTES: usize = 43_008;
+fn verify_pass(comm: &Comm, runner: Runner, env: &RankEnv, selection: &str) -> Result<VerifyPass> {
     let dtype = DType::Bf16;
-    let bufs = RankBuffers::new(ctx, env, BYTES, dtype, 999)?;
+    let mut bufs = RankBuffers::new(comm, env, VERIFY_PASS_BYTES, dtype, 999)?;
     let stream = comm.stream();
-    let cu = stream.cu_stream();
-    let graph = driver::capture(&stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, || {
-        for _ in 0..ALLREDUCES {
-            // SAFETY: both buffers hold `count` bf16 on this rank's context.
-            unsafe {
-                runner.call(bufs.input.ptr(), bufs.output.ptr(), bufs.count, dtype, cu)?;
-                crate::tools::elementwise::affine_raw(
-                    ctx,
-                    cu,
-                    bufs.output.ptr(),
-                    bufs.input.ptr(),
-                    bufs.count,
-                    dtype,
-                    1.0 / env.world_size as f32,
-                    0.0,
-                )?;
-            }
+    let scale = 1.0 / env.world_size as f32;
+    let graph = capture(comm, || {
+        for _ in 0..VERIFY_PASS_ALLREDUCES {
+            runner.call(comm, &bufs.input, &mut bufs.output)?;
+            any_buffer::affine(&stream, &bufs.output, &mut bufs.input, scale, 0.0)?;
         }
         Ok(())
     })?;
     comm.register_graph_buffers()?;
-    let mut samples = timed(comm, ctx, 3, 20, || graph.launch().map_err(|e| crate::error::driver("cuGraphLaunch", e)))?;
+    let mut samples = timed(comm, 3, 20, || launch(&graph))?;
     comm.deregister_buffers()?;
-    for s in samples.iter_mut() {
-        *s /= 1e3;
-    }
+    samples.iter_mut().for_each(|s| *s /= 1e3);
     let (median, p10, p90) = percentiles(&mut samples);
     let algorithm = match runner {
         Runner::Nccl(_) => "nccl".to_string(),
-        Runner::Ours(c) => c.plan_call(BYTES, dtype, true, false).algorithm.name().to_string(),
+        Runner::Ours(c) => c.plan_call(VERIFY_PASS_BYTES, dtype, true, false).algorithm.name().to_string(),
     };
-    Ok(report::VerifyPass {
+    Ok(VerifyPass {
         selection: selection.into(),
         algorithm,
-        allreduces: ALLREDUCES,
-        bytes: BYTES,
+        allreduces: VERIFY_PASS_ALLREDUCES,
+        bytes: VERIFY_PASS_BYTES,
         median_ms: median,
         p10_ms: p10,
         p90_ms: p90,
-        per_allreduce_us: median * 1e3 / ALLREDUCES as f64,
+        per_allreduce_us: median * 1e3 / VERIFY_PASS_ALLREDUCES as f64,
     })
+}
+
+/// Every selection's row at one size on this rank, then NCCL's.
+fn measure_size(
+    comm: &mut Comm,
+    env: &RankEnv,
+    (opts, selections): (&Options, &[super::Selection]),
+    (i, bytes): (usize, usize),
+    (progress, trace): (&Progress, &mut Vec<TraceSummary>),
+) -> Result<Vec<Measurement>> {
+    let world = env.world_size;
+    let mut bufs = RankBuffers::new(comm, env, bytes, opts.dtype, i)?;
+    let (bytes, dtype) = (bufs.bytes(), bufs.dtype);
+    let mut rows = Vec::new();
+    for sel in selections {
+        comm.set_algorithm(sel.forced())?;
+        let algorithm = comm.plan_call(bytes, dtype, true, false).algorithm;
+        progress.step(&format!("{} {}", report::human_bytes(bytes), sel.name()));
+        let what = format!("{} {} (ran {algorithm})", report::human_bytes(bytes), sel.name());
+        let check = (what.as_str(), algorithm.max_roundings(world));
+        let mut samples = time_row(comm, Runner::Ours(comm), &mut bufs, opts, check)?;
+        let key = RowKey { bytes, dtype, selection: &sel.name(), ran: algorithm.name(), world, mode: opts.mode };
+        rows.push(measurement(key, &mut samples));
+        if let Some(records) = comm.take_trace_records()? {
+            trace.extend(summarize(&records, bytes, &sel.name(), env.rank));
+        }
+    }
+    comm.set_algorithm(None)?;
+    if let Some(nccl) = comm.nccl().filter(|_| opts.include_nccl) {
+        progress.step(&format!("{} nccl", report::human_bytes(bytes)));
+        let what = format!("{} nccl", report::human_bytes(bytes));
+        let mut samples = time_row(comm, Runner::Nccl(nccl), &mut bufs, opts, (what.as_str(), world))?;
+        let key = RowKey { bytes, dtype, selection: "nccl", ran: "nccl", world, mode: opts.mode };
+        let nccl_row = measurement(key, &mut samples);
+        set_speedups(&mut rows, &nccl_row);
+        rows.push(nccl_row);
+    }
+    Ok(rows)
 }
 
 /// One rank of `bench --processes`; rank 0 returns the report.
 pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<Option<Report>> {
     driver::require_driver()?;
-    let ctx = CudaContext::new(env.device).map_err(|e| crate::error::driver("cuDevicePrimaryCtxRetain", e))?;
-    // SAFETY: all work here is ordered explicitly on one stream.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().map_err(|e| crate::error::driver("cuStreamCreate", e))?;
+    let ctx: Arc<CudaContext> =
+        CudaContext::new(env.device).map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+    let stream = ctx.new_stream().map_err(|e| driver_error("cuStreamCreate", e))?;
     let mut comm = env.comm(stream, opts.config.clone())?;
-    let world = env.world_size;
     let mut notes: Vec<String> = comm.notes().to_vec();
     notes.push(format!("one process per rank; auto selects (graph): {}", comm.selection().describe(opts.dtype, true)));
     let with_nccl = opts.include_nccl && comm.nccl().is_some();
     if opts.include_nccl && !with_nccl {
         notes.push("NCCL column absent: no NCCL communicator (libnccl not found, or ranks share a GPU)".into());
     }
-    let mut selections = Vec::new();
-    for sel in &opts.selections {
-        match sel {
-            Selection::Forced(a) if *a == Algorithm::Nccl => {}
-            Selection::Forced(a) => match comm.set_algorithm(Some(*a)) {
-                Ok(()) => selections.push(*sel),
-                Err(e) => notes.push(format!("{a} skipped: {e}")),
-            },
-            Selection::Auto => selections.push(*sel),
-        }
-    }
+    let selections = usable_selections(&mut comm, &opts.selections, &mut notes);
+    let steps = opts.sizes.len() * (selections.len() + with_nccl as usize);
+    let progress = if env.rank == 0 { Progress::new(steps) } else { Progress::hidden(steps) };
     let mut measurements = Vec::new();
+    let mut trace = Vec::new();
     for (i, &bytes) in opts.sizes.iter().enumerate() {
-        let bufs = RankBuffers::new(&ctx, env, bytes, opts.dtype, i)?;
-        let mut rows = Vec::new();
-        for sel in &selections {
-            comm.set_algorithm(match sel {
-                Selection::Auto => None,
-                Selection::Forced(a) => Some(*a),
-            })?;
-            let algorithm = comm.plan_call(bufs.bytes(), opts.dtype, true, false).algorithm;
-            if env.rank == 0 {
-                eprintln!("[{}/{}] {} {}", i + 1, opts.sizes.len(), report::human_bytes(bytes), sel.name());
-            }
-            let what = format!("{} {} (ran {algorithm})", report::human_bytes(bytes), sel.name());
-            let mut samples =
-                time_row(&comm, &ctx, Runner::Ours(&comm), &bufs, opts, &what, algorithm.max_roundings(world))?;
-            rows.push(measurement(
-                (bufs.bytes(), bufs.dtype),
-                &sel.name(),
-                algorithm.name(),
-                world,
-                opts,
-                &mut samples,
-            ));
-        }
-        comm.set_algorithm(None)?;
-        if with_nccl {
-            let nccl = comm.nccl().expect("checked above");
-            let what = format!("{} nccl", report::human_bytes(bytes));
-            let mut samples = time_row(&comm, &ctx, Runner::Nccl(nccl), &bufs, opts, &what, world)?;
-            let nccl_row = measurement((bufs.bytes(), bufs.dtype), "nccl", "nccl", world, opts, &mut samples);
-            for r in rows.iter_mut() {
-                r.speedup_vs_nccl = Some(nccl_row.median_us / r.median_us);
-            }
-            rows.push(nccl_row);
-        }
-        measurements.extend(rows);
+        let row = measure_size(&mut comm, env, (opts, &selections), (i, bytes), (&progress, &mut trace))?;
+        measurements.extend(row);
     }
+    // Every rank's trace, to rank 0 (a collective even when tracing is off).
+    let encoded = serde_json::to_vec(&trace).map_err(|e| Error::Config(format!("encoding the trace: {e}")))?;
+    let mut trace: Vec<TraceSummary> = Vec::new();
+    for (r, bytes) in comm.all_gather_bytes(&encoded)?.iter().enumerate() {
+        let mine: Vec<TraceSummary> = serde_json::from_slice(bytes)
+            .map_err(|e| Error::Config(format!("rank {r} sent an undecodable trace: {e}")))?;
+        trace.extend(mine);
+    }
+    trace.sort_by(|a, b| (a.bytes, &a.selection, a.rank).cmp(&(b.bytes, &b.selection, b.rank)));
+    progress.finish();
     let mut verify = Vec::new();
     if scenarios.verify_pass {
-        verify.push(verify_pass(&comm, &ctx, Runner::Ours(&comm), env, "auto")?);
-        if let Some(n) = comm.nccl() {
-            verify.push(verify_pass(&comm, &ctx, Runner::Nccl(n), env, "nccl")?);
+        verify.push(verify_pass(&comm, Runner::Ours(&comm), env, "auto")?);
+        if let Some(n) = comm.nccl().filter(|_| opts.include_nccl) {
+            verify.push(verify_pass(&comm, Runner::Nccl(n), env, "nccl")?);
         }
     }
     if env.rank != 0 {
         return Ok(None);
     }
     Ok(Some(Report {
-        tool: "tp-allreduce bench --processes".into(),
-        version: env!("CARGO_PKG_VERSION").into(),
-        command_line: command_line.into(),
-        date_utc: super::utc_now(),
-        gpu_model: ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
-        driver: super::driver_version(),
-        nccl: crate::nccl::version(),
         topology_fingerprint: comm.topology().fingerprint(),
-        world,
+        world: env.world_size,
         ranks_per_gpu: comm.ranks_on_device(),
-        mode: format!("{:?}", opts.mode).to_lowercase(),
+        mode: opts.mode.name().into(),
         iterations: opts.iterations,
         repeats: opts.repeats,
         notes,
         measurements,
         verify_pass: verify,
-        efficiency: Vec::new(),
-        launch_floor_us: None,
+        trace,
+        ..Report::for_run("tp-allreduce bench --processes", command_line, &ctx)
     }))
 }
 
@@ -360,5 +307,13 @@ mod tests {
             }
         }
         assert!(same.len() <= 2, "first input value unchanged from the previous size at (size index, rank) {same:?}");
+    }
+
+    #[test]
+    fn the_slowest_rank_sets_each_sample() {
+        let rank = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let all = vec![rank(&[1.0, 5.0, 3.0]), rank(&[2.0, 4.0, 6.0])];
+        assert_eq!(slowest_per_sample(&all, 3), [2.0, 5.0, 6.0]);
+        assert_eq!(slowest_per_sample(&all, 2), [2.0, 5.0]);
     }
 }

@@ -1,16 +1,22 @@
 //! Benchmark output: the terminal table, CSV, JSON (with the machine and
-//! the command line), an SVG plot of latency vs size, and `--compare`.
+//! the command line), and `--compare`. The SVG plot is in `plot.rs`.
+#![forbid(unsafe_code)]
 
 use std::fmt::Write as _;
 use std::path::Path;
+use std::sync::Arc;
 
+use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
 
-use super::Measurement;
+use super::stats::Measurement;
 use crate::error::{Error, Result};
+use crate::tools::table;
+
+pub use super::plot::render_svg;
 
 /// Everything a run produced, as written to `results.json`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     pub tool: String,
     pub version: String,
@@ -35,9 +41,29 @@ pub struct Report {
     /// replaying graphs at once (what any per-call kernel costs here).
     #[serde(default)]
     pub launch_floor_us: Option<f64>,
+    /// `--trace`: where each sentinel row's time goes, per rank.
+    #[serde(default)]
+    pub trace: Vec<super::trace::TraceSummary>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+impl Report {
+    /// The run's header (tool, version, command line, date, GPU, driver,
+    /// NCCL); the results are left empty.
+    pub fn for_run(tool: &str, command_line: &str, ctx: &Arc<CudaContext>) -> Report {
+        Report {
+            tool: tool.into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            command_line: command_line.into(),
+            date_utc: utc_now(),
+            gpu_model: ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
+            driver: driver_version(),
+            nccl: crate::nccl::version(),
+            ..Report::default()
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VerifyPass {
     pub selection: String,
     pub algorithm: String,
@@ -49,7 +75,7 @@ pub struct VerifyPass {
     pub per_allreduce_us: f64,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Efficiency {
     pub algorithm: String,
     pub world: usize,
@@ -76,10 +102,10 @@ pub fn human_bytes(b: usize) -> String {
     }
 }
 
-/// The terminal table.
+/// The terminal table, then the scenarios and notes.
 pub fn render_table(r: &Report) -> String {
     let mut out = String::new();
-    writeln!(
+    let _ = writeln!(
         out,
         "{} x {} ({} rank(s) per GPU), {}, {} mode, {} allreduces per sample, {} samples",
         r.world,
@@ -89,40 +115,36 @@ pub fn render_table(r: &Report) -> String {
         r.mode,
         r.iterations,
         r.repeats
-    )
-    .unwrap();
-    writeln!(
-        out,
-        "{:>9}  {:<14} {:<14} {:>9} {:>19} {:>9} {:>9} {:>8}",
-        "size", "selection", "ran", "us med", "[p10 - p90]", "algbw", "busbw", "vs nccl"
-    )
-    .unwrap();
-    writeln!(out, "{:>9}  {:<14} {:<14} {:>9} {:>19} {:>9} {:>9} {:>8}", "", "", "", "", "", "GB/s", "GB/s", "")
-        .unwrap();
-    let mut last = 0;
+    );
+    let header = ["size", "selection", "ran", "median us", "p10 - p90 us", "algbw GB/s", "busbw GB/s", "vs nccl"];
+    let mut t = table::new(header, 3..8);
     for m in &r.measurements {
-        if m.bytes != last && last != 0 {
-            writeln!(out).unwrap();
-        }
-        last = m.bytes;
-        writeln!(
-            out,
-            "{:>9}  {:<14} {:<14} {:>9.2} {:>19} {:>9.2} {:>9.2} {:>8}",
+        t.add_row(vec![
             human_bytes(m.bytes),
-            m.selection,
-            m.algorithm,
-            m.median_us,
-            format!("[{:.2} - {:.2}]", m.p10_us, m.p90_us),
-            m.algbw_gbs,
-            m.busbw_gbs,
-            m.speedup_vs_nccl.map(|s| format!("{s:.2}x")).unwrap_or_else(|| "-".into())
-        )
-        .unwrap();
+            m.selection.clone(),
+            m.algorithm.clone(),
+            format!("{:.2}", m.median_us),
+            format!("{:.2} - {:.2}", m.p10_us, m.p90_us),
+            format!("{:.2}", m.algbw_gbs),
+            format!("{:.2}", m.busbw_gbs),
+            m.speedup_vs_nccl.map(|s| format!("{s:.2}x")).unwrap_or_else(|| "-".into()),
+        ]);
     }
+    out.push_str(&table::render(&t));
+    out.push_str(&super::trace::render(&r.trace));
+    render_scenarios(r, &mut out);
+    for n in &r.notes {
+        let _ = writeln!(out, "note: {n}");
+    }
+    out
+}
+
+fn render_scenarios(r: &Report, out: &mut String) {
     for v in &r.verify_pass {
-        writeln!(
+        let _ = writeln!(
             out,
-            "\nverify pass ({} x {} allreduces + dependent kernel, one graph): {:<6} ({}) {:.3} ms per pass [{:.3} - {:.3}], {:.2} us per allreduce",
+            "\nverify pass ({} x {} allreduces + dependent kernel, one graph): {} ({})\n  \
+             {:.3} ms per pass [p10 {:.3} - p90 {:.3}], {:.2} us per allreduce",
             v.allreduces,
             human_bytes(v.bytes),
             v.selection,
@@ -131,13 +153,13 @@ pub fn render_table(r: &Report) -> String {
             v.p10_ms,
             v.p90_ms,
             v.per_allreduce_us
-        )
-        .unwrap();
+        );
     }
     for e in &r.efficiency {
-        writeln!(
+        let _ = writeln!(
             out,
-            "\nlarge message: {} ranks, {} {}: {:.1} us, {:.0} GB/s of device-memory traffic = {:.0}% of the measured copy bandwidth ({:.0} GB/s)",
+            "\nlarge message: {} ranks, {} {}: {:.1} us, {:.0} GB/s of device-memory traffic\n  \
+             = {:.0}% of the measured copy bandwidth ({:.0} GB/s)",
             e.world,
             human_bytes(e.bytes),
             e.algorithm,
@@ -145,29 +167,24 @@ pub fn render_table(r: &Report) -> String {
             e.achieved_gbs,
             e.fraction_of_copy * 100.0,
             e.copy_gbs
-        )
-        .unwrap();
+        );
     }
     if let Some(f) = r.launch_floor_us {
-        writeln!(
+        let _ = writeln!(
             out,
             "\nlaunch floor: {f:.2} us per step ({} ranks' streams each replaying a graph of tiny kernels)",
             r.world
-        )
-        .unwrap();
+        );
     }
-    for n in &r.notes {
-        writeln!(out, "note: {n}").unwrap();
-    }
-    out
 }
 
-pub fn write_csv(r: &Report, path: &Path) -> Result<()> {
+/// The CSV file's text: one line per measurement.
+pub fn csv(r: &Report) -> String {
     let mut s = String::from(
         "bytes,dtype,selection,algorithm,world,mode,median_us,p10_us,p90_us,algbw_gbs,busbw_gbs,speedup_vs_nccl\n",
     );
     for m in &r.measurements {
-        writeln!(
+        let _ = writeln!(
             s,
             "{},{},{},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{}",
             m.bytes,
@@ -182,10 +199,13 @@ pub fn write_csv(r: &Report, path: &Path) -> Result<()> {
             m.algbw_gbs,
             m.busbw_gbs,
             m.speedup_vs_nccl.map(|x| format!("{x:.3}")).unwrap_or_default()
-        )
-        .unwrap();
+        );
     }
-    std::fs::write(path, s).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    s
+}
+
+pub fn write_csv(r: &Report, path: &Path) -> Result<()> {
+    std::fs::write(path, csv(r)).map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
 pub fn write_json(r: &Report, path: &Path) -> Result<()> {
@@ -199,134 +219,67 @@ pub fn read_json(path: &Path) -> Result<Report> {
         .map_err(|e| Error::Config(format!("{} is not a benchmark results file: {e}", path.display())))
 }
 
-/// Latency vs size, log-log, one line per selection.
-pub fn render_svg(r: &Report) -> String {
-    let (w, h) = (900.0f64, 560.0f64);
-    let (left, right, top, bottom) = (80.0, 190.0, 40.0, 60.0);
-    let ms = &r.measurements;
-    let mut series: Vec<String> = Vec::new();
-    for m in ms {
-        if !series.contains(&m.selection) {
-            series.push(m.selection.clone());
-        }
-    }
-    let (min_b, max_b) = ms.iter().fold((f64::MAX, 0f64), |(a, b), m| (a.min(m.bytes as f64), b.max(m.bytes as f64)));
-    let (min_t, max_t) = ms.iter().fold((f64::MAX, 0f64), |(a, b), m| (a.min(m.median_us), b.max(m.median_us)));
-    if ms.is_empty() || min_b <= 0.0 || min_t <= 0.0 {
-        return "<svg xmlns=\"http://www.w3.org/2000/svg\"/>".into();
-    }
-    let (lx0, lx1) = (min_b.log10(), max_b.log10().max(min_b.log10() + 1e-9));
-    let (ly0, ly1) = ((min_t * 0.8).log10().floor(), (max_t * 1.25).log10().ceil());
-    let x = |b: f64| left + (b.log10() - lx0) / (lx1 - lx0) * (w - left - right);
-    let y = |t: f64| h - bottom - (t.log10() - ly0) / (ly1 - ly0) * (h - top - bottom);
-    let colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
-    let mut s = String::new();
-    writeln!(s, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">").unwrap();
-    writeln!(s, "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>").unwrap();
-    writeln!(
-        s,
-        "<text x=\"{}\" y=\"22\" font-size=\"14\">allreduce latency vs size: {} x {} ({} per GPU), {} {}</text>",
-        left,
-        r.world,
-        xml(&r.gpu_model),
-        r.ranks_per_gpu,
-        ms[0].dtype,
-        r.mode
-    )
-    .unwrap();
-    // Axes and grid.
-    let mut dec = ly0;
-    while dec <= ly1 {
-        let t = 10f64.powf(dec);
-        writeln!(s, "<line x1=\"{left}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/>", w - right, y(t), y(t))
-            .unwrap();
-        writeln!(s, "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{} us</text>", left - 6.0, y(t) + 4.0, fmt_num(t))
-            .unwrap();
-        dec += 1.0;
-    }
-    let mut sizes: Vec<usize> = ms.iter().map(|m| m.bytes).collect();
-    sizes.sort_unstable();
-    sizes.dedup();
-    for (i, b) in sizes.iter().enumerate() {
-        if sizes.len() > 12 && i % 2 == 1 {
-            continue;
-        }
-        let xb = x(*b as f64);
-        writeln!(s, "<line x1=\"{xb:.1}\" x2=\"{xb:.1}\" y1=\"{top}\" y2=\"{}\" stroke=\"#eee\"/>", h - bottom)
-            .unwrap();
-        writeln!(
-            s,
-            "<text x=\"{xb:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
-            h - bottom + 16.0,
-            human_bytes(*b)
-        )
-        .unwrap();
-    }
-    writeln!(
-        s,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">message size</text>",
-        (left + w - right) / 2.0,
-        h - 18.0
-    )
-    .unwrap();
-    for (k, name) in series.iter().enumerate() {
-        let color = colors[k % colors.len()];
-        let pts: Vec<String> = ms
-            .iter()
-            .filter(|m| &m.selection == name)
-            .map(|m| format!("{:.1},{:.1}", x(m.bytes as f64), y(m.median_us)))
-            .collect();
-        let dash = if name == "nccl" { " stroke-dasharray=\"6 4\"" } else { "" };
-        writeln!(
-            s,
-            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\"{dash} points=\"{}\"/>",
-            pts.join(" ")
-        )
-        .unwrap();
-        let ly = top + 20.0 + 18.0 * k as f64;
-        writeln!(
-            s,
-            "<line x1=\"{}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{color}\" stroke-width=\"2\"{dash}/>",
-            w - right + 12.0,
-            w - right + 40.0
-        )
-        .unwrap();
-        writeln!(s, "<text x=\"{}\" y=\"{}\">{}</text>", w - right + 46.0, ly + 4.0, xml(name)).unwrap();
-    }
-    writeln!(s, "</svg>").unwrap();
-    s
-}
-
-fn fmt_num(v: f64) -> String {
-    if v >= 1.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v}")
-    }
-}
-
-fn xml(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
-}
-
 /// `--compare old.json`: per (size, selection) the ratio old / new median.
 pub fn render_compare(old: &Report, new: &Report) -> String {
-    let mut out = String::new();
-    writeln!(out, "compare: {} ({}) -> {} ({})", old.date_utc, old.gpu_model, new.date_utc, new.gpu_model).unwrap();
-    writeln!(out, "{:>9}  {:<14} {:>10} {:>10} {:>8}", "size", "selection", "old us", "new us", "speedup").unwrap();
+    let mut out = format!("compare: {} ({}) -> {} ({})\n", old.date_utc, old.gpu_model, new.date_utc, new.gpu_model);
+    let mut t = table::new(["size", "selection", "old us", "new us", "speedup"], 2..5);
+    let mut matched = 0;
     for m in &new.measurements {
         if let Some(o) = old.measurements.iter().find(|o| o.bytes == m.bytes && o.selection == m.selection) {
-            writeln!(
-                out,
-                "{:>9}  {:<14} {:>10.2} {:>10.2} {:>7.2}x",
+            matched += 1;
+            t.add_row(vec![
                 human_bytes(m.bytes),
-                m.selection,
-                o.median_us,
-                m.median_us,
-                o.median_us / m.median_us
-            )
-            .unwrap();
+                m.selection.clone(),
+                format!("{:.2}", o.median_us),
+                format!("{:.2}", m.median_us),
+                format!("{:.2}x", o.median_us / m.median_us),
+            ]);
         }
+    }
+    if matched == 0 {
+        out.push_str("no (size, selection) pair of the new run is in the old one\n");
+    } else {
+        out.push_str(&table::render(&t));
     }
     out
 }
+
+/// Date and time in UTC as `YYYY-MM-DDTHH:MM:SSZ` (no date crate needed).
+pub fn utc_now() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    utc_date(secs)
+}
+
+/// `secs` since the Unix epoch as `YYYY-MM-DDTHH:MM:SSZ`.
+pub fn utc_date(secs: u64) -> String {
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    // Civil-from-days (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, (rem / 60) % 60, rem % 60)
+}
+
+/// `CUDA 13.0 (driver 580.159.04)` from NVML, or `unknown`.
+pub(crate) fn driver_version() -> String {
+    let Ok(nvml) = nvml_wrapper::Nvml::init() else {
+        return "unknown".into();
+    };
+    let cuda = nvml.sys_cuda_driver_version().map(|v| format!("CUDA {}.{}", v / 1000, (v % 1000) / 10));
+    match (cuda, nvml.sys_driver_version()) {
+        (Ok(cuda), Ok(driver)) => format!("{cuda} (driver {driver})"),
+        (Ok(cuda), Err(_)) => cuda,
+        (Err(_), Ok(driver)) => format!("driver {driver}"),
+        (Err(_), Err(_)) => "unknown".into(),
+    }
+}
+
+#[cfg(test)]
+#[path = "report_tests.rs"]
+pub(crate) mod tests;

@@ -4,16 +4,21 @@
 //!   vector loads/stores, timer, conversions). All inline PTX lives there.
 //! * [`pack`] — element types, 16-byte packs, f32 accumulation.
 //! * [`sync`] — bounded waits, the cross-rank barrier, error recording.
+//! * [`sentinel`] — the sentinel kernels' entry load, generation advance,
+//!   bounded slot wait, give-up path and trace.
 //! * one file per kernel family: [`elementwise`], [`one_shot_pull`],
 //!   [`two_shot_pull`], [`one_shot_push`], [`two_shot_push`], [`ring`],
 //!   [`hierarchical`], [`p2p_check`].
 //!
 //! Entry points are `#[no_mangle] extern "ptx-kernel"` functions named
-//! `<algorithm>_<dtype>` and take only scalars and raw pointers.
+//! `<algorithm>_<dtype>`. Sentinel kernels (OneShotPush) take one
+//! `#[repr(C)]` parameter struct by value (`crate::params`); the others take
+//! scalars and raw pointers (a `DeviceHandle` pointer first).
 
 pub mod gather;
 pub mod pack;
 pub mod ptx;
+pub mod sentinel;
 pub mod sync;
 
 pub mod elementwise;

@@ -267,11 +267,11 @@ pub unsafe fn store_pack<E: Element>(base: *mut u8, pack: u64, valid: u64, vecto
     }
 }
 
-/// Whether a OneShotPush receive pack still holds the "empty" pattern in any
+/// Whether a sentinel receive pack still holds the EMPTY pattern in any
 /// word (so its payload has not fully landed).
 #[inline(always)]
 pub fn any_word_empty(pack: &Pack) -> bool {
-    let e = crate::layout::LAMPORT_EMPTY_WORD;
+    let e = crate::layout::SENTINEL_EMPTY_WORD;
     pack[0] == e || pack[1] == e || pack[2] == e || pack[3] == e
 }
 

@@ -68,6 +68,20 @@ pub fn globaltimer_ns() -> u64 {
     t
 }
 
+/// `mov.b64 %o, %i;` — returns `v` unchanged but opaque to LLVM: a value
+/// derived from it is computed where it is used. Not `pure`, so it is never
+/// hoisted out of a loop or a branch. Used so that `param + opaque(off)` is
+/// an add with a constant-bank operand at each use instead of `param +
+/// half` hoisted for every rank (one 64-bit register per rank held for a
+/// whole loop).
+#[inline(always)]
+pub fn opaque_u64(v: u64) -> u64 {
+    let o: u64;
+    // SAFETY: a register move.
+    unsafe { asm!("mov.b64 {o}, {i};", o = out(reg64) o, i = in(reg64) v, options(nomem, nostack)) };
+    o
+}
+
 // ---------------------------------------------------------------- block barriers
 
 /// `bar.sync 0;` — all threads of the block arrive; orders their memory
@@ -141,20 +155,47 @@ pub unsafe fn ld_acquire_sys_u64(addr: *const u64) -> u64 {
     v
 }
 
-/// `ld.relaxed.sys.global.u32 %r, [addr];`
+/// `ld.relaxed.sys.global.u32 %r, [addr];` — `readonly`: orders nothing,
+/// so the compiler may keep other values in registers across it (it is
+/// still never merged or hoisted: inline asm without `pure` always runs).
 #[inline(always)]
 pub unsafe fn ld_relaxed_sys_u32(addr: *const u32) -> u32 {
     let v: u32;
-    asm!("ld.relaxed.sys.global.u32 {v}, [{a}];", v = out(reg32) v, a = in(reg64) addr, options(nostack));
+    asm!("ld.relaxed.sys.global.u32 {v}, [{a}];", v = out(reg32) v, a = in(reg64) addr, options(nostack, readonly));
     v
 }
 
-/// `ld.relaxed.sys.global.u64 %rd, [addr];`
+/// `ld.relaxed.sys.global.u64 %rd, [addr];` (`readonly`, see above)
 #[inline(always)]
 pub unsafe fn ld_relaxed_sys_u64(addr: *const u64) -> u64 {
     let v: u64;
-    asm!("ld.relaxed.sys.global.u64 {v}, [{a}];", v = out(reg64) v, a = in(reg64) addr, options(nostack));
+    asm!("ld.relaxed.sys.global.u64 {v}, [{a}];", v = out(reg64) v, a = in(reg64) addr, options(nostack, readonly));
     v
+}
+
+/// `ld.relaxed.gpu.global.u32 %r, [addr];` — rank-local control words
+/// written by earlier kernels of this GPU (`readonly`, see above).
+#[inline(always)]
+pub unsafe fn ld_relaxed_gpu_u32(addr: *const u32) -> u32 {
+    let v: u32;
+    asm!("ld.relaxed.gpu.global.u32 {v}, [{a}];", v = out(reg32) v, a = in(reg64) addr, options(nostack, readonly));
+    v
+}
+
+/// `ld.relaxed.gpu.global.v4.b32 {a,b,c,d}, [addr];` — four rank-local
+/// control words in one access (`addr` 16-byte aligned); each word is
+/// single-copy atomic (`readonly`, see above).
+#[inline(always)]
+pub unsafe fn ld_relaxed_gpu_v4_u32(addr: *const u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    asm!("ld.relaxed.gpu.global.v4.b32 {{{a}, {b}, {c}, {d}}}, [{p}];", p = in(reg64) addr, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, options(nostack, readonly));
+    [a, b, c, d]
+}
+
+/// `st.relaxed.gpu.global.u32 [addr], %r;` — rank-local control words.
+#[inline(always)]
+pub unsafe fn st_relaxed_gpu_u32(addr: *mut u32, v: u32) {
+    asm!("st.relaxed.gpu.global.u32 [{a}], {v};", a = in(reg64) addr, v = in(reg32) v, options(nostack));
 }
 
 /// `st.release.sys.global.u32 [addr], %r;`
@@ -187,6 +228,16 @@ pub unsafe fn st_relaxed_sys_u64(addr: *mut u64, v: u64) {
 pub unsafe fn atom_cas_relaxed_gpu_u32(addr: *mut u32, expected: u32, new: u32) -> u32 {
     let old: u32;
     asm!("atom.relaxed.gpu.global.cas.b32 {o}, [{a}], {e}, {n};", o = out(reg32) old, a = in(reg64) addr, e = in(reg32) expected, n = in(reg32) new, options(nostack));
+    old
+}
+
+/// `atom.relaxed.gpu.global.add.u32 %r, [addr], v;` — returns the previous
+/// value. GPU scope, device memory of this GPU only (block arrivals). No
+/// release: it must not wait for this thread's outstanding peer stores.
+#[inline(always)]
+pub unsafe fn atom_add_relaxed_gpu_u32(addr: *mut u32, v: u32) -> u32 {
+    let old: u32;
+    asm!("atom.relaxed.gpu.global.add.u32 {o}, [{a}], {v};", o = out(reg32) old, a = in(reg64) addr, v = in(reg32) v, options(nostack));
     old
 }
 
@@ -226,22 +277,14 @@ pub unsafe fn ld_global_v4_u32(addr: *const u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
-/// `ld.volatile.global.v4.b32 {a,b,c,d}, [addr];` — re-reads memory on every
-/// call (polling payloads that carry their own completion). Each 32-bit word
-/// is single-copy atomic; the four words are not read atomically together.
-#[inline(always)]
-pub unsafe fn ld_volatile_v4_u32(addr: *const u32) -> [u32; 4] {
-    let (a, b, c, d): (u32, u32, u32, u32);
-    asm!("ld.volatile.global.v4.b32 {{{a}, {b}, {c}, {d}}}, [{p}];", p = in(reg64) addr, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, options(nostack));
-    [a, b, c, d]
-}
-
 /// `ld.relaxed.sys.global.v4.b32 {a,b,c,d}, [addr];` — a strong (relaxed,
-/// system-scope) polling load, per 32-bit word.
+/// system-scope) polling load of a sentinel slot: never served from L1,
+/// each 32-bit word single-copy atomic (the four words are not read
+/// atomically together). `readonly` (see `ld_relaxed_sys_u32`).
 #[inline(always)]
 pub unsafe fn ld_relaxed_sys_v4_u32(addr: *const u32) -> [u32; 4] {
     let (a, b, c, d): (u32, u32, u32, u32);
-    asm!("ld.relaxed.sys.global.v4.b32 {{{a}, {b}, {c}, {d}}}, [{p}];", p = in(reg64) addr, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, options(nostack));
+    asm!("ld.relaxed.sys.global.v4.b32 {{{a}, {b}, {c}, {d}}}, [{p}];", p = in(reg64) addr, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, options(nostack, readonly));
     [a, b, c, d]
 }
 

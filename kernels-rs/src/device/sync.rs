@@ -68,6 +68,11 @@ pub struct Ctx<'a> {
     pub block: u32,
     pub tid: u32,
     pub epoch: u32,
+    /// Whether a wait of this call succeeded on this thread: every peer it
+    /// waited for has started the call, so later waits are bounded by
+    /// `timeout_ns` (a stall), earlier ones by `launch_timeout_ns` (a peer
+    /// may not have launched the call yet).
+    pub started: core::cell::Cell<bool>,
 }
 
 impl<'a> Ctx<'a> {
@@ -84,6 +89,7 @@ impl<'a> Ctx<'a> {
             block: ptx::block_idx_x(),
             tid: ptx::thread_idx_x(),
             epoch: 0,
+            started: core::cell::Cell::new(false),
         }
     }
 
@@ -149,6 +155,7 @@ impl<'a> Ctx<'a> {
         // OneShotPull with 8 ranks on one H200; docs/RESULTS.md.)
         let mut v = ptx::ld_acquire_sys_u32(flag);
         if seq_geq(v, target) {
+            self.started.set(true);
             return true;
         }
         let start = ptx::globaltimer_ns();
@@ -156,6 +163,7 @@ impl<'a> Ctx<'a> {
         loop {
             v = ptx::ld_acquire_sys_u32(flag);
             if seq_geq(v, target) {
+                self.started.set(true);
                 return true;
             }
             spins = spins.wrapping_add(1);
@@ -175,7 +183,8 @@ impl<'a> Ctx<'a> {
     #[inline(always)]
     pub unsafe fn wait_should_stop(&self, start: u64, peer: u32) -> Option<DeviceErrorCode> {
         let now = ptx::globaltimer_ns();
-        if now.wrapping_sub(start) > self.h.timeout_ns {
+        let bound = if self.started.get() { self.h.timeout_ns } else { self.h.launch_timeout_ns };
+        if now.wrapping_sub(start) > bound {
             return Some(DeviceErrorCode::Timeout);
         }
         if peer < self.world && peer != self.rank && ptx::ld_relaxed_sys_u32(&(*self.signal(peer)).abort) != 0 {
@@ -202,7 +211,7 @@ impl<'a> Ctx<'a> {
         let local = self.local();
         // Only the first failing thread of this rank fills the record
         // (gpu-scope CAS on device-local memory; no peer atomics).
-        if ptx::atom_cas_relaxed_gpu_u32(&mut (*local).error_claim, 0, 1) == 0 {
+        if ptx::atom_cas_relaxed_gpu_u32(&mut (*local).control.error_claim, 0, 1) == 0 {
             let rec = self.h.error_record as *mut ErrorRecord;
             if !rec.is_null() {
                 (*rec).code = code as u32;
@@ -220,7 +229,9 @@ impl<'a> Ctx<'a> {
             }
         }
         // Sticky abort, visible to peers (they stop waiting on us) and to this
-        // rank's later kernels (they exit at the prologue).
+        // rank's later kernels (they exit at the prologue); the rank-local
+        // copy is what the sentinel kernels read at entry.
+        ptx::st_relaxed_gpu_u32(&mut (*local).control.abort, code as u32);
         ptx::st_release_sys_u32(&mut (*self.signal(self.rank)).abort, code as u32);
     }
 

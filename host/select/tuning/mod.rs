@@ -12,7 +12,7 @@
 //!
 //! # File format (TOML)
 //! ```toml
-//! format = 1
+//! format = 2
 //!
 //! [meta]
 //! gpu_model = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
@@ -33,10 +33,20 @@
 //! median_us = 12.4
 //!
 //! [[entry.result]]
+//! algorithm = "one-shot-push"
+//! transport = "p2p"
+//! median_us = 14.1
+//! blocks = 16                     # the launch shape that won (sentinel
+//! threads = 256                   # algorithms only; format 2)
+//!
+//! [[entry.result]]
 //! algorithm = "nccl"
 //! transport = "p2p"
 //! median_us = 27.9
 //! ```
+//! Format 1 (no `blocks`/`threads`) still loads: its results carry no shape
+//! and launches use the default rule. `blocks` and `threads` come together.
+//!
 //! Malformed files give an `Error::Config` naming the file, and the line and
 //! field (TOML and type errors come with line and column; semantic errors
 //! name the entry and the line of its `[[entry]]` header).
@@ -70,8 +80,10 @@ use crate::algorithm::{Algorithm, Transport};
 use crate::error::{Error, Result};
 use crate::select::topology::Topology;
 
-/// The only file format this build reads and writes.
-pub const FORMAT: u32 = 1;
+/// The file format this build writes (it also reads [`FORMAT_NO_SHAPES`]).
+pub const FORMAT: u32 = 2;
+/// The previous format: the same without launch shapes.
+pub const FORMAT_NO_SHAPES: u32 = 1;
 
 /// Sizes `tp-allreduce tune` measures by default: 1 KiB to 64 MiB (the
 /// sizes `bench` uses), doubling, plus 42 KiB (the verify-pass allreduce:
@@ -157,6 +169,19 @@ pub struct Timing {
     #[serde(with = "transport_name")]
     pub transport: Transport,
     pub median_us: f64,
+    /// The launch shape measured (the fastest of `tune`'s sweep), for
+    /// algorithms whose grid is free (one-shot-push).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threads: Option<u32>,
+}
+
+impl Timing {
+    /// `(blocks, threads)` when the result names a shape.
+    pub fn shape(&self) -> Option<(u32, u32)> {
+        self.blocks.zip(self.threads)
+    }
 }
 
 /// All medians of one (dtype, size bucket).
@@ -184,6 +209,11 @@ impl TuningEntry {
             .find(|t| t.algorithm == algorithm && (t.transport == transport || algorithm == Algorithm::Nccl))
             .map(|t| t.median_us)
     }
+
+    /// The launch shape measured for `algorithm` over `transport`, if any.
+    pub fn shape_of(&self, algorithm: Algorithm, transport: Transport) -> Option<(u32, u32)> {
+        self.results.iter().find(|t| t.algorithm == algorithm && t.transport == transport).and_then(Timing::shape)
+    }
 }
 
 /// The input of [`TuningTable::from_measurements`]: one median.
@@ -194,6 +224,8 @@ pub struct Measurement {
     pub algorithm: Algorithm,
     pub transport: Transport,
     pub median_us: f64,
+    /// The launch shape it was measured with (sentinel algorithms).
+    pub shape: Option<(u32, u32)>,
 }
 
 /// A tuning table (one file).
@@ -235,7 +267,13 @@ impl TuningTable {
     pub fn from_measurements(meta: TuningMeta, measurements: Vec<Measurement>) -> Result<TuningTable> {
         let mut entries: Vec<TuningEntry> = Vec::new();
         for m in measurements {
-            let t = Timing { algorithm: m.algorithm, transport: m.transport, median_us: m.median_us };
+            let t = Timing {
+                algorithm: m.algorithm,
+                transport: m.transport,
+                median_us: m.median_us,
+                blocks: m.shape.map(|s| s.0),
+                threads: m.shape.map(|s| s.1),
+            };
             match entries.iter_mut().find(|e| e.dtype == m.dtype && e.bytes == m.bucket_bytes) {
                 Some(e) => {
                     if e.results.iter().any(|r| r.algorithm == t.algorithm && r.transport == t.transport) {
@@ -289,9 +327,9 @@ impl TuningTable {
 
     /// Semantic checks; `text` (the file) lets messages name lines.
     fn validate(&self, text: Option<&str>) -> Result<()> {
-        if self.format != FORMAT {
+        if self.format != FORMAT && self.format != FORMAT_NO_SHAPES {
             return Err(Error::Config(format!(
-                "format = {}: this build reads tuning tables of format {FORMAT}",
+                "format = {}: this build reads tuning tables of format {FORMAT_NO_SHAPES} and {FORMAT}",
                 self.format
             )));
         }
@@ -332,6 +370,18 @@ impl TuningTable {
                         k + 1,
                         r.algorithm
                     )));
+                }
+                if r.blocks.is_some() != r.threads.is_some() {
+                    return Err(Error::Config(format!(
+                        "{}: result {} ({}): blocks and threads come together",
+                        at(),
+                        k + 1,
+                        r.algorithm
+                    )));
+                }
+                if let Some(shape) = r.shape() {
+                    crate::env::check_launch_shape(shape)
+                        .map_err(|why| Error::Config(format!("{}: result {} ({}): {why}", at(), k + 1, r.algorithm)))?;
                 }
                 if e.results[..k].iter().any(|q| q.algorithm == r.algorithm && q.transport == r.transport) {
                     return Err(Error::Config(format!("{}: {} over {} listed twice", at(), r.algorithm, r.transport)));
@@ -477,152 +527,4 @@ impl TuningTable {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::select::topology::embedded;
-
-    fn meta() -> TuningMeta {
-        TuningMeta::for_topology(&embedded::default_topology(), "test")
-    }
-
-    fn sample() -> TuningTable {
-        let m = |bucket_bytes, dtype, algorithm, median_us| Measurement {
-            bucket_bytes,
-            dtype,
-            algorithm,
-            transport: Transport::PeerToPeer,
-            median_us,
-        };
-        TuningTable::from_measurements(
-            meta(),
-            vec![
-                m(65536, DType::Bf16, Algorithm::Hierarchical, 12.4),
-                m(65536, DType::Bf16, Algorithm::Nccl, 27.9),
-                m(4096, DType::Bf16, Algorithm::OneShotPush, 7.5),
-                m(4096, DType::Bf16, Algorithm::Nccl, 21.0),
-                m(4096, DType::F32, Algorithm::TwoShotPush, 8.5),
-            ],
-        )
-        .unwrap()
-    }
-
-    #[test]
-    fn round_trip_through_toml_and_disk() {
-        let t = sample();
-        assert_eq!(t.entries[0].dtype, DType::F32);
-        let text = t.to_toml_string().unwrap();
-        assert!(text.contains("[[entry.result]]"), "{text}");
-        let back = TuningTable::from_toml_str(&text, "mem").unwrap();
-        assert_eq!(back, t);
-        let dir = std::env::temp_dir().join(format!("tp-allreduce-tuning-test-{}", std::process::id()));
-        let path = TuningTable::default_path(&dir, &t.meta);
-        t.save(&path).unwrap();
-        assert_eq!(TuningTable::load(&path).unwrap(), t);
-        match TuningTable::load_for(&path, &embedded::default_topology()).unwrap() {
-            Loaded::Usable(u) => assert_eq!(u, t),
-            other => panic!("{other:?}"),
-        }
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn winners_and_lookup() {
-        let t = sample();
-        let e = t.lookup(DType::Bf16, 43008).unwrap();
-        assert_eq!(e.bytes, 65536);
-        assert_eq!(e.winner, Algorithm::Hierarchical);
-        assert_eq!(e.median_us(Algorithm::Nccl, Transport::HostStaged), Some(27.9));
-        assert_eq!(e.median_us(Algorithm::Ring, Transport::PeerToPeer), None);
-        assert_eq!(t.lookup(DType::Bf16, 100).unwrap().bytes, 4096);
-        assert!(t.lookup(DType::Bf16, 1 << 20).is_none());
-        assert!(t.lookup(DType::F16, 4096).is_none());
-        assert_eq!(t.lookup(DType::F32, 4096).unwrap().winner, Algorithm::TwoShotPush);
-        let dup = TuningTable::from_measurements(
-            meta(),
-            vec![
-                Measurement {
-                    bucket_bytes: 1,
-                    dtype: DType::F32,
-                    algorithm: Algorithm::Ring,
-                    transport: Transport::PeerToPeer,
-                    median_us: 1.0,
-                },
-                Measurement {
-                    bucket_bytes: 1,
-                    dtype: DType::F32,
-                    algorithm: Algorithm::Ring,
-                    transport: Transport::PeerToPeer,
-                    median_us: 2.0,
-                },
-            ],
-        );
-        assert!(dup.unwrap_err().to_string().contains("twice"));
-    }
-
-    #[test]
-    fn mismatched_tables_are_ignored_with_a_reason() {
-        let t = sample();
-        assert_eq!(t.applicability(&embedded::default_topology()), Applicability::Applies);
-        let other = embedded::by_name("l40s-8x-pcie4").unwrap();
-        match t.applicability(&other) {
-            Applicability::Ignored(why) => assert!(why.contains("does not match"), "{why}"),
-            a => panic!("{a:?}"),
-        }
-        let four = embedded::default_topology().for_world(4).unwrap();
-        assert!(matches!(t.applicability(&four), Applicability::Ignored(_)));
-        let missing = TuningTable::load_for(Path::new("/nonexistent/tuning.toml"), &other).unwrap();
-        assert!(matches!(missing, Loaded::Ignored { .. }));
-        let dir = std::env::temp_dir().join(format!("tp-allreduce-tuning-mismatch-{}", std::process::id()));
-        let path = dir.join("t.toml");
-        t.save(&path).unwrap();
-        match TuningTable::load_for(&path, &other).unwrap() {
-            Loaded::Ignored { reason } => assert!(reason.contains("t.toml") && reason.contains("re-run"), "{reason}"),
-            l => panic!("{l:?}"),
-        }
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    fn err(text: &str) -> String {
-        TuningTable::from_toml_str(text, "bad.toml").unwrap_err().to_string()
-    }
-
-    fn good_text() -> String {
-        sample().to_toml_string().unwrap()
-    }
-
-    #[test]
-    fn malformed_files_give_clear_errors() {
-        let good = good_text();
-        // Missing field: names the field.
-        let no_median = good.replacen("median_us = 8.5\n", "", 1);
-        let e = err(&no_median);
-        assert!(e.contains("bad.toml") && e.contains("missing field `median_us`"), "{e}");
-        // Bad number: names the line.
-        let bad_number = good.replacen("median_us = 8.5", "median_us = \"fast\"", 1);
-        let e = err(&bad_number);
-        let line = bad_number.lines().position(|l| l.contains("\"fast\"")).unwrap() + 1;
-        assert!(e.contains(&format!("line {line}")) && e.contains("f64"), "{e}");
-        // Unknown algorithm: names the value, the line and the choices.
-        let unknown = good.replacen("algorithm = \"two-shot-push\"", "algorithm = \"warp-drive\"", 1);
-        let e = err(&unknown);
-        let line = unknown.lines().position(|l| l.contains("warp-drive")).unwrap() + 1;
-        assert!(e.contains("warp-drive") && e.contains(&format!("line {line}")) && e.contains("one-shot-push"), "{e}");
-        // Negative time: names the entry and its line.
-        let negative = good.replacen("median_us = 8.5", "median_us = -1.0", 1);
-        let e = err(&negative);
-        let line = negative.lines().position(|l| l.starts_with("[[entry]]")).unwrap() + 1;
-        assert!(e.contains("entry 1") && e.contains(&format!("line {line}")) && e.contains("median_us"), "{e}");
-        // Unknown dtype and transport.
-        assert!(err(&good.replacen("dtype = \"f32\"", "dtype = \"f8\"", 1)).contains("unknown dtype `f8`"));
-        assert!(err(&good.replacen("transport = \"p2p\"", "transport = \"smoke-signals\"", 1))
-            .contains("unknown transport"));
-        // Winner that is not the fastest.
-        let e = err(&good.replacen("winner = \"hierarchical\"", "winner = \"nccl\"", 1));
-        assert!(e.contains("slower than"), "{e}");
-        // Unknown field, wrong format, not TOML at all.
-        assert!(err(&good.replacen("world_size = 8", "world_size = 8\ncolour = \"blue\"", 1)).contains("colour"));
-        assert!(err(&good.replacen("format = 1", "format = 9", 1))
-            .contains("format = 9: this build reads tuning tables of format 1"));
-        assert!(err("this is [not toml").contains("bad.toml"));
-    }
-}
+mod tests;

@@ -1,3 +1,8 @@
+//! The algorithms a communicator can run, and how their data travels.
+//! One term per concept: these names are used by the kernels (file and entry
+//! names), the selection, the cost model, the tuning table, the benchmark ids
+//! and the CLI flags.
+//!
 //! The host side of each algorithm, one file each: its kernel, whether it
 //! reads peers' inputs, which transports it runs over, what it needs to be
 //! available, how one launch's grid and capacity follow from the message,
@@ -11,7 +16,9 @@
 
 #![forbid(unsafe_code)]
 
+mod cost;
 mod hierarchical;
+mod names;
 mod one_shot_pull;
 mod one_shot_push;
 mod ring;
@@ -21,7 +28,8 @@ mod two_shot_push;
 use tp_allreduce_kernels::ids::AlgorithmId;
 use tp_allreduce_kernels::layout::{ScratchLayout, THREADS_PER_BLOCK};
 
-use crate::algorithm::{Algorithm, Transport};
+pub use cost::{CostRecipe, CostShape, FlowSet, LatencyOver, Op, Pattern, PhaseSpec};
+pub use names::{Algorithm, Transport};
 
 /// Everything of one algorithm's host side.
 pub(crate) trait AlgorithmHost: Sync {
@@ -59,6 +67,20 @@ pub(crate) trait AlgorithmHost: Sync {
 
     /// Grid of one launch over `packs` packs (0: it does not fit).
     fn grid(&self, geometry: &Geometry, packs: u64) -> u32;
+
+    /// Sentinel kernels take their parameters by value
+    /// (`driver::launch_struct`) and run with any launch shape (grid-stride
+    /// loops); the others take a `DeviceHandle` pointer and scalars and run
+    /// [`grid`](Self::grid) blocks of `THREADS_PER_BLOCK` threads.
+    fn sentinel(&self) -> bool {
+        false
+    }
+
+    /// The launch shape `(blocks, threads)` of one launch over `packs`
+    /// packs when neither a configured nor a tuned shape applies.
+    fn launch_shape(&self, geometry: &Geometry, packs: u64) -> (u32, u32) {
+        (self.grid(geometry, packs), THREADS_PER_BLOCK)
+    }
 
     /// The phases the cost model prices for `shape`.
     fn cost(&self, shape: &CostShape) -> CostRecipe;
@@ -117,119 +139,30 @@ pub(crate) struct Geometry {
     pub layout: ScratchLayout,
     pub pull_max_blocks: u32,
     pub ring_blocks: u32,
+    /// Resident blocks of a sentinel kernel per block size.
+    pub sentinel_resident: ResidentBlocks,
+}
+
+/// Blocks of a sentinel kernel that stay resident on a rank's GPU together
+/// with the other ranks sharing it, per block size (a multiple of 32 up to
+/// 1024). Keeping a launch within it guarantees progress: every block that
+/// waits for a peer's packs is running, and so is every block of the peer
+/// that sends them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ResidentBlocks(pub [u32; 32]);
+
+impl ResidentBlocks {
+    /// The cap for `threads`-thread blocks (0 for an unsupported size).
+    pub(crate) fn cap(&self, threads: u32) -> u32 {
+        if threads == 0 || threads % 32 != 0 || threads > 1024 {
+            return 0;
+        }
+        self.0[(threads / 32 - 1) as usize]
+    }
 }
 
 impl Geometry {
     pub(crate) const THREADS: u64 = THREADS_PER_BLOCK as u64;
-}
-
-/// The shape a cost recipe depends on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CostShape {
-    pub world: usize,
-    /// Hierarchical: island size (checked by [`availability`] first).
-    pub island_size: Option<usize>,
-}
-
-/// Which ordered pairs of ranks exchange data in a phase.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FlowSet {
-    /// Every rank to every other rank.
-    AllPairs,
-    /// Every rank to the next one (`r -> r+1 mod N`).
-    RingNeighbours,
-    /// Every rank to the other members of its island.
-    WithinIslands,
-    /// Every rank to the same-index member of every other island.
-    AcrossIslands,
-}
-
-/// The memory operation that moves a phase's data over the link.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    /// Posted stores to peer memory.
-    Write,
-    /// Non-posted loads from peer memory.
-    Read,
-}
-
-/// How the flows of a phase overlap in time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pattern {
-    /// One stream per link and direction (ring neighbours).
-    Single,
-    /// Every rank drives every peer, one peer at a time.
-    Staggered,
-    /// Every rank drives every peer at once.
-    Simultaneous,
-}
-
-/// Which links' latencies a phase's dependent hops pay.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LatencyOver {
-    /// The worst link the phase's flows use.
-    WorstFlow,
-    /// The mean over the phase's flows (pipelined rings: a chunk passes
-    /// every edge).
-    MeanFlow,
-    /// The worst link between any two ranks (barriers touch every pair).
-    WorstPair,
-}
-
-/// One phase of an algorithm, as the cost model prices it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PhaseSpec {
-    pub flows: FlowSet,
-    /// Bytes per flow as a fraction of the message size.
-    pub share: f64,
-    pub op: Op,
-    pub pattern: Pattern,
-    /// Dependent one-way latencies (flag or payload hops).
-    pub hops: f64,
-    /// Dependent non-posted reads, each `read_round_trip_factor` latencies.
-    pub read_hops: f64,
-    pub latency_over: LatencyOver,
-    /// Throughput limited by the ring's chunked FIFO pipeline.
-    pub ring_pipelined: bool,
-}
-
-impl PhaseSpec {
-    /// A phase of posted writes, one dependent hop, staggered peers.
-    pub(crate) const fn staggered_writes(flows: FlowSet, share: f64) -> PhaseSpec {
-        PhaseSpec {
-            flows,
-            share,
-            op: Op::Write,
-            pattern: Pattern::Staggered,
-            hops: 1.0,
-            read_hops: 0.0,
-            latency_over: LatencyOver::WorstFlow,
-            ring_pipelined: false,
-        }
-    }
-
-    /// A phase of simultaneous peer reads between barriers.
-    pub(crate) const fn barrier_reads(share: f64, hops: f64, read_hops: f64) -> PhaseSpec {
-        PhaseSpec {
-            flows: FlowSet::AllPairs,
-            share,
-            op: Op::Read,
-            pattern: Pattern::Simultaneous,
-            hops,
-            read_hops,
-            latency_over: LatencyOver::WorstPair,
-            ring_pipelined: false,
-        }
-    }
-}
-
-/// What the cost model prices for one algorithm call.
-#[derive(Clone, Debug, PartialEq)]
-pub struct CostRecipe {
-    pub phases: Vec<PhaseSpec>,
-    /// Device-memory traffic in multiples of the message size (receive
-    /// buffers, reductions, output, re-arming).
-    pub local_passes: f64,
 }
 
 #[cfg(test)]

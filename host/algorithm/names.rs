@@ -1,7 +1,6 @@
-//! The algorithms a communicator can run, and how their data travels.
-//! One term per concept: these names are used by the kernels (file and entry
-//! names), the selection, the cost model, the tuning table, the benchmark ids
-//! and the CLI flags.
+//! The algorithm and transport names every layer shares.
+
+#![forbid(unsafe_code)]
 
 use std::fmt;
 use std::str::FromStr;
@@ -61,26 +60,26 @@ impl Algorithm {
 
     /// The kernel family, `None` for NCCL.
     pub fn kernel(self) -> Option<AlgorithmId> {
-        crate::algorithms::host(self).map(|h| h.kernel())
+        crate::algorithm::host(self).map(|h| h.kernel())
     }
 
     /// Pull algorithms read peers' *input* buffers, which therefore must be
     /// peer-visible (registered or staged). Push algorithms only write into
     /// library-owned scratch and accept any input pointer.
     pub fn reads_peer_inputs(self) -> bool {
-        crate::algorithms::host(self).is_some_and(|h| h.reads_peer_inputs())
+        crate::algorithm::host(self).is_some_and(|h| h.reads_peer_inputs())
     }
 
     /// Whether the algorithm can run over the HostStaged transport (only
     /// the push algorithms: pull would need peers' device buffers).
     pub fn supports_host_staged(self) -> bool {
-        crate::algorithms::host(self).is_some_and(|h| h.supports_host_staged())
+        crate::algorithm::host(self).is_some_and(|h| h.supports_host_staged())
     }
 
     /// Upper bound on roundings to the element type between the exact sum
     /// and the result (f16/bf16): what tests use as tolerance.
     pub fn max_roundings(self, world: usize) -> usize {
-        crate::algorithms::host(self).map_or(1, |h| h.max_roundings(world))
+        crate::algorithm::host(self).map_or(1, |h| h.max_roundings(world))
     }
 }
 

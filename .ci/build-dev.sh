@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Builds what the GPU experiment (.ci/speed-exp.sh) carries to the GPU
+# machine, which has no Rust toolchain:
+#   .dev/tp-allreduce       release CLI of this tree (stripped)
+#   .dev/suite              the integration-test binary (`cargo test --release --no-run`, stripped)
+#   .dev/tp-allreduce-old   release CLI of OLD_REV (default 14cf5f6), built from `git archive`
+#                           in a temporary folder with its own target dir (skip: OLD_REV=none;
+#                           an existing .dev/tp-allreduce-old is kept unless REBUILD_OLD=1)
+#   .peers/flashinfer-pcie  the FlashInfer peer benchmark, copied from PEERS_SRC (a folder
+#                           holding run_peer_bench.py; kept when already there)
+# and checks that .dev and .peers together stay under 60 MiB (the device
+# machine takes at most 64 MiB of carried files).
+#
+#   PEERS_SRC=/path/to/flashinfer-pcie bash .ci/build-dev.sh
+# then: run(kind="nvidia-h200-x2", carry=[".dev", ".peers"], command="OUT=$OUT bash .ci/speed-exp.sh")
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OLD_REV=${OLD_REV:-14cf5f6}
+mkdir -p .dev .peers
+
+cargo build --release --bin tp-allreduce
+cp target/release/tp-allreduce .dev/tp-allreduce
+cargo test --release --no-run --test suite
+suite=$(cargo test --release --no-run --test suite --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "suite":
+        print(m["executable"])' | tail -1)
+[ -x "$suite" ] || { echo "test binary not found (cargo test --release --no-run --test suite)" >&2; exit 1; }
+cp "$suite" .dev/suite
+
+if [ "$OLD_REV" != none ] && { [ ! -x .dev/tp-allreduce-old ] || [ "${REBUILD_OLD:-0}" = 1 ]; }; then
+  src=$(mktemp -d /tmp/tp-allreduce-old.XXXXXX)
+  git archive "$OLD_REV" | tar -x -C "$src"
+  # The old tree builds its PTX from source too (or embeds its committed PTX).
+  (cd "$src" && CARGO_TARGET_DIR="$src/target" cargo build --release --bin tp-allreduce)
+  cp "$src/target/release/tp-allreduce" .dev/tp-allreduce-old
+  rm -rf "$src"
+fi
+strip .dev/tp-allreduce .dev/suite
+[ -x .dev/tp-allreduce-old ] && strip .dev/tp-allreduce-old
+
+if [ ! -f .peers/flashinfer-pcie/run_peer_bench.py ]; then
+  [ -n "${PEERS_SRC:-}" ] && [ -f "$PEERS_SRC/run_peer_bench.py" ] || {
+    echo "set PEERS_SRC to the folder holding run_peer_bench.py (the FlashInfer peer benchmark)" >&2
+    exit 1
+  }
+  cp -r "$PEERS_SRC" .peers/flashinfer-pcie && chmod -R u+w .peers/flashinfer-pcie
+fi
+rm -rf .peers/flashinfer-pcie/__pycache__
+
+total=$(du -sb .dev .peers | awk '{s += $1} END {print s}')
+ls -l .dev
+echo ".dev + .peers: $((total / 1024 / 1024)) MiB"
+if [ "$total" -ge $((60 * 1024 * 1024)) ]; then
+  echo "too large to carry (limit 60 MiB)" >&2
+  exit 1
+fi

@@ -1,0 +1,207 @@
+//! The descriptor protocol with real descriptors (of unlinked temporary
+//! files, each holding its index) over socket pairs and the server.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::AtomicUsize;
+
+use super::*;
+
+/// `n` open, already unlinked temporary files; file i holds "file i".
+fn temp_files(n: usize) -> Vec<OwnedFd> {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    (0..n)
+        .map(|i| {
+            let unique = NEXT.fetch_add(1, Ordering::Relaxed);
+            let path = std::env::temp_dir().join(format!("tpar-fd-test-{}-{unique}", std::process::id()));
+            let mut f = File::options().read(true).write(true).create_new(true).open(&path).unwrap();
+            write!(f, "file {i}").unwrap();
+            std::fs::remove_file(&path).unwrap();
+            OwnedFd::from(f)
+        })
+        .collect()
+}
+
+/// What a received descriptor's file holds (read without moving the
+/// offset the sender shares).
+fn contents(fd: OwnedFd) -> String {
+    let f = File::from(fd);
+    let mut buf = [0u8; 32];
+    let n = f.read_at(&mut buf, 0).unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+fn collect(into: &mut Vec<String>) -> impl FnMut(Vec<OwnedFd>) -> Result<()> + '_ {
+    move |batch| {
+        into.extend(batch.into_iter().map(contents));
+        Ok(())
+    }
+}
+
+fn seconds(s: u64) -> Deadline {
+    Deadline::after(Duration::from_secs(s))
+}
+
+#[test]
+fn requests_and_batch_headers_round_trip() {
+    let nonce = [7u8; 16];
+    assert_eq!(decode_request(&encode_request(&nonce, 5)).unwrap(), (nonce, 5));
+    let mut foreign = encode_request(&nonce, 5);
+    foreign[0] = b'X';
+    assert!(matches!(decode_request(&foreign), Err(Error::Protocol { .. })));
+    assert_eq!(decode_header(&encode_header(3, 300, 1)).unwrap(), (3, 300, 1));
+    let too_many = encode_header(MAX_FDS_PER_BATCH as u32 + 1, 1000, 0);
+    assert!(matches!(decode_header(&too_many), Err(Error::Protocol { .. })));
+}
+
+#[test]
+fn descriptors_cross_a_socket_pair_in_order_in_batches() {
+    // More than one batch: the kernel takes at most 253 per message.
+    let count = MAX_FDS_PER_BATCH + 7;
+    let (a, b) = UnixStream::pair().unwrap();
+    let sender = std::thread::spawn(move || send_fds(&a, &temp_files(count), seconds(20)));
+    let mut got = Vec::new();
+    let mut batches = 0;
+    receive_fds(&b, count, seconds(20), |batch| {
+        batches += 1;
+        collect(&mut got)(batch)
+    })
+    .unwrap();
+    sender.join().unwrap().unwrap();
+    assert_eq!(batches, 2);
+    let want: Vec<String> = (0..count).map(|i| format!("file {i}")).collect();
+    assert_eq!(got, want, "every descriptor arrives, in order, referring to its own file");
+}
+
+#[test]
+fn no_descriptors_is_one_empty_batch() {
+    let (a, b) = UnixStream::pair().unwrap();
+    send_fds(&a, &[], seconds(5)).unwrap();
+    let mut got = Vec::new();
+    receive_fds(&b, 0, seconds(5), collect(&mut got)).unwrap();
+    assert!(got.is_empty());
+}
+
+#[test]
+fn the_server_serves_each_expected_rank_once_and_refuses_strangers() {
+    let server = FdServer::bind().unwrap();
+    let address = server.address();
+    let dir = Path::new(&address.path).parent().unwrap().to_path_buf();
+    let mode = std::fs::metadata(&dir).unwrap().mode() & 0o777;
+    assert_eq!(mode, 0o700, "the socket's directory is private");
+    let serving = server.serve(temp_files(3), &[1, 2], seconds(20)).unwrap();
+    // A connection that never asks does not hold up the ranks behind it for
+    // the whole step (it is dropped after a few seconds).
+    let _silent = UnixStream::connect(&address.path).unwrap();
+    // A connection with the wrong nonce is closed without descriptors.
+    let stranger = UnixStream::connect(&address.path).unwrap();
+    (&stranger).write_all(&encode_request(&[0u8; 16], 1)).unwrap();
+    let mut answer = Vec::new();
+    (&stranger).read_to_end(&mut answer).unwrap();
+    assert!(answer.is_empty(), "a stranger got {} bytes", answer.len());
+    let fetchers: Vec<_> = [1usize, 2]
+        .into_iter()
+        .map(|rank| {
+            let address = address.clone();
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                fetch_fds(&address, rank, 3, seconds(20), collect(&mut got)).map(|()| got)
+            })
+        })
+        .collect();
+    for f in fetchers {
+        assert_eq!(f.join().unwrap().unwrap(), ["file 0", "file 1", "file 2"]);
+    }
+    serving.finish().unwrap();
+    assert!(!dir.exists(), "the socket directory was removed");
+    // Nobody can fetch after the server ended.
+    assert!(fetch_fds(&address, 1, 3, seconds(2), |_| Ok(())).is_err());
+}
+
+#[test]
+fn a_rank_that_never_fetches_fails_the_server_at_its_deadline() {
+    let server = FdServer::bind().unwrap();
+    let dir = PathBuf::from(server.address().path).parent().unwrap().to_path_buf();
+    let serving = server.serve(temp_files(1), &[3], Deadline::after(Duration::from_millis(200))).unwrap();
+    let e = serving.finish().unwrap_err();
+    assert!(matches!(e, Error::RendezvousTimeout { .. }), "{e}");
+    assert!(e.to_string().contains("rank(s) {3} did not collect"), "{e}");
+    assert!(!dir.exists(), "the socket directory was removed");
+}
+
+#[test]
+fn abandoning_a_server_stops_it_and_removes_its_socket() {
+    let server = FdServer::bind().unwrap();
+    let dir = PathBuf::from(server.address().path).parent().unwrap().to_path_buf();
+    // A deadline far away: only the stop flag can end it (a hang fails the run).
+    let serving = server.serve(temp_files(1), &[1], seconds(3600)).unwrap();
+    drop(serving);
+    assert!(!dir.exists());
+}
+
+#[test]
+fn a_fetcher_whose_owner_sends_nothing_times_out() {
+    let (_a, b) = UnixStream::pair().unwrap();
+    let e = receive_fds(&b, 2, Deadline::after(Duration::from_millis(100)), |_| Ok(())).unwrap_err();
+    assert!(matches!(e, Error::RendezvousTimeout { .. }), "{e}");
+    // An owner that hangs up early is an error, not a hang either.
+    let (a, b) = UnixStream::pair().unwrap();
+    drop(a);
+    let e = receive_fds(&b, 2, seconds(5), |_| Ok(())).unwrap_err();
+    assert!(e.to_string().contains("closed its descriptor socket"), "{e}");
+}
+
+#[test]
+fn a_batch_that_does_not_match_its_header_is_refused() {
+    let files = temp_files(1);
+    let raw = [files[0].as_raw_fd()];
+    // Announces two descriptors, carries one.
+    let (a, b) = UnixStream::pair().unwrap();
+    send_batch(&a, &encode_header(2, 2, 0), &raw, seconds(5)).unwrap();
+    let e = receive_fds(&b, 2, seconds(5), |_| Ok(())).unwrap_err();
+    assert!(matches!(e, Error::Protocol { .. }), "{e}");
+    // A total other than the one the rendezvous announced.
+    let (a, b) = UnixStream::pair().unwrap();
+    send_batch(&a, &encode_header(1, 1, 0), &raw, seconds(5)).unwrap();
+    assert!(matches!(receive_fds(&b, 2, seconds(5), |_| Ok(())), Err(Error::Protocol { .. })));
+    // A batch out of order.
+    let (a, b) = UnixStream::pair().unwrap();
+    send_batch(&a, &encode_header(1, 2, 1), &raw, seconds(5)).unwrap();
+    assert!(matches!(receive_fds(&b, 2, seconds(5), |_| Ok(())), Err(Error::Protocol { .. })));
+}
+
+#[test]
+fn a_failing_consumer_still_drains_every_batch() {
+    let count = MAX_FDS_PER_BATCH + 1;
+    let (a, b) = UnixStream::pair().unwrap();
+    let sender = std::thread::spawn(move || send_fds(&a, &temp_files(count), seconds(20)));
+    let mut calls = 0;
+    let e = receive_fds(&b, count, seconds(20), |_| {
+        calls += 1;
+        Err(Error::Ipc("import failed".into()))
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("import failed"), "{e}");
+    assert_eq!(calls, 1, "the consumer is not called again after failing");
+    sender.join().unwrap().expect("the owner sent every batch");
+}
+
+#[test]
+fn paths_from_peers_must_have_the_socket_shape() {
+    for bad in [
+        "relative/tpar-fd-0123456789abcdef/fd.sock",
+        "/tmp/tpar-fd-0123456789abcdef/other.sock",
+        "/tmp/tpar-fd-0123/fd.sock",
+        "/tmp/tpar-fd-0123456789ABCDEF/fd.sock",
+        "/tmp/../tpar-fd-0123456789abcdef/fd.sock",
+        "/etc/passwd",
+        "",
+    ] {
+        assert!(check_socket_path(Path::new(bad)).is_err(), "{bad:?} accepted");
+    }
+    assert!(check_socket_path(Path::new("/run/user/1000/tpar-fd-0123456789abcdef/fd.sock")).is_ok());
+    // A well-shaped path in a directory open to others is not used.
+    let address = FdSocket { path: "/tmp/tpar-fd-0123456789abcdef/fd.sock".into(), nonce: [0; 16] };
+    assert!(fetch_fds(&address, 0, 1, seconds(1), |_| Ok(())).is_err());
+}

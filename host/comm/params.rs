@@ -1,0 +1,299 @@
+//! Launch parameters of the sentinel kernels (OneShotPush), built once per
+//! rank at init and completed per launch, and what their launch shape may
+//! be on this rank.
+//!
+//! The template resolves every peer address the kernel needs (where this
+//! rank's payload lands at each peer, where each peer's payload lands here,
+//! each peer's abort word), so the kernel reads nothing but its parameter
+//! struct (constant bank) and one 16-byte line of control words. A launch
+//! fills only `input`, `output`, `count` and `flags`.
+
+use std::mem::{offset_of, size_of};
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext};
+use tp_allreduce_kernels::layout::{LocalState, ScratchLayout, SignalBlock};
+use tp_allreduce_kernels::params::{
+    one_shot_push_slot, one_shot_push_source, Control, OneShotPushParams, SentinelHeader, TraceRecord, FLAG_TRACE,
+    TRACE_RECORDS,
+};
+
+use super::setup::Setup;
+use crate::algorithm::ResidentBlocks;
+use crate::config::Config;
+use crate::driver::{self, DeviceMemory, KernelModule};
+use crate::error::{Error, Result};
+use crate::kernels::sentinel_entries;
+
+/// Where a rank's memory is, as the template needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RankMemory {
+    /// Every rank's region (signal block | scratch | staging) as this rank
+    /// maps it.
+    pub region_bases: Vec<u64>,
+    /// Offset of the scratch inside a region (the same on every rank).
+    pub scratch_offset: u64,
+    pub layout: ScratchLayout,
+    /// This rank's `LocalState` (its `Control` is at offset 0).
+    pub local_state: u64,
+    /// Device address of this rank's mapped `ErrorRecord`.
+    pub error_record: u64,
+}
+
+/// The OneShotPush parameters of `rank`, all but the per-launch fields.
+/// Pure: the slot arithmetic is tested on the CPU.
+pub(crate) fn one_shot_push_template(
+    rank: usize,
+    mem: &RankMemory,
+    (timeout_ns, launch_timeout_ns): (u64, u64),
+) -> OneShotPushParams {
+    let world = mem.region_bases.len();
+    let scratch = |r: usize| mem.region_bases[r] + mem.scratch_offset;
+    let abort_of = |r: usize| mem.region_bases[r] + offset_of!(SignalBlock, abort) as u64;
+    let mut p = OneShotPushParams {
+        h: SentinelHeader {
+            control: mem.local_state + offset_of!(LocalState, control) as u64,
+            error_record: mem.error_record,
+            timeout_ns,
+            launch_timeout_ns,
+            half_bytes: mem.layout.one_shot_push_half_bytes,
+            rank: rank as u32,
+            world: world as u32,
+            abort: abort_of(rank),
+            ..SentinelHeader::default()
+        },
+        ..OneShotPushParams::default()
+    };
+    for k in 0..world.saturating_sub(1) {
+        let dst = (rank + 1 + k) % world;
+        let slot = one_shot_push_slot(rank as u32, dst as u32);
+        p.send_to[k] = scratch(dst) + mem.layout.one_shot_push_slot_offset(slot);
+        p.recv_from[k] = scratch(rank) + mem.layout.one_shot_push_slot_offset(k as u32);
+        p.source_abort[k] = abort_of(one_shot_push_source(k as u32, rank as u32) as usize);
+    }
+    p
+}
+
+/// [`ResidentBlocks`] from the loaded kernels' occupancy: the smallest over
+/// every sentinel entry, times the SM count, divided among the ranks that
+/// share the GPU.
+pub(crate) fn resident_blocks(module: &KernelModule, sms: u32, ranks_on_device: usize) -> Result<ResidentBlocks> {
+    let mut table = [0u32; 32];
+    for (i, cap) in table.iter_mut().enumerate() {
+        let threads = 32 * (i as u32 + 1);
+        let mut per_sm = u32::MAX;
+        for name in sentinel_entries() {
+            per_sm = per_sm.min(module.max_blocks_per_sm(&name, threads)?);
+        }
+        *cap = sms * per_sm / ranks_on_device.max(1) as u32;
+    }
+    Ok(ResidentBlocks(table))
+}
+
+/// Test-only: starts every protocol counter of this rank at `seed` (see
+/// `Config::test_initial_counter`): the OneShotPush generations, the flag
+/// kernels' per-block epochs and every flag of the signal block, the
+/// ring's message counters. Must run before any peer can write this
+/// rank's flags (init, before the region descriptors are exchanged).
+pub(crate) fn seed_counters(signal_block: u64, local_state: u64, seed: u32) -> Result<()> {
+    let flags_words = offset_of!(SignalBlock, abort) / 4;
+    driver::memcpy_htod(signal_block, bytemuck::cast_slice(&vec![seed; flags_words]))?;
+    // LocalState: every u32 up to the P2P check results is a counter,
+    // except the control words other than the generations.
+    let mut words = vec![seed; offset_of!(LocalState, p2p_flag_seen) / 4];
+    // In the control words only the generations are counters (abort,
+    // arrivals and the error claim start at 0).
+    let control = offset_of!(LocalState, control) / 4;
+    let generations = control + offset_of!(Control, generation) / 4;
+    for (i, w) in words.iter_mut().enumerate().skip(control).take(size_of::<Control>() / 4) {
+        if !(generations..generations + 3).contains(&i) {
+            *w = 0;
+        }
+    }
+    driver::memcpy_htod(local_state, bytemuck::cast_slice(&words))
+}
+
+impl Setup {
+    /// This rank's memory as the sentinel templates need it.
+    pub(crate) fn memory(&self) -> RankMemory {
+        RankMemory {
+            region_bases: self.region_bases.clone(),
+            scratch_offset: self.offsets.scratch as u64,
+            layout: self.layout,
+            local_state: self.local_state.ptr(),
+            error_record: self.error_record.device_ptr(),
+        }
+    }
+}
+
+/// What every sentinel launch of one rank starts from.
+pub(crate) struct SentinelLaunches {
+    one_shot_push: OneShotPushParams,
+    /// The trace ring (`Config::trace`), `TRACE_RECORDS` records.
+    trace: Option<DeviceMemory>,
+}
+
+impl SentinelLaunches {
+    pub(crate) fn build(ctx: &Arc<CudaContext>, setup: &Setup, rank: usize, config: &Config) -> Result<Self> {
+        let mut one_shot_push = one_shot_push_template(rank, &setup.memory(), config.wait_bounds_ns());
+        let trace = if config.trace {
+            let ring = DeviceMemory::alloc_zeroed(ctx, TRACE_RECORDS * size_of::<TraceRecord>())?;
+            one_shot_push.h.trace = ring.ptr();
+            one_shot_push.h.flags |= FLAG_TRACE;
+            Some(ring)
+        } else {
+            None
+        };
+        Ok(SentinelLaunches { one_shot_push, trace })
+    }
+
+    /// The parameters of one OneShotPush launch over `count` elements.
+    pub(crate) fn one_shot_push(
+        &self,
+        input: sys::CUdeviceptr,
+        output: sys::CUdeviceptr,
+        count: u64,
+    ) -> OneShotPushParams {
+        let mut p = self.one_shot_push;
+        p.h.input = input;
+        p.h.output = output;
+        p.h.count = count;
+        p
+    }
+
+    /// The trace ring's records (after the stream was synchronised), in
+    /// ring order, and clears the ring; `None` when tracing is off.
+    pub(crate) fn take_trace_records(&self) -> Result<Option<Vec<TraceRecord>>> {
+        let Some(ring) = &self.trace else { return Ok(None) };
+        const WORDS: usize = size_of::<TraceRecord>() / 8;
+        let mut raw = vec![0u64; TRACE_RECORDS * WORDS];
+        driver::memcpy_dtoh(bytemuck::cast_slice_mut(&mut raw), ring.ptr())?;
+        let records = raw
+            .chunks_exact(WORDS)
+            .map(|w| TraceRecord {
+                entry_ns: w[0],
+                loaded_ns: w[1],
+                first_store_ns: w[2],
+                last_poll_ns: w[3],
+                exit_ns: w[4],
+                generation: w[5] as u32,
+                shape: (w[5] >> 32) as u32,
+                _pad: [0; 2],
+            })
+            .collect();
+        driver::memset_d8(ring.ptr(), 0, TRACE_RECORDS * size_of::<TraceRecord>())?;
+        Ok(Some(records))
+    }
+}
+
+/// The launch shape of one sentinel launch: the configured override, else
+/// the tuning table's, else the default rule; checked against residency.
+pub(crate) fn choose_shape(
+    forced: Option<(u32, u32)>,
+    tuned: Option<(u32, u32)>,
+    default: (u32, u32),
+    resident: &ResidentBlocks,
+) -> Result<(u32, u32)> {
+    if let Some((blocks, threads)) = forced {
+        let cap = resident.cap(threads);
+        if blocks > cap {
+            return Err(Error::invalid(format!(
+                "launch shape {blocks}x{threads}: at most {cap} blocks of {threads} threads stay resident on this GPU \
+                 with the other ranks sharing it (a non-resident block could wait for a peer forever)"
+            )));
+        }
+        return Ok((blocks, threads));
+    }
+    match tuned {
+        Some((blocks, threads)) if resident.cap(threads) > 0 => Ok((blocks.min(resident.cap(threads)).max(1), threads)),
+        _ => Ok(default),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tp_allreduce_kernels::layout::{ScratchConfig, ScratchLayout};
+
+    fn memory(world: usize, rank: usize) -> RankMemory {
+        let layout = ScratchLayout::new(&ScratchConfig {
+            world_size: world as u32,
+            max_packs: 4096,
+            one_shot_push_max_packs: 1000,
+            push_blocks: 4,
+            ring_blocks: 4,
+            ring_slots: 4,
+            ring_chunk_packs: 64,
+            island_size: 0,
+            enable_two_shot_pull: true,
+            enable_two_shot_push: true,
+            enable_ring: true,
+        });
+        // Each viewer maps each owner's region at its own address (as IPC
+        // mappings do); offsets inside a region are the same everywhere.
+        let bases = (0..world).map(|r| 0x7000_0000_0000 + (r as u64) * 0x1_0000_0000 + rank as u64 * 0x100).collect();
+        RankMemory {
+            region_bases: bases,
+            scratch_offset: 0xA980,
+            layout,
+            local_state: 0x10_000,
+            error_record: 0x20_000,
+        }
+    }
+
+    /// Every (source, receiver) pair: the address the source sends to is,
+    /// relative to the receiver's region, the slot the receiver polls for
+    /// that source; slots of one receiver are distinct and inside its half.
+    #[test]
+    fn templates_agree_on_every_slot_across_ranks() {
+        for world in 2..=8usize {
+            let templates: Vec<_> = (0..world).map(|r| one_shot_push_template(r, &memory(world, r), (5, 7))).collect();
+            for (s, ts) in templates.iter().enumerate() {
+                assert_eq!(ts.h.world as usize, world);
+                for k in 0..world - 1 {
+                    let d = (s + 1 + k) % world;
+                    let mem_s = memory(world, s);
+                    let offset_at_d = ts.send_to[k] - mem_s.region_bases[d];
+                    let td = &templates[d];
+                    let mem_d = memory(world, d);
+                    let slot = (0..world - 1)
+                        .find(|&j| td.recv_from[j] - mem_d.region_bases[d] == offset_at_d)
+                        .unwrap_or_else(|| panic!("world {world}: {s} -> {d} lands in no slot {d} polls"));
+                    assert_eq!(one_shot_push_source(slot as u32, d as u32) as usize, s);
+                    assert_eq!(td.source_abort[slot] - mem_d.region_bases[s], offset_of!(SignalBlock, abort) as u64);
+                }
+                let mut offsets: Vec<u64> = (0..world - 1).map(|j| ts.recv_from[j]).collect();
+                offsets.sort_unstable();
+                offsets.dedup();
+                assert_eq!(offsets.len(), world - 1, "world {world} rank {s}: slots collide");
+                let half = ts.h.half_bytes;
+                let region_start =
+                    memory(world, s).region_bases[s] + 0xA980 + memory(world, s).layout.one_shot_push_offset;
+                for j in 0..world - 1 {
+                    assert!(ts.recv_from[j] >= region_start && ts.recv_from[j] + 1000 * 16 <= region_start + half);
+                }
+                // Unused entries stay zero (a kernel never touches them).
+                assert!(ts.send_to[world - 1..].iter().all(|&a| a == 0));
+                assert_eq!(ts.h.abort, memory(world, s).region_bases[s] + offset_of!(SignalBlock, abort) as u64);
+                assert_eq!(ts.h.control, 0x10_000);
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_forced_tuned_or_default_within_residency() {
+        let resident = ResidentBlocks([8; 32]);
+        assert_eq!(choose_shape(None, None, (3, 256), &resident).unwrap(), (3, 256));
+        assert_eq!(choose_shape(None, Some((4, 128)), (3, 256), &resident).unwrap(), (4, 128));
+        // A tuned shape beyond what is resident here is clamped.
+        assert_eq!(choose_shape(None, Some((64, 128)), (3, 256), &resident).unwrap(), (8, 128));
+        assert_eq!(choose_shape(Some((2, 64)), Some((4, 128)), (3, 256), &resident).unwrap(), (2, 64));
+        let e = choose_shape(Some((9, 64)), None, (3, 256), &resident).unwrap_err().to_string();
+        assert!(e.contains("9x64") && e.contains("at most 8"), "{e}");
+        let mut none_1024 = resident;
+        none_1024.0[31] = 0;
+        assert_eq!(choose_shape(None, Some((4, 1024)), (3, 256), &none_1024).unwrap(), (3, 256));
+        assert_eq!(resident.cap(100), 0);
+        assert_eq!(resident.cap(2048), 0);
+    }
+}

@@ -1,0 +1,64 @@
+//! Failure injection for the test suite: exported (hidden) with the `tools`
+//! feature only, never part of the library API. Each hook is a guard that
+//! is active while it lives; hooks are process-wide, so tests that use them
+//! must not initialise communicators concurrently (the GPU tests hold a
+//! lock). Without a live hook every query below answers "no".
+
+#![forbid(unsafe_code)]
+#![cfg_attr(not(feature = "tools"), allow(dead_code))]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+const NONE: usize = usize::MAX;
+static FAIL_REGION_IMPORT_ON_RANK: AtomicUsize = AtomicUsize::new(NONE);
+static WRONG_P2P_CHECK_SALT_ON_RANK: AtomicUsize = AtomicUsize::new(NONE);
+
+/// While alive, rank `rank` of every communicator initialised in this
+/// process fails to map its peers' regions over the P2P transport, as a
+/// failing `cuIpcOpenMemHandle` would (init step 4).
+pub struct FailRegionImport(());
+
+impl FailRegionImport {
+    pub fn on_rank(rank: usize) -> FailRegionImport {
+        FAIL_REGION_IMPORT_ON_RANK.store(rank, Ordering::SeqCst);
+        FailRegionImport(())
+    }
+}
+
+impl Drop for FailRegionImport {
+    fn drop(&mut self) {
+        FAIL_REGION_IMPORT_ON_RANK.store(NONE, Ordering::SeqCst);
+    }
+}
+
+/// While alive, rank `rank` runs the P2P transfer check over the P2P
+/// transport (init step 5) with another salt than its peers: its patterns
+/// and flags are not the ones they expect, as if the link corrupted them.
+pub struct CorruptP2pCheck(());
+
+impl CorruptP2pCheck {
+    pub fn on_rank(rank: usize) -> CorruptP2pCheck {
+        WRONG_P2P_CHECK_SALT_ON_RANK.store(rank, Ordering::SeqCst);
+        CorruptP2pCheck(())
+    }
+}
+
+impl Drop for CorruptP2pCheck {
+    fn drop(&mut self) {
+        WRONG_P2P_CHECK_SALT_ON_RANK.store(NONE, Ordering::SeqCst);
+    }
+}
+
+/// Whether rank `rank`'s region imports must fail.
+pub(crate) fn region_import_fails(rank: usize) -> bool {
+    FAIL_REGION_IMPORT_ON_RANK.load(Ordering::SeqCst) == rank
+}
+
+/// The salt rank `rank`'s check kernel runs with.
+pub(crate) fn p2p_check_kernel_salt(rank: usize, salt: u32) -> u32 {
+    if WRONG_P2P_CHECK_SALT_ON_RANK.load(Ordering::SeqCst) == rank {
+        salt ^ 0x5a5a_5a5a
+    } else {
+        salt
+    }
+}

@@ -1,0 +1,130 @@
+//! [`AnyBuffer`]: a [`DeviceBuffer`] whose element type is chosen at run
+//! time (`--dtype`), with the typed calls the tools make on it: allreduce
+//! through [`Comm::all_reduce`], through NCCL, and the elementwise `affine`.
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaStream};
+use half::{bf16, f16};
+
+use crate::buffer::DeviceBuffer;
+use crate::comm::{Comm, ReduceOp};
+use crate::error::{Error, Result};
+use crate::nccl::NcclComm;
+use crate::tools::elementwise;
+use crate::DType;
+
+/// A device buffer of f32, f16 or bf16.
+#[derive(Debug)]
+pub enum AnyBuffer {
+    F32(DeviceBuffer<f32>),
+    F16(DeviceBuffer<f16>),
+    Bf16(DeviceBuffer<bf16>),
+}
+
+/// `$body` with `$b` bound to the typed buffer, whatever the variant.
+macro_rules! each {
+    ($value:expr, $b:ident => $body:expr) => {
+        match $value {
+            AnyBuffer::F32($b) => $body,
+            AnyBuffer::F16($b) => $body,
+            AnyBuffer::Bf16($b) => $body,
+        }
+    };
+}
+
+impl AnyBuffer {
+    /// `count` elements of `dtype` with unspecified contents.
+    pub fn alloc(stream: &Arc<CudaStream>, dtype: DType, count: usize) -> Result<AnyBuffer> {
+        Ok(match dtype {
+            DType::F32 => AnyBuffer::F32(DeviceBuffer::alloc(stream, count)?),
+            DType::F16 => AnyBuffer::F16(DeviceBuffer::alloc(stream, count)?),
+            DType::Bf16 => AnyBuffer::Bf16(DeviceBuffer::alloc(stream, count)?),
+        })
+    }
+
+    /// A buffer holding `bytes` (element bit patterns of `dtype`).
+    pub fn from_bytes(stream: &Arc<CudaStream>, dtype: DType, bytes: &[u8]) -> Result<AnyBuffer> {
+        let mut buffer = Self::alloc(stream, dtype, bytes.len() / dtype.size_bytes())?;
+        buffer.copy_bytes_from_host(bytes)?;
+        Ok(buffer)
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            AnyBuffer::F32(_) => DType::F32,
+            AnyBuffer::F16(_) => DType::F16,
+            AnyBuffer::Bf16(_) => DType::Bf16,
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        each!(self, b => cudarc::driver::DeviceSlice::len(b))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn num_bytes(&self) -> usize {
+        self.len() * self.dtype().size_bytes()
+    }
+
+    pub fn device_address(&self) -> sys::CUdeviceptr {
+        each!(self, b => b.device_address())
+    }
+
+    pub fn copy_bytes_from_host(&mut self, bytes: &[u8]) -> Result<()> {
+        each!(self, b => b.copy_bytes_from_host(bytes))
+    }
+
+    pub fn to_host_bytes(&self) -> Result<Vec<u8>> {
+        each!(self, b => b.to_host_bytes())
+    }
+
+    /// Sets every byte (0x7F poisons: huge or NaN, never a valid sum here).
+    pub fn fill_bytes(&mut self, value: u8) -> Result<()> {
+        each!(self, b => b.fill_bytes(value))
+    }
+}
+
+fn mismatch(what: &str, a: &AnyBuffer, b: &AnyBuffer) -> Error {
+    Error::invalid(format!("{what}: buffers of {} and {} elements", a.dtype().name(), b.dtype().name()))
+}
+
+/// `comm.all_reduce(input, output)` (sum) on the communicator's stream.
+pub fn all_reduce(comm: &Comm, input: &AnyBuffer, output: &mut AnyBuffer) -> Result<()> {
+    let op = ReduceOp::Sum;
+    match (input, output) {
+        (AnyBuffer::F32(i), AnyBuffer::F32(o)) => comm.all_reduce(i, o, &op),
+        (AnyBuffer::F16(i), AnyBuffer::F16(o)) => comm.all_reduce(i, o, &op),
+        (AnyBuffer::Bf16(i), AnyBuffer::Bf16(o)) => comm.all_reduce(i, o, &op),
+        (i, o) => Err(mismatch("all_reduce", i, o)),
+    }
+}
+
+/// NCCL's sum allreduce of `input` into `output` on `stream`.
+pub fn nccl_all_reduce(nccl: &NcclComm, input: &AnyBuffer, output: &mut AnyBuffer, stream: &CudaStream) -> Result<()> {
+    if input.dtype() != output.dtype() || input.len() != output.len() {
+        return Err(mismatch("NCCL all_reduce", input, output));
+    }
+    nccl.all_reduce(input.device_address(), output.device_address(), input.len(), input.dtype(), stream.cu_stream())
+}
+
+/// `output = input * scale + bias` on `stream` (capturable).
+pub fn affine(
+    stream: &Arc<CudaStream>,
+    input: &AnyBuffer,
+    output: &mut AnyBuffer,
+    scale: f32,
+    bias: f32,
+) -> Result<()> {
+    match (input, output) {
+        (AnyBuffer::F32(i), AnyBuffer::F32(o)) => elementwise::affine(stream, i, o, scale, bias),
+        (AnyBuffer::F16(i), AnyBuffer::F16(o)) => elementwise::affine(stream, i, o, scale, bias),
+        (AnyBuffer::Bf16(i), AnyBuffer::Bf16(o)) => elementwise::affine(stream, i, o, scale, bias),
+        (i, o) => Err(mismatch("affine", i, o)),
+    }
+}

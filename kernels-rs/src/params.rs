@@ -1,0 +1,156 @@
+//! Parameters of the sentinel kernels (OneShotPush), passed **by value**,
+//! and the rank-local control words those kernels read at entry.
+//!
+//! Why by value: a `#[repr(C)]` struct parameter lives in the kernel's
+//! `.param` space, which the GPU reads from its constant bank — no global
+//! load on the path to the first peer store. The host builds one template per
+//! rank at init (every peer address resolved) and fills `input`, `output`
+//! and `count` per launch. Nothing in a parameter struct changes between
+//! graph replays of one captured call: the per-call generation lives in
+//! device memory ([`Control`]) and is advanced by the kernel itself.
+//!
+//! Kernel-side rules (see `device/one_shot_push.rs`): never take a reference
+//! to the parameter struct and never index its arrays with a runtime value
+//! (either makes LLVM copy the whole struct to local memory); use constant
+//! indices (`for_each_rank!`) or a select chain.
+//!
+//! Host and device agree byte for byte: the sizes below are pinned here, and
+//! a test parses each entry's `.param` declaration in the committed PTX and
+//! compares it with `size_of` of the struct the host passes.
+
+pub use crate::layout::Control;
+use crate::layout::MAX_RANKS;
+
+/// The sentinel regions, each with its own generation counter in
+/// [`Control::generation`] (re-exported from `layout`). A kernel's region
+/// is a constant of the kernel.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RegionId {
+    OneShotPush = 0,
+    /// Reserved for the sentinel TwoShotPush (not migrated yet).
+    TwoShotPush = 1,
+    /// Reserved for the sentinel Hierarchical (not migrated yet).
+    Hierarchical = 2,
+}
+
+/// [`SentinelHeader::flags`] bit: record a [`TraceRecord`] per launch.
+pub const FLAG_TRACE: u32 = 1;
+
+/// Common header of every sentinel kernel's parameters.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SentinelHeader {
+    /// This launch's input (the chunk's first element).
+    pub input: u64,
+    pub output: u64,
+    /// Elements in this launch (> 0).
+    pub count: u64,
+    /// This rank's [`Control`] (device memory).
+    pub control: u64,
+    /// Mapped pinned [`ErrorRecord`](crate::layout::ErrorRecord).
+    pub error_record: u64,
+    /// Bound of every spin, against `%globaltimer`.
+    pub timeout_ns: u64,
+    /// Distance between the two halves of the receive region.
+    pub half_bytes: u64,
+    /// Device address of the trace ring (`TRACE_RECORDS` records), used when
+    /// `flags & FLAG_TRACE`.
+    pub trace: u64,
+    pub rank: u32,
+    pub world: u32,
+    pub flags: u32,
+    pub _pad0: u32,
+    /// This rank's peer-visible abort word (`SignalBlock::abort`), written
+    /// with the rank-local `Control::abort` when a kernel gives up.
+    pub abort: u64,
+    /// Bound of a wait on a peer that has shown nothing of this launch yet
+    /// (it may not have launched it); `timeout_ns` bounds waits after that.
+    pub launch_timeout_ns: u64,
+}
+
+/// Parameters of `one_shot_push_<dtype>` and `one_shot_push2_<dtype>`.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OneShotPushParams {
+    pub h: SentinelHeader,
+    /// `send_to[k]`, `k < world - 1`: where this rank's payload lands in rank
+    /// `(rank + 1 + k) % world`'s receive region, half 0 (array order is the
+    /// staggered visiting order).
+    pub send_to: [u64; MAX_RANKS],
+    /// `recv_from[k]`, `k < world - 1`: receive slot `k` of this rank's
+    /// region, half 0; it holds the payload of source rank
+    /// [`one_shot_push_source`]`(k, rank)`. Indexed by slot rather than by
+    /// rank so that a kernel keeps `world - 1` packs in flight, not `world`.
+    pub recv_from: [u64; MAX_RANKS],
+    /// `source_abort[k]`: the peer-visible abort word of the source of slot
+    /// `k` (slow path only).
+    pub source_abort: [u64; MAX_RANKS],
+}
+
+/// Records kept in the trace ring (indexed by `generation % TRACE_RECORDS`).
+pub const TRACE_RECORDS: usize = 1024;
+
+/// What thread 0 of block 0 of a traced launch records, `%globaltimer`
+/// values (ns) written as they happen (no registers held for them).
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceRecord {
+    /// First instruction of the kernel.
+    pub entry_ns: u64,
+    /// The control words (abort, generation) have arrived.
+    pub loaded_ns: u64,
+    /// Its first peer store was issued (0: the thread had no pack).
+    pub first_store_ns: u64,
+    /// Its last poll succeeded (0: no pack).
+    pub last_poll_ns: u64,
+    /// Just before it exits.
+    pub exit_ns: u64,
+    /// The launch's generation (identifies the call; records with
+    /// consecutive generations are consecutive launches).
+    pub generation: u32,
+    /// `blocks << 16 | threads` of the launch.
+    pub shape: u32,
+    pub _pad: [u64; 2],
+}
+
+/// Receive slot of source `src` at receiver `dst` (`src != dst`): the sources
+/// other than the receiver, in rank order (the own term comes from the input).
+pub const fn one_shot_push_slot(src: u32, dst: u32) -> u32 {
+    if src > dst {
+        src - 1
+    } else {
+        src
+    }
+}
+
+/// Source rank of receive slot `slot` at receiver `dst`: the inverse of
+/// [`one_shot_push_slot`].
+pub const fn one_shot_push_source(slot: u32, dst: u32) -> u32 {
+    if slot >= dst {
+        slot + 1
+    } else {
+        slot
+    }
+}
+
+/// The receive half (0 or 1) of a launch with this generation. 2^32 is even,
+/// so consecutive generations alternate halves across the u32 wrap too.
+pub const fn sentinel_half(generation: u32) -> u32 {
+    generation & 1
+}
+
+const _: () = assert!(core::mem::size_of::<SentinelHeader>() == 96);
+const _: () = assert!(core::mem::offset_of!(SentinelHeader, rank) == 64);
+const _: () = assert!(core::mem::size_of::<OneShotPushParams>() == 96 + 3 * 8 * MAX_RANKS);
+const _: () = assert!(core::mem::offset_of!(OneShotPushParams, send_to) == 96);
+const _: () = assert!(core::mem::align_of::<OneShotPushParams>() == 16);
+const _: () = assert!(core::mem::size_of::<TraceRecord>() == 64);
+// The host reads records as eight u64 words: stamps 0-4, then
+// `generation | shape << 32`.
+const _: () = assert!(core::mem::offset_of!(TraceRecord, exit_ns) == 32);
+const _: () = assert!(core::mem::offset_of!(TraceRecord, generation) == 40);
+const _: () = assert!(core::mem::offset_of!(TraceRecord, shape) == 44);
+const _: () = assert!(core::mem::offset_of!(SentinelHeader, abort) == 80);
+// A kernel's RegionId indexes the three generation words.
+const _: () = assert!(RegionId::Hierarchical as usize + 1 == 3);

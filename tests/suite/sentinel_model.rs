@@ -1,0 +1,229 @@
+//! Exhaustive model check of the sentinel protocol (OneShotPush), on the
+//! CPU: 2 and 3 ranks, 4 launches each, every interleaving of word stores,
+//! polls, resets and kernel ends (a depth-first search over all reachable
+//! states). Checks that no poll accepts a value of another launch or a torn
+//! mix, that no reset erases a value a peer wrote for a later launch, and
+//! that every run completes (no deadlock).
+//!
+//! One pack per slot, two 32-bit words per pack (each word store is its own
+//! event, in any order, as a 16-byte store may land word by word). Memory is
+//! sequentially consistent and a launch's events all happen before the
+//! rank's next launch starts: the model checks the protocol (slots, halves,
+//! reset on consume, generation parity), under the kernel-boundary ordering
+//! ARCHITECTURE.md states as the one assumption. Within a launch, a rank's
+//! pushes precede its polls (the generation barrier); everything else is
+//! free. The halves use the kernels' own `sentinel_half` and slots
+//! `one_shot_push_slot`; generations start near the u32 wrap.
+
+use std::collections::HashSet;
+
+use tp_allreduce_kernels::params::{one_shot_push_slot, sentinel_half};
+
+const WORDS: usize = 2;
+const LAUNCHES: u32 = 4;
+/// A slot word: EMPTY, or (launch << 4 | source).
+const EMPTY: u8 = 0xFF;
+
+fn word(launch: u32, source: usize) -> u8 {
+    (launch as u8) << 4 | source as u8
+}
+
+/// Which receive region a generation uses, and how many there are.
+#[derive(Clone, Copy)]
+struct Regions {
+    of: fn(u32) -> usize,
+    count: usize,
+    /// Reset a slot after consuming it (the protocol); off only to show the
+    /// check catches its absence.
+    reset: bool,
+}
+
+const PROTOCOL: Regions = Regions { of: |g| sentinel_half(g) as usize, count: 2, reset: true };
+
+/// Where rank `r` is in its program: launch, pushes left (bit per
+/// destination and word), sources accepted but not yet reset, sources
+/// still to poll.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Rank {
+    launch: u32,
+    pushes_left: u32,
+    to_reset: u32,
+    to_poll: u32,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct State {
+    ranks: Vec<Rank>,
+    /// `mem[receiver][region][slot][word]`.
+    mem: Vec<Vec<Vec<[u8; WORDS]>>>,
+}
+
+struct Model {
+    world: usize,
+    seed: u32,
+    regions: Regions,
+}
+
+impl Model {
+    fn start_launch(&self, r: usize, launch: u32) -> Rank {
+        let others = ((1u32 << self.world) - 1) & !(1 << r);
+        let mut pushes = 0u32;
+        for d in 0..self.world {
+            if d != r {
+                for w in 0..WORDS {
+                    pushes |= 1 << (d * WORDS + w);
+                }
+            }
+        }
+        Rank { launch, pushes_left: pushes, to_reset: 0, to_poll: others }
+    }
+
+    fn initial(&self) -> State {
+        State {
+            ranks: (0..self.world).map(|r| self.start_launch(r, 0)).collect(),
+            mem: vec![vec![vec![[EMPTY; WORDS]; self.world - 1]; self.regions.count]; self.world],
+        }
+    }
+
+    fn region(&self, launch: u32) -> usize {
+        (self.regions.of)(self.seed.wrapping_add(launch))
+    }
+
+    /// Every state one event away from `s`; `Err` on a violation.
+    fn successors(&self, s: &State) -> Result<Vec<State>, String> {
+        let mut out = Vec::new();
+        for r in 0..self.world {
+            let me = &s.ranks[r];
+            if me.launch == LAUNCHES {
+                continue;
+            }
+            let region = self.region(me.launch);
+            // A word of a push.
+            for bit in 0..32 {
+                if me.pushes_left & (1 << bit) != 0 {
+                    let (d, w) = (bit as usize / WORDS, bit as usize % WORDS);
+                    let mut n = s.clone();
+                    n.mem[d][region][one_shot_push_slot(r as u32, d as u32) as usize][w] = word(me.launch, r);
+                    n.ranks[r].pushes_left &= !(1 << bit);
+                    out.push(n);
+                }
+            }
+            if me.pushes_left != 0 {
+                continue; // polls come after the pushes (generation barrier)
+            }
+            // A poll that succeeds (a failing poll changes nothing).
+            for src in 0..self.world {
+                if me.to_poll & (1 << src) == 0 {
+                    continue;
+                }
+                let slot = one_shot_push_slot(src as u32, r as u32) as usize;
+                let seen = s.mem[r][region][slot];
+                if seen.contains(&EMPTY) {
+                    continue;
+                }
+                let want = word(me.launch, src);
+                if seen.iter().any(|&v| v != want) {
+                    return Err(format!(
+                        "rank {r} launch {} accepted {seen:02x?} from rank {src}, expected {want:02x} (stale or torn)",
+                        me.launch
+                    ));
+                }
+                let mut n = s.clone();
+                n.ranks[r].to_poll &= !(1 << src);
+                if self.regions.reset {
+                    n.ranks[r].to_reset |= 1 << src;
+                }
+                out.push(n);
+            }
+            // A reset of a consumed slot.
+            for src in 0..self.world {
+                if me.to_reset & (1 << src) == 0 {
+                    continue;
+                }
+                let slot = one_shot_push_slot(src as u32, r as u32) as usize;
+                let here = s.mem[r][region][slot];
+                if here.iter().any(|&v| v != word(me.launch, src)) {
+                    return Err(format!(
+                        "rank {r} launch {} resets slot of rank {src} holding {here:02x?}: a live value is erased",
+                        me.launch
+                    ));
+                }
+                let mut n = s.clone();
+                n.mem[r][region][slot] = [EMPTY; WORDS];
+                n.ranks[r].to_reset &= !(1 << src);
+                out.push(n);
+            }
+            // Kernel end: every poll and reset done; the next launch starts.
+            if me.to_poll == 0 && me.to_reset == 0 {
+                let mut n = s.clone();
+                n.ranks[r] = if me.launch + 1 == LAUNCHES {
+                    Rank { launch: LAUNCHES, pushes_left: 0, to_reset: 0, to_poll: 0 }
+                } else {
+                    self.start_launch(r, me.launch + 1)
+                };
+                out.push(n);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Explores every reachable state; `Ok(states)` or the first violation
+    /// (a stale/torn accept, an erased live value, or a deadlock).
+    fn check(&self) -> Result<usize, String> {
+        let mut seen: HashSet<State> = HashSet::new();
+        let mut stack = vec![self.initial()];
+        while let Some(s) = stack.pop() {
+            if !seen.insert(s.clone()) {
+                continue;
+            }
+            let next = self.successors(&s)?;
+            if next.is_empty() && s.ranks.iter().any(|r| r.launch < LAUNCHES) {
+                return Err("deadlock: no event possible before every launch ended".into());
+            }
+            stack.extend(next.into_iter().filter(|n| !seen.contains(n)));
+        }
+        Ok(seen.len())
+    }
+}
+
+#[test]
+fn sentinel_protocol_is_safe_for_every_interleaving_across_the_wrap() {
+    for world in [2, 3] {
+        for seed in [0u32, 0xFFFF_FFFE, 0xFFFF_FFFF] {
+            let states = Model { world, seed, regions: PROTOCOL }
+                .check()
+                .unwrap_or_else(|e| panic!("{world} ranks, generations from {seed:#x}: {e}"));
+            eprintln!("{world} ranks, generations from {seed:#x}: {states} states, no violation");
+            assert!(states > 100, "the model explored too little: {states}");
+        }
+    }
+}
+
+#[test]
+fn the_model_check_catches_broken_variants() {
+    // One half: a fast peer's next launch overwrites a slot being read.
+    let one_half = Regions { of: |_| 0, count: 1, reset: true };
+    assert!(Model { world: 2, seed: 0, regions: one_half }.check().is_err());
+    // No reset on consume: launch n+2 finds launch n's value.
+    let no_reset = Regions { reset: false, ..PROTOCOL };
+    let e = Model { world: 2, seed: 0, regions: no_reset }.check().unwrap_err();
+    assert!(e.contains("stale"), "{e}");
+    // The old generation index `e % 3` across the wrap: 0xFFFFFFFF and 0
+    // land in the same region (2^32 is not a multiple of 3).
+    let mod3 = Regions { of: |g| (g % 3) as usize, count: 3, reset: true };
+    assert!(Model { world: 2, seed: 1, regions: mod3 }.check().is_ok(), "away from the wrap, % 3 works");
+    let e = Model { world: 2, seed: 0xFFFF_FFFE, regions: mod3 }.check().unwrap_err();
+    assert!(e.contains("erased") || e.contains("stale"), "{e}");
+}
+
+#[test]
+fn halves_alternate_across_the_u32_wrap() {
+    let mut g = 0xFFFF_FFF0u32;
+    for _ in 0..64 {
+        assert_ne!(sentinel_half(g), sentinel_half(g.wrapping_add(1)), "generation {g:#x}");
+        g = g.wrapping_add(1);
+    }
+    // The old index repeats a region at the wrap (consecutive generations).
+    let old_index = |g: u32| g % 3;
+    assert_eq!(old_index(u32::MAX), old_index(u32::MAX.wrapping_add(1)));
+}
