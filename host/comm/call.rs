@@ -152,15 +152,24 @@ impl Comm {
     }
 
     /// Checks that `ptr..ptr+bytes` is device memory of this context (a
-    /// wrong count or dtype in the raw API shows up as an overrun).
+    /// wrong count or dtype in the raw API shows up as an overrun). One
+    /// range query for `cuMemAlloc` memory. For cuMem memory the driver
+    /// reports only the physical chunk holding `ptr`, so a range running
+    /// past it is accepted when the chunks mapped after it continue it up
+    /// to its end (a few pointer queries per chunk).
     fn validate_device_range(&self, what: &str, ptr: u64, bytes: usize, count: usize, dtype: DType) -> Result<()> {
         match driver::allocation_range(ptr) {
             Ok((base, size)) => {
-                if ptr + bytes as u64 > base + size as u64 {
+                let end = ptr.saturating_add(bytes as u64);
+                let mut mapped_end = base.saturating_add(size as u64);
+                if end > mapped_end && driver::vmm::backing(ptr) == driver::vmm::Backing::Vmm {
+                    mapped_end = driver::vmm::mapped_end(mapped_end, end);
+                }
+                if end > mapped_end {
                     return Err(Error::invalid(format!(
                         "all_reduce: {what} holds {} bytes from {ptr:#x}, but {count} x {} needs {bytes} \
                          (wrong count or dtype?)",
-                        base + size as u64 - ptr,
+                        mapped_end.saturating_sub(ptr),
                         dtype.name()
                     )));
                 }
