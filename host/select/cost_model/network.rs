@@ -67,6 +67,9 @@ pub(super) struct Phase {
     /// Fraction of the bandwidth the kernel's own pipelining keeps (1.0
     /// but for our ring).
     pub pipeline: f64,
+    /// Most bytes per second one flow reaches whatever the link (GB/s;
+    /// infinite but for our ring).
+    pub max_gbps: f64,
 }
 
 /// The structure of a rank view the model needs, precomputed.
@@ -78,6 +81,10 @@ pub(super) struct Net {
     pub switch_size: Vec<usize>,
     pub socket: Vec<usize>,
     pub pcie_gbps: Vec<f64>,
+    /// Device-memory bandwidth of each rank's GPU (GB/s).
+    pub memory_gbps: Vec<f64>,
+    /// How many ranks share each rank's GPU (1: it has its own).
+    pub ranks_on_device: Vec<usize>,
 }
 
 impl Net {
@@ -119,7 +126,36 @@ impl Net {
             _ => true,
         });
         let pcie_gbps = view.gpus.iter().map(|g| params.pcie_gbps(g.pcie_gen, g.pcie_width)).collect();
-        Net { n, class, device, switch, switch_size, socket, pcie_gbps }
+        let memory_gbps = view.gpus.iter().map(|g| params.device_memory_of(&g.model)).collect();
+        let ranks_on_device = (0..n).map(|r| device.iter().filter(|&&d| d == device[r]).count()).collect();
+        Net { n, class, device, switch, switch_size, socket, pcie_gbps, memory_gbps, ranks_on_device }
+    }
+
+    /// Whether two or more ranks share a GPU (and so its memory).
+    pub(super) fn shares_a_device(&self) -> bool {
+        self.ranks_on_device.iter().any(|&k| k > 1)
+    }
+
+    /// Local device-memory traffic of `passes` x `bytes` per rank, as the
+    /// time it adds beyond `link_us` of link traffic: on GPUs of their own
+    /// the ranks' memory works while the links carry the data (the larger
+    /// of the two counts); ranks sharing a GPU move their peer data through
+    /// that same memory (the two add up).
+    pub(super) fn local_beyond(&self, passes: f64, bytes: f64, link_us: f64) -> f64 {
+        let local = self.local_time(passes, bytes);
+        if self.shares_a_device() {
+            local
+        } else {
+            (local - link_us).max(0.0)
+        }
+    }
+
+    /// Time (us) of `passes` x `bytes` of local device-memory traffic per
+    /// rank: every rank of a GPU adds to that GPU's memory; the busiest GPU.
+    pub(super) fn local_time(&self, passes: f64, bytes: f64) -> f64 {
+        (0..self.n)
+            .map(|r| self.ranks_on_device[r] as f64 * passes * bytes / (self.memory_gbps[r] * 1e3))
+            .fold(0.0, f64::max)
     }
 }
 
@@ -202,9 +238,9 @@ impl CostModel {
             let socket = Resource::Socket(net.socket[f.src], net.socket[f.dst]);
             match c {
                 Class::SameDevice => {
-                    // Read at the source and write at the destination.
-                    let both = Flow { src: f.src, dst: f.dst, bytes: 2.0 * f.bytes };
-                    add(&mut l.up, Resource::DeviceMemory(ds), &both);
+                    // One store (push) or one load (pull) of device memory;
+                    // the other end is in the recipe's local passes.
+                    add(&mut l.up, Resource::DeviceMemory(ds), f);
                 }
                 Class::NvLink(_) | Class::NvSwitch => {
                     l.nv_cap.insert(ds, self.nvlink_gbps(c));
@@ -259,6 +295,9 @@ impl CostModel {
         let uplink_of = |sw: usize| -> f64 {
             (0..net.n).find(|&r| net.switch[r] == sw).map_or(p.pcie_gbps(0, 0), |r| net.pcie_gbps[r])
         };
+        let memory_of = |dev: usize| -> f64 {
+            (0..net.n).find(|&r| net.device[r] == dev).map_or(p.device_memory_gbps, |r| net.memory_gbps[r])
+        };
         let mut ideal: f64 = 0.0;
         let mut actual: f64 = 0.0;
         for (r, l) in map {
@@ -274,10 +313,12 @@ impl CostModel {
                     let cap = self.socket_gbps(phase, l, op);
                     (cap, cap, false)
                 }
-                Resource::DeviceMemory(_) => (p.device_memory_gbps, p.device_memory_gbps, true),
+                Resource::DeviceMemory(d) => (memory_of(d), memory_of(d), true),
                 Resource::HostMemory => (p.host_memory_gbps, p.host_memory_gbps, false),
             };
-            let (base, cap) = (base * phase.pipeline, cap * phase.pipeline);
+            // The per-flow ceiling of the kernel, for the flows sharing it.
+            let ceiling = phase.max_gbps * l.flows.max(1) as f64;
+            let (base, cap) = ((base * phase.pipeline).min(ceiling), (cap * phase.pipeline).min(ceiling));
             // bytes / (GB/s) = ns / 1000 -> us: bytes / (gbps * 1e3).
             if counts_as_wire {
                 ideal = ideal.max(l.bytes / (base * 1e3));
@@ -311,7 +352,7 @@ impl CostModel {
     pub(super) fn single_flow_gbps(&self, net: &Net, a: usize, b: usize) -> f64 {
         let p = &self.params;
         match net.class[a][b] {
-            Class::SameDevice => p.device_memory_gbps,
+            Class::SameDevice => net.memory_gbps[a],
             c @ (Class::NvLink(_) | Class::NvSwitch) => self.nvlink_gbps(c),
             Class::Host => p.nccl_host_gbps,
             _ => {
