@@ -12,6 +12,7 @@
 //! | `TP_ALLREDUCE_TRANSPORT` | force the transport: `p2p` or `host-staged` | auto (P2P if every pair passes the check) |
 //! | `TP_ALLREDUCE_TIMEOUT_MS` | bound of every device-side wait on a peer, in ms | `5000` |
 //! | `TP_ALLREDUCE_ISLAND_SIZE` | ranks per island for `hierarchical` (consecutive ranks) | from the topology |
+//! | `TP_ALLREDUCE_ISLANDS` | the islands for `hierarchical`, any shape: ranks by `,`, islands by `/` (`0,1,2/3,4`) | from the topology |
 //! | `TP_ALLREDUCE_PUSH_BLOCKS` | most blocks per flag-based push-kernel launch (two-shot-push, hierarchical) | `16` |
 //! | `TP_ALLREDUCE_SHAPE` | launch shape `BLOCKSxTHREADS` of every one-shot-push launch (overrides tuning and the default rule) | tuning table, else the default rule |
 //! | `TP_ALLREDUCE_ONE_SHOT_PUSH_TP2` | `1`/`0`: use the two-rank specialisation of one-shot-push at 2 ranks | `1` |
@@ -50,6 +51,7 @@ pub const TUNING_FILE: &str = "TP_ALLREDUCE_TUNING_FILE";
 pub const TRANSPORT: &str = "TP_ALLREDUCE_TRANSPORT";
 pub const TIMEOUT_MS: &str = "TP_ALLREDUCE_TIMEOUT_MS";
 pub const ISLAND_SIZE: &str = "TP_ALLREDUCE_ISLAND_SIZE";
+pub const ISLANDS: &str = "TP_ALLREDUCE_ISLANDS";
 pub const PUSH_BLOCKS: &str = "TP_ALLREDUCE_PUSH_BLOCKS";
 pub const SHAPE: &str = "TP_ALLREDUCE_SHAPE";
 pub const ONE_SHOT_PUSH_TP2: &str = "TP_ALLREDUCE_ONE_SHOT_PUSH_TP2";
@@ -80,6 +82,11 @@ pub const VARS: &[EnvVar] = &[
     EnvVar { name: TRANSPORT, meaning: "force the transport: p2p or host-staged", default: "auto" },
     EnvVar { name: TIMEOUT_MS, meaning: "bound of every device-side wait on a peer, in ms", default: "5000" },
     EnvVar { name: ISLAND_SIZE, meaning: "ranks per island for hierarchical", default: "from the topology" },
+    EnvVar {
+        name: ISLANDS,
+        meaning: "the islands for hierarchical, ranks by `,`, islands by `/` (0,1,2/3,4)",
+        default: "from the topology",
+    },
     EnvVar {
         name: PUSH_BLOCKS,
         meaning: "most blocks per flag-based push-kernel launch (two-shot-push, hierarchical)",
@@ -163,6 +170,23 @@ pub fn timeout() -> Result<Option<Duration>> {
 /// `TP_ALLREDUCE_ISLAND_SIZE`, if set.
 pub fn island_size() -> Result<Option<usize>> {
     var(ISLAND_SIZE).map(|v| parse(ISLAND_SIZE, &v)).transpose()
+}
+
+/// `TP_ALLREDUCE_ISLANDS` (`0,1,2/3,4`), if set.
+pub fn islands() -> Result<Option<Vec<Vec<usize>>>> {
+    var(ISLANDS).map(|v| parse_islands(&v).map_err(|e| Error::Config(format!("{ISLANDS}: {e}")))).transpose()
+}
+
+/// `0,1,2/3,4` -> `[[0, 1, 2], [3, 4]]`.
+pub fn parse_islands(text: &str) -> std::result::Result<Vec<Vec<usize>>, String> {
+    text.split('/')
+        .map(|group| {
+            group
+                .split(',')
+                .map(|r| r.trim().parse::<usize>().map_err(|_| format!("`{}` is not a rank in `{text}`", r.trim())))
+                .collect()
+        })
+        .collect()
 }
 
 /// `TP_ALLREDUCE_PUSH_BLOCKS`, if set.

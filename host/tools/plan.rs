@@ -118,7 +118,7 @@ pub fn plan_report(req: &PlanRequest) -> Result<String, String> {
     let mode = if req.capturing { "CUDA-graph replay" } else { "eager calls" };
     let _ = writeln!(s, "tp-allreduce plan: {world} ranks on {}, {}, {mode}", view.name, req.dtype.name());
     s.push_str(&topology_view::render(&req.topology, &req.devices));
-    let islands = c.island_size.map_or("none".to_string(), |m| format!("{} x {m} consecutive ranks", world / m));
+    let islands = c.islands.map_or("none".to_string(), |i| format!("{i} (from the topology)"));
     let nccl = if c.nccl_available { "available" } else { "unavailable (ranks share a GPU): no NCCL column" };
     let _ = writeln!(s, "transport: {}; hierarchical islands: {islands}", c.transport);
     let _ = writeln!(s, "NCCL: {nccl}; baseline: tuned NCCL (best of ring/tree x LL/Simple)\n");
@@ -169,7 +169,7 @@ fn verify_pass(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
     }
     let _ = writeln!(s, "\n  why: {}", ch.reason);
     let _ = writeln!(s, "  every algorithm at {} (model, us):", human_bytes(bytes));
-    let opts = Options { capturing: req.capturing, island_size: c.island_size, nccl: Default::default() };
+    let opts = Options { capturing: req.capturing, islands: c.islands, nccl: Default::default() };
     let header = ["algorithm", "total", "launch", "latency", "wire", "contention", "local", "note"];
     let mut t = table::new(header, 1..7);
     for a in Algorithm::ALL {

@@ -29,8 +29,13 @@
 //! and concurrency add on top.
 //!
 //! Bytes per rank: one-shot `(N-1)·S`; two-shot `2(N-1)/N·S` in two phases;
-//! ring `2(N-1)/N·S` pipelined over `2(N-1)` dependent steps; hierarchical
-//! `(m-1)/m·S` inside the island twice and `(I-1)/m·S` across islands;
+//! ring `2(N-1)/N·S` pipelined over `2(N-1)` dependent steps (the
+//! copy-engine ring: the same bytes at the copy engines' rate, each step a
+//! copy, a flag write and a step kernel); hierarchical (islands of any
+//! shape, `S_h` = the largest island) each rank's non-owned shares inside
+//! the island, its owned shares' partials to every other island's owner, its
+//! owned finals to every member — `(m-1)/m·S`, `(I-1)/m·S`, `(m-1)/m·S`
+//! for equal islands of `m`;
 //! host-staged: every flow crosses PCIe twice (up into host memory, down
 //! into the receiver) with a ~14 us-class latency per hop.
 //!
@@ -56,7 +61,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::algorithm::{self, Capabilities, CostShape, LatencyOver};
+use crate::algorithm::{self, Capabilities, CostShape, IslandSplit, LatencyOver};
 use crate::algorithm::{Algorithm, Transport};
 use crate::select::topology::Topology;
 
@@ -170,21 +175,16 @@ pub enum NcclTuning {
 pub struct Options {
     /// Replayed from a CUDA graph (else launched eagerly).
     pub capturing: bool,
-    /// Hierarchical: consecutive islands of this many ranks.
-    pub island_size: Option<usize>,
+    /// Hierarchical: the islands (two or more), if any.
+    pub islands: Option<IslandSplit>,
     /// The NCCL baseline.
     pub nccl: NcclTuning,
 }
 
 impl Options {
-    /// Graph replay, islands as the topology derives them (if
-    /// consecutive), tuned NCCL.
+    /// Graph replay, islands as the topology derives them, tuned NCCL.
     pub fn for_topology(view: &Topology) -> Options {
-        Options {
-            capturing: true,
-            island_size: view.islands().and_then(|i| i.consecutive_size()),
-            nccl: NcclTuning::Tuned,
-        }
+        Options { capturing: true, islands: view.island_split(), nccl: NcclTuning::Tuned }
     }
 }
 
@@ -224,15 +224,16 @@ impl CostModel {
         let caps = Capabilities {
             world: n,
             transport,
-            island_size: opts.island_size,
+            islands: opts.islands,
             one_shot_push_max_bytes: usize::MAX,
+            copy_engine: true,
             nccl_available: true,
         };
         algorithm::availability(algorithm, &caps, None).map_err(NotApplicable)?;
         let Some(host) = algorithm::host(algorithm) else {
             return Err(NotApplicable(format!("{algorithm} has no kernel of ours")));
         };
-        let recipe = host.cost(&CostShape { world: n, island_size: opts.island_size });
+        let recipe = host.cost(&CostShape { world: n, islands: opts.islands });
         let net = Net::new(view, p, transport);
         let s = bytes as f64;
         let mut b = Breakdown {
@@ -245,12 +246,13 @@ impl CostModel {
             .iter()
             .map(|spec| {
                 let phase = Phase {
-                    flows: flows(spec.flows, n, opts.island_size.unwrap_or(n), spec.share * s),
+                    flows: flows(spec.flows, n, opts.islands, spec.share * s),
                     op: spec.op,
                     pattern: spec.pattern,
                     hops: spec.hops + spec.read_hops * p.read_round_trip_factor,
                     mean_latency: spec.latency_over == LatencyOver::MeanFlow,
                     pipeline: if spec.ring_pipelined { p.ring_efficiency } else { 1.0 },
+                    engine: spec.engine,
                 };
                 (phase, spec.latency_over == LatencyOver::WorstPair)
             })

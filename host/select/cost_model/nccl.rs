@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::network::{Flow, Net, Phase};
 use super::{Breakdown, CostModel, Method, NcclTuning, Options, Prediction};
 use crate::algorithm::Transport;
-use crate::algorithm::{Op, Pattern};
+use crate::algorithm::{Engine, Op, Pattern};
 use crate::select::topology::Topology;
 
 /// NCCL's algorithms within one node.
@@ -100,8 +100,15 @@ impl CostModel {
             b.latency_us = hops * (edge + step);
             let link_gbps =
                 flows.iter().map(|f| self.single_flow_gbps(&net, f.src, f.dst)).fold(f64::INFINITY, f64::min);
-            let phase =
-                Phase { flows, op: Op::Write, pattern: Pattern::Single, hops, mean_latency: true, pipeline: 1.0 };
+            let phase = Phase {
+                flows,
+                op: Op::Write,
+                pattern: Pattern::Single,
+                hops,
+                mean_latency: true,
+                pipeline: 1.0,
+                engine: Engine::Sm,
+            };
             let (_, actual) = self.data_time(&net, &phase);
             b.wire_us = per_rank / (fraction * link_gbps * 1e3);
             b.contention_us = (actual - per_rank / (link_gbps * 1e3)).max(0.0);

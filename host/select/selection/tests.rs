@@ -58,7 +58,7 @@ fn never_slower_than_nccl_on_pcie_with_more_than_two_ranks() {
         for &bytes in &sizes() {
             for capturing in [true, false] {
                 let ch = select(&view, n, DType::Bf16, bytes, capturing, &c);
-                let opts = Options { capturing, island_size: c.island_size, nccl: NcclTuning::Tuned };
+                let opts = Options { capturing, islands: c.islands, nccl: NcclTuning::Tuned };
                 let nccl = model.predict(&view, Algorithm::Nccl, c.transport, bytes, &opts).unwrap().total_us();
                 assert!((ch.nccl_predicted_us - nccl).abs() < 1e-9);
                 if ch.algorithm != Algorithm::Nccl && view.is_pcie() && n > 2 {
