@@ -65,9 +65,13 @@ impl AlgorithmHost for CopyEngineRing {
         self.launch_shape(g, packs).0
     }
 
-    /// The shape of one step kernel over a piece of `packs` packs.
-    fn launch_shape(&self, _g: &Geometry, packs: u64) -> (u32, u32) {
-        (div_ceil(packs, STEP_THREADS as u64).clamp(1, STEP_MAX_BLOCKS) as u32, STEP_THREADS)
+    /// The shape of one step kernel over a piece of `packs` packs: one
+    /// pack per thread, at most half of what stays resident with the ranks
+    /// sharing the GPU, so that copies which a driver runs on the SMs (a
+    /// copy within one device) always find room next to waiting blocks.
+    fn launch_shape(&self, g: &Geometry, packs: u64) -> (u32, u32) {
+        let cap = (g.sentinel_resident.cap(STEP_THREADS) / 2).max(1) as u64;
+        (div_ceil(packs, STEP_THREADS as u64).clamp(1, cap.min(STEP_MAX_BLOCKS)) as u32, STEP_THREADS)
     }
 
     fn cost(&self, shape: &CostShape) -> CostRecipe {

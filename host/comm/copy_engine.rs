@@ -55,6 +55,9 @@ pub(crate) struct CopyEngineTemplate {
     pub base: CopyEngineParams,
     pub next: (u32, u64),
     pub prev: (u32, u64),
+    /// The last step kernel of a call raises the previous rank's handshake
+    /// (always, but under a test hook).
+    pub handshake: bool,
 }
 
 impl CopyEngineTemplate {
@@ -88,6 +91,7 @@ impl CopyEngineTemplate {
             },
             next: (next as u32, abort(next)),
             prev: (prev as u32, abort(prev)),
+            handshake: test_hooks::copy_engine_handshake(rank),
         }
     }
 
@@ -156,7 +160,7 @@ impl CopyEngineTemplate {
         if let Some(CopyEngineOp::Step { params, .. }) =
             ops.iter_mut().rev().find(|op| matches!(op, CopyEngineOp::Step { .. }))
         {
-            params.last = 1;
+            params.last = u32::from(self.handshake);
         }
         ops.push(CopyEngineOp::Join);
         ops

@@ -14,6 +14,7 @@ static FAIL_REGION_IMPORT_ON_RANK: AtomicUsize = AtomicUsize::new(NONE);
 static WRONG_P2P_CHECK_SALT_ON_RANK: AtomicUsize = AtomicUsize::new(NONE);
 static NO_P2P_ACROSS_ISLANDS: AtomicBool = AtomicBool::new(false);
 static KERNEL_PUBLICATION: AtomicBool = AtomicBool::new(false);
+static NO_CE_HANDSHAKE_ON_RANK: AtomicUsize = AtomicUsize::new(NONE);
 
 /// While alive, rank `rank` of every communicator initialised in this
 /// process fails to map its peers' regions over the P2P transport, as a
@@ -98,6 +99,30 @@ impl Drop for KernelPublication {
     fn drop(&mut self) {
         KERNEL_PUBLICATION.store(false, Ordering::SeqCst);
     }
+}
+
+/// While alive, rank `rank` of every communicator initialised in this
+/// process never tells its previous rank in the copy-engine ring that its
+/// staging is free again (as a rank that died after a call would): that
+/// rank's next call waits for the handshake until its timeout.
+pub struct NoCopyEngineHandshake(());
+
+impl NoCopyEngineHandshake {
+    pub fn on_rank(rank: usize) -> NoCopyEngineHandshake {
+        NO_CE_HANDSHAKE_ON_RANK.store(rank, Ordering::SeqCst);
+        NoCopyEngineHandshake(())
+    }
+}
+
+impl Drop for NoCopyEngineHandshake {
+    fn drop(&mut self) {
+        NO_CE_HANDSHAKE_ON_RANK.store(NONE, Ordering::SeqCst);
+    }
+}
+
+/// Whether rank `rank` publishes its copy-engine ring handshakes.
+pub(crate) fn copy_engine_handshake(rank: usize) -> bool {
+    NO_CE_HANDSHAKE_ON_RANK.load(Ordering::SeqCst) != rank
 }
 
 /// Whether P2P between different islands must look unsupported.
