@@ -6,15 +6,15 @@
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
-//! | `TP_ALLREDUCE_ALGORITHM` | force an algorithm for every call: `one-shot-pull`, `two-shot-pull`, `one-shot-push`, `two-shot-push`, `ring`, `hierarchical`, `nccl`; `auto` = the selection | `auto` |
+//! | `TP_ALLREDUCE_ALGORITHM` | force an algorithm for every call: `one-shot-pull`, `two-shot-pull`, `one-shot-push`, `two-shot-push`, `ring`, `hierarchical`, `copy-engine-ring`, `nccl`; `auto` = the selection | `auto` |
 //! | `TP_ALLREDUCE_TOPOLOGY` | model with this embedded topology instead of discovering the machine (communicators and `plan`) | discovery |
 //! | `TP_ALLREDUCE_TUNING_FILE` | tuning table to load (TOML, see `select::tuning`) | `$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml` |
-//! | `TP_ALLREDUCE_TRANSPORT` | force the transport: `p2p` or `host-staged` | auto (P2P if every pair passes the check) |
+//! | `TP_ALLREDUCE_TRANSPORT` | force the transport: `p2p`, `host-staged` or `per-pair` (P2P inside islands, host-staged across) | auto (P2P if every pair passes the check) |
 //! | `TP_ALLREDUCE_TIMEOUT_MS` | bound of every device-side wait on a peer, in ms | `5000` |
 //! | `TP_ALLREDUCE_ISLAND_SIZE` | ranks per island for `hierarchical` (consecutive ranks) | from the topology |
 //! | `TP_ALLREDUCE_ISLANDS` | the islands for `hierarchical`, any shape: ranks by `,`, islands by `/` (`0,1,2/3,4`) | from the topology |
-//! | `TP_ALLREDUCE_PUSH_BLOCKS` | most blocks per flag-based push-kernel launch (two-shot-push, hierarchical) | `16` |
-//! | `TP_ALLREDUCE_SHAPE` | launch shape `BLOCKSxTHREADS` of every one-shot-push launch (overrides tuning and the default rule) | tuning table, else the default rule |
+//! | `TP_ALLREDUCE_PUSH_BLOCKS` | no effect any more (two-shot-push and hierarchical run with any launch shape); still validated | `16` |
+//! | `TP_ALLREDUCE_SHAPE` | launch shape `BLOCKSxTHREADS` of every sentinel launch (one-shot-push, two-shot-push, hierarchical; overrides tuning and the default rule) | tuning table, else the default rule |
 //! | `TP_ALLREDUCE_ONE_SHOT_PUSH_TP2` | `1`/`0`: use the two-rank specialisation of one-shot-push at 2 ranks | `1` |
 //! | `TP_ALLREDUCE_TRACE` | `1`: one-shot-push launches record timestamps (`bench --trace`) | `0` |
 //! | `TP_ALLREDUCE_RANK` | rank of a process started by `tp-allreduce launch` | set by the launcher |
@@ -79,7 +79,7 @@ pub const VARS: &[EnvVar] = &[
         meaning: "tuning table to load (TOML)",
         default: "$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml",
     },
-    EnvVar { name: TRANSPORT, meaning: "force the transport: p2p or host-staged", default: "auto" },
+    EnvVar { name: TRANSPORT, meaning: "force the transport: p2p, host-staged or per-pair", default: "auto" },
     EnvVar { name: TIMEOUT_MS, meaning: "bound of every device-side wait on a peer, in ms", default: "5000" },
     EnvVar { name: ISLAND_SIZE, meaning: "ranks per island for hierarchical", default: "from the topology" },
     EnvVar {
@@ -89,7 +89,7 @@ pub const VARS: &[EnvVar] = &[
     },
     EnvVar {
         name: PUSH_BLOCKS,
-        meaning: "most blocks per flag-based push-kernel launch (two-shot-push, hierarchical)",
+        meaning: "no effect any more (two-shot-push and hierarchical run with any launch shape)",
         default: "16",
     },
     EnvVar {

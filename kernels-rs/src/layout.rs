@@ -428,6 +428,7 @@ const _: () = assert!(
 );
 const _: () = assert!(core::mem::offset_of!(DeviceHandle, scratch_layout) == 32 + 16 * MAX_RANKS);
 const _: () = assert!(MAX_RANKS <= 16, "the device-side rank unrolling covers at most 16 ranks");
+const _: () = assert!(crate::shares::shape_supported(&[MAX_RANKS as u32 / 2, MAX_RANKS as u32 / 2], 2));
 const _: () = assert!(MAX_BLOCKS as u32 * THREADS_PER_BLOCK <= 1 << 20);
 
 /// The value rank `src` releases into every rank's `p2p_flag[src]` in the

@@ -19,7 +19,6 @@
 //! per other member), `m - 1` cross slots (one per other island) and
 //! `n_g - 1` all-gather slots, each `owned_capacity` packs.
 
-use crate::layout::MAX_RANKS;
 use crate::partition::div_ceil;
 
 /// Most islands (each holds at least two ranks unless configured
@@ -123,13 +122,12 @@ pub const fn source_of(slot: u32, me: u32) -> u32 {
 
 /// Whether `islands` (sizes of each, `count` of them) is a shape the
 /// island push kernels run: 1 island (TwoShotPush) or 2..=MAX_ISLANDS,
-/// every island non-empty, at most `MAX_RANKS` ranks in all, and no member
-/// owning more than `MAX_OWNED` shares.
-pub const fn shape_supported(sizes: &[u32; MAX_RANKS], count: usize) -> bool {
-    if count == 0 || count > MAX_ISLANDS {
+/// every island non-empty, no member owning more than `MAX_OWNED` shares.
+/// (The total is the world size, which `layout::MAX_RANKS` bounds.)
+pub const fn shape_supported(sizes: &[u32], count: usize) -> bool {
+    if count == 0 || count > MAX_ISLANDS || count > sizes.len() {
         return false;
     }
-    let mut total = 0;
     let mut largest = 0;
     let mut smallest = u32::MAX;
     let mut g = 0;
@@ -137,7 +135,6 @@ pub const fn shape_supported(sizes: &[u32; MAX_RANKS], count: usize) -> bool {
         if sizes[g] == 0 {
             return false;
         }
-        total += sizes[g];
         if sizes[g] > largest {
             largest = sizes[g];
         }
@@ -146,14 +143,14 @@ pub const fn shape_supported(sizes: &[u32; MAX_RANKS], count: usize) -> bool {
         }
         g += 1;
     }
-    total as usize <= MAX_RANKS && largest.div_ceil(smallest) as usize <= MAX_OWNED
+    largest.div_ceil(smallest) as usize <= MAX_OWNED
 }
 
 /// Bytes of one half of the cross slots when they live in a region of
 /// their own (per-pair transport: host memory): the largest over the
 /// islands of `(islands - 1) * owned_capacity` packs. Cross slot `o` of a
 /// rank of an island of `n` sits at `o * owned_capacity(S, n, cap)` packs.
-pub const fn cross_half_bytes(sizes: &[u32; MAX_RANKS], count: usize, share_cap: u64) -> u64 {
+pub const fn cross_half_bytes(sizes: &[u32], count: usize, share_cap: u64) -> u64 {
     let mut shares = 0;
     let mut smallest = u32::MAX;
     let mut g = 0;
@@ -175,7 +172,7 @@ pub const fn cross_half_bytes(sizes: &[u32; MAX_RANKS], count: usize, share_cap:
 /// Bytes of one half of the island push receive region, the same for every
 /// rank: the largest over the islands of `region_slots * owned_capacity`
 /// packs (each rank lays out its own half; the halves are this far apart).
-pub const fn half_bytes(sizes: &[u32; MAX_RANKS], count: usize, share_cap: u64) -> u64 {
+pub const fn half_bytes(sizes: &[u32], count: usize, share_cap: u64) -> u64 {
     let mut shares = 0;
     let mut g = 0;
     while g < count {
