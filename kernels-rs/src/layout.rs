@@ -303,22 +303,7 @@ impl ScratchLayout {
         let two_shot_push_offset = offset;
         offset = align_up(offset + 2 * two_shot_push_half_bytes, SCRATCH_REGION_ALIGN);
 
-        let islands = config.island_count as usize;
-        let supported = islands >= 2 && crate::shares::shape_supported(&config.island_sizes, islands);
-        let mut island_shares = 0u32;
-        let mut g = 0;
-        while supported && g < islands {
-            if config.island_sizes[g] > island_shares {
-                island_shares = config.island_sizes[g];
-            }
-            g += 1;
-        }
-        let (hierarchical_share_packs, hierarchical_half_bytes) = if supported {
-            let cap = div_ceil(config.max_packs, island_shares as u64);
-            (cap, crate::shares::half_bytes(&config.island_sizes, islands, cap))
-        } else {
-            (0, 0)
-        };
+        let (island_shares, hierarchical_share_packs, hierarchical_half_bytes) = hierarchical_region(config);
         let hierarchical_offset = offset;
         offset = align_up(offset + 2 * hierarchical_half_bytes, SCRATCH_REGION_ALIGN);
 
@@ -369,7 +354,7 @@ impl ScratchLayout {
             ring_blocks,
             ring_slots,
             island_shares,
-            island_count: if supported { config.island_count } else { 0 },
+            island_count: if island_shares > 0 { config.island_count } else { 0 },
             copy_engine_pieces: pieces as u32,
             _pad: 0,
             total_bytes: offset,
@@ -399,6 +384,25 @@ impl ScratchLayout {
         self.copy_engine_flags_offset
             + (step as u64 * self.copy_engine_pieces as u64 + piece as u64) * COPY_ENGINE_FLAG_STRIDE
     }
+}
+
+/// Hierarchical's `(shares, share_cap, half_bytes)` for `config`'s
+/// islands: all zero unless they are two or more of a supported shape.
+const fn hierarchical_region(config: &ScratchConfig) -> (u32, u64, u64) {
+    let islands = config.island_count as usize;
+    if islands < 2 || !crate::shares::shape_supported(&config.island_sizes, islands) {
+        return (0, 0, 0);
+    }
+    let mut shares = 0u32;
+    let mut g = 0;
+    while g < islands {
+        if config.island_sizes[g] > shares {
+            shares = config.island_sizes[g];
+        }
+        g += 1;
+    }
+    let cap = div_ceil(config.max_packs, shares as u64);
+    (shares, cap, crate::shares::half_bytes(&config.island_sizes, islands, cap))
 }
 
 /// Distance between two CopyEngineRing flags (a cache line).

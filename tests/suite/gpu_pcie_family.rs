@@ -196,8 +196,6 @@ fn copy_engine_ring_with_kernel_publication() {
         failures.extend(matrix(&comms, &mut rng, Algorithm::CopyEngineRing, 4 << 20, "kernel publication"));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    drop(_lock);
-    let _lock = common::gpu_lock();
     crate::gpu_graph::graph_run_locked(
         "copy_engine_ring_with_kernel_publication",
         config(),

@@ -297,7 +297,53 @@ mod island_push {
             sentinel_half(self.seed.wrapping_add(launch)) as usize
         }
 
-        /// Polls, resets or pushes `kind` slot of `src` at `r`.
+        /// Rank `r`'s successful polls and its resets of the slots of `p`
+        /// (reduce-scatter and all-gather) in half `h`.
+        fn polls_and_resets(
+            &self,
+            s: &State,
+            (r, p, h): (usize, usize, usize),
+            out: &mut Vec<State>,
+        ) -> Result<(), String> {
+            let me = &s.ranks[r];
+            let bit = 1u8 << p;
+            let polls = [(RS, me.rs_poll, me.rs_reset), (AG, me.ag_poll, me.ag_reset)];
+            for (kind, poll, reset) in polls {
+                let slot = slot_of(p as u32, r as u32) as usize;
+                let here = s.mem[r][h][kind][slot];
+                if poll & bit != 0 && here != EMPTY {
+                    if here != word(me.launch, p) {
+                        return Err(format!(
+                            "rank {r} launch {} accepted {here:02x} in slot kind {kind} from rank {p} (stale)",
+                            me.launch
+                        ));
+                    }
+                    let mut n = s.clone();
+                    let rank = &mut n.ranks[r];
+                    let (poll, to_reset) = if kind == RS {
+                        (&mut rank.rs_poll, &mut rank.rs_reset)
+                    } else {
+                        (&mut rank.ag_poll, &mut rank.ag_reset)
+                    };
+                    *poll &= !bit;
+                    *to_reset |= bit * u8::from(self.reset);
+                    out.push(n);
+                }
+                if reset & bit != 0 {
+                    if here != word(me.launch, p) {
+                        return Err(format!("rank {r} resets kind {kind} slot of {p} holding {here:02x}"));
+                    }
+                    let mut n = s.clone();
+                    n.mem[r][h][kind][slot] = EMPTY;
+                    let rank = &mut n.ranks[r];
+                    *(if kind == RS { &mut rank.rs_reset } else { &mut rank.ag_reset }) &= !bit;
+                    out.push(n);
+                }
+            }
+            Ok(())
+        }
+
+        /// Every state one event away from `s`; `Err` on a violation.
         fn successors(&self, s: &State) -> Result<Vec<State>, String> {
             let mut out = Vec::new();
             for r in 0..self.world {
@@ -319,42 +365,7 @@ mod island_push {
                     if me.rs_push != 0 {
                         continue;
                     }
-                    let polls = [(RS, me.rs_poll, me.rs_reset), (AG, me.ag_poll, me.ag_reset)];
-                    for (kind, poll, reset) in polls {
-                        let slot = slot_of(p as u32, r as u32) as usize;
-                        let here = s.mem[r][h][kind][slot];
-                        if poll & bit != 0 && here != EMPTY {
-                            if here != word(me.launch, p) {
-                                return Err(format!(
-                                    "rank {r} launch {} accepted {here:02x} in slot kind {kind} from rank {p} (stale)",
-                                    me.launch
-                                ));
-                            }
-                            let mut n = s.clone();
-                            let rank = &mut n.ranks[r];
-                            if kind == RS {
-                                rank.rs_poll &= !bit;
-                                rank.rs_reset |= bit * u8::from(self.reset);
-                            } else {
-                                rank.ag_poll &= !bit;
-                                rank.ag_reset |= bit * u8::from(self.reset);
-                            }
-                            out.push(n);
-                        }
-                        if reset & bit != 0 {
-                            if here != word(me.launch, p) {
-                                return Err(format!("rank {r} resets kind {kind} slot of {p} holding {here:02x}"));
-                            }
-                            let mut n = s.clone();
-                            n.mem[r][h][kind][slot] = EMPTY;
-                            if kind == RS {
-                                n.ranks[r].rs_reset &= !bit;
-                            } else {
-                                n.ranks[r].ag_reset &= !bit;
-                            }
-                            out.push(n);
-                        }
-                    }
+                    self.polls_and_resets(s, (r, p, h), &mut out)?;
                     // B: my share's final value to p, once every slot of it was read.
                     if me.rs_poll == 0 && me.ag_push & bit != 0 {
                         let mut n = s.clone();

@@ -147,3 +147,55 @@ fn parameter_table_is_complete_and_documented() {
         assert!(doc.contains(&format!("`{}`", r.name)), "docs/COST-MODEL.md does not list `{}`", r.name);
     }
 }
+
+/// Issue 15: the new recipes on the 8x RTX PRO 6000 (4+4 islands from the
+/// topology): payload completion costs one hop per phase (two-shot push 2,
+/// hierarchical 3: switch, socket, switch); the copy-engine ring pays its
+/// step per hop and moves the ring's bytes at the copy engines' rate; with
+/// the per-pair transport the cross-island hop goes through host memory.
+#[test]
+fn island_push_and_copy_engine_ring_recipes() {
+    let model = CostModel::default();
+    let p = &model.params;
+    let view = embedded::default_topology();
+    let opts = Options::for_topology(&view);
+    assert_eq!(opts.islands.map(|i| i.groups()), Some(vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]));
+    let predict = |a: Algorithm, t: Transport, view: &Topology, bytes: usize| {
+        model.predict(view, a, t, bytes, &Options::for_topology(view)).unwrap().breakdown
+    };
+    let switch = p.latency_pcie_switch_us + p.hop_overhead_us;
+    let socket = p.latency_pcie_cross_socket_us + p.hop_overhead_us;
+    let two = predict(Algorithm::TwoShotPush, Transport::PeerToPeer, &view, 43008);
+    assert!((two.latency_us - 2.0 * socket).abs() < 1e-9, "{two}");
+    let hier = predict(Algorithm::Hierarchical, Transport::PeerToPeer, &view, 43008);
+    assert!((hier.latency_us - (2.0 * switch + socket)).abs() < 1e-9, "{hier}");
+    assert!(hier.total() < two.total(), "hierarchical {hier} vs two-shot {two}");
+    // Copy-engine ring: 14 steps, each its step overhead + a mean edge
+    // latency; at 8 MiB its data time follows copy_engine_efficiency.
+    let ce = predict(Algorithm::CopyEngineRing, Transport::PeerToPeer, &view, 8 << 20);
+    let ring = predict(Algorithm::Ring, Transport::PeerToPeer, &view, 8 << 20);
+    assert!(ce.latency_us > 14.0 * p.copy_engine_step_us, "{ce}");
+    let wire =
+        2.0 * 7.0 / 8.0 * (8 << 20) as f64 / (CostParams::pcie_lane_gbps(5) * 16.0 * p.copy_engine_efficiency * 1e3);
+    assert!((ce.wire_us - wire).abs() / wire < 1e-6, "{ce} vs {wire}");
+    assert!(ce.total() < ring.total(), "copy-engine ring {ce} vs SM ring {ring} at 8 MiB");
+    // Per pair: no P2P across the sockets; hierarchical still runs, its
+    // cross hop through host memory, and nothing else of ours does.
+    let mut split = view.clone();
+    for a in 0..8 {
+        for b in 0..8 {
+            if a / 4 != b / 4 {
+                split.pairs[a][b].p2p_supported = false;
+            }
+        }
+    }
+    let c = crate::select::selection::Constraints::for_topology(&split);
+    assert_eq!(c.transport, Transport::PerPair);
+    let per_pair = predict(Algorithm::Hierarchical, Transport::PerPair, &split, 43008);
+    let host = p.latency_host_staged_us + p.hop_overhead_us;
+    assert!((per_pair.latency_us - (2.0 * switch + host)).abs() < 1e-9, "{per_pair}");
+    for a in [Algorithm::OneShotPush, Algorithm::TwoShotPush, Algorithm::CopyEngineRing] {
+        assert!(c.available(a, 8, 43008).is_err(), "{a}");
+    }
+    assert!(c.available(Algorithm::Hierarchical, 8, 43008).is_ok());
+}

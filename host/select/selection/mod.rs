@@ -76,10 +76,23 @@ impl Constraints {
     /// topology derives them; the copy-engine ring available with P2P; no
     /// overrides.
     pub fn for_topology(view: &Topology) -> Constraints {
+        let islands = view.island_split();
+        // Per pair: only pairs across islands lack P2P (as init decides).
+        let n = view.len();
+        let inside_usable = islands.is_some_and(|s| {
+            (0..n).all(|a| (0..n).all(|b| a == b || !s.together(a, b) || view.pair(a, b).p2p_usable()))
+        });
+        let transport = if view.all_p2p_usable() {
+            Transport::PeerToPeer
+        } else if inside_usable {
+            Transport::PerPair
+        } else {
+            Transport::HostStaged
+        };
         Constraints {
-            transport: if view.all_p2p_usable() { Transport::PeerToPeer } else { Transport::HostStaged },
+            transport,
             nccl_available: !view.has_shared_device(),
-            islands: view.island_split(),
+            islands,
             one_shot_push_max_bytes: crate::config::resolve_one_shot_push_max_bytes(
                 crate::config::Config::ONE_SHOT_PUSH_AUTO,
                 view.len(),
