@@ -16,6 +16,7 @@
 //! | `TP_ALLREDUCE_PUSH_BLOCKS` | no effect any more (two-shot-push and hierarchical run with any launch shape); still validated | `16` |
 //! | `TP_ALLREDUCE_SHAPE` | launch shape `BLOCKSxTHREADS` of every sentinel launch (one-shot-push, two-shot-push, hierarchical; overrides tuning and the default rule) | tuning table, else the default rule |
 //! | `TP_ALLREDUCE_ONE_SHOT_PUSH_TP2` | `1`/`0`: use the two-rank specialisation of one-shot-push at 2 ranks | `1` |
+//! | `TP_ALLREDUCE_CE_PUBLISH` | how the copy-engine ring raises its flags: `memop` (`cuStreamWriteValue32`, where the device supports stream memory operations) or `kernel` (a one-thread kernel) | `memop` where supported |
 //! | `TP_ALLREDUCE_TRACE` | `1`: one-shot-push launches record timestamps (`bench --trace`) | `0` |
 //! | `TP_ALLREDUCE_RANK` | rank of a process started by `tp-allreduce launch` | set by the launcher |
 //! | `TP_ALLREDUCE_WORLD_SIZE` | world size of a launched process | set by the launcher |
@@ -52,6 +53,7 @@ pub const TRANSPORT: &str = "TP_ALLREDUCE_TRANSPORT";
 pub const TIMEOUT_MS: &str = "TP_ALLREDUCE_TIMEOUT_MS";
 pub const ISLAND_SIZE: &str = "TP_ALLREDUCE_ISLAND_SIZE";
 pub const ISLANDS: &str = "TP_ALLREDUCE_ISLANDS";
+pub const CE_PUBLISH: &str = "TP_ALLREDUCE_CE_PUBLISH";
 pub const PUSH_BLOCKS: &str = "TP_ALLREDUCE_PUSH_BLOCKS";
 pub const SHAPE: &str = "TP_ALLREDUCE_SHAPE";
 pub const ONE_SHOT_PUSH_TP2: &str = "TP_ALLREDUCE_ONE_SHOT_PUSH_TP2";
@@ -82,6 +84,11 @@ pub const VARS: &[EnvVar] = &[
     EnvVar { name: TRANSPORT, meaning: "force the transport: p2p, host-staged or per-pair", default: "auto" },
     EnvVar { name: TIMEOUT_MS, meaning: "bound of every device-side wait on a peer, in ms", default: "5000" },
     EnvVar { name: ISLAND_SIZE, meaning: "ranks per island for hierarchical", default: "from the topology" },
+    EnvVar {
+        name: CE_PUBLISH,
+        meaning: "copy-engine ring flag publication: memop (cuStreamWriteValue32) or kernel",
+        default: "memop where supported",
+    },
     EnvVar {
         name: ISLANDS,
         meaning: "the islands for hierarchical, ranks by `,`, islands by `/` (0,1,2/3,4)",
@@ -170,6 +177,18 @@ pub fn timeout() -> Result<Option<Duration>> {
 /// `TP_ALLREDUCE_ISLAND_SIZE`, if set.
 pub fn island_size() -> Result<Option<usize>> {
     var(ISLAND_SIZE).map(|v| parse(ISLAND_SIZE, &v)).transpose()
+}
+
+/// `TP_ALLREDUCE_CE_PUBLISH`: `Some(true)` for `kernel`, `Some(false)`
+/// for `memop`, `None` when unset.
+pub fn ce_publish_with_kernel() -> Result<Option<bool>> {
+    var(CE_PUBLISH)
+        .map(|v| match v.trim() {
+            "kernel" => Ok(true),
+            "memop" => Ok(false),
+            other => Err(Error::Config(format!("{CE_PUBLISH}: `{other}`; expected memop or kernel"))),
+        })
+        .transpose()
 }
 
 /// `TP_ALLREDUCE_ISLANDS` (`0,1,2/3,4`), if set.
@@ -275,6 +294,14 @@ mod tests {
         assert_eq!(parse_algorithm("nccl").unwrap(), Some(Algorithm::Nccl));
         let e = parse_algorithm("fastest").unwrap_err().to_string();
         assert!(e.contains(ALGORITHM) && e.contains("fastest") && e.contains("two-shot-pull"), "{e}");
+    }
+
+    #[test]
+    fn island_lists_parse() {
+        assert_eq!(parse_islands("0,1,2/3,4").unwrap(), vec![vec![0, 1, 2], vec![3, 4]]);
+        assert_eq!(parse_islands(" 0 , 2 / 1,3 ").unwrap(), vec![vec![0, 2], vec![1, 3]]);
+        assert!(parse_islands("0,1/x").unwrap_err().contains("`x`"));
+        assert!(parse_islands("0,,1").is_err());
     }
 
     #[test]

@@ -167,14 +167,18 @@ impl CopyEngineTemplate {
     }
 }
 
-/// Streams, events and kernels of the copy-engine ring of one rank.
+/// Streams, events and kernels of the copy-engine ring of one rank. Flags
+/// are raised with `cuStreamWriteValue32` where the device supports stream
+/// memory operations, unless `TP_ALLREDUCE_CE_PUBLISH=kernel` (or a test
+/// hook) asks for the publish kernel.
 pub(crate) fn runtime(ctx: &Arc<CudaContext>, module: &KernelModule) -> Result<CopyEngineRuntime> {
+    let kernel = crate::env::ce_publish_with_kernel()?.unwrap_or(false) || test_hooks::kernel_publication();
     Ok(CopyEngineRuntime {
         copy: HelperStream::new(ctx)?,
         fork: Event::new(ctx)?,
         join: Event::new(ctx)?,
         done: (0..CE_MAX_PIECES).map(|_| Event::new(ctx)).collect::<Result<_>>()?,
-        mem_ops: copy_engine::stream_mem_ops_supported(ctx)? && !test_hooks::kernel_publication(),
+        mem_ops: !kernel && copy_engine::stream_mem_ops_supported(ctx)?,
         handshake: module.function(COPY_ENGINE_HANDSHAKE)?,
         publish: module.function(COPY_ENGINE_PUBLISH)?,
     })
