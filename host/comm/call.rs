@@ -7,7 +7,7 @@
 #![allow(unsafe_code)]
 
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
-use tp_allreduce_kernels::ids::DType;
+use tp_allreduce_kernels::ids::{AlgorithmId, DType};
 use tp_allreduce_kernels::layout::ErrorRecord;
 use tp_allreduce_kernels::layout::{PACK_BYTES, THREADS_PER_BLOCK};
 use tp_allreduce_kernels::partition::packs_for;
@@ -236,6 +236,7 @@ impl Comm {
                 None => Err(Error::Nccl("the NCCL algorithm was selected but no NCCL communicator exists".into())),
             },
             a if a.reads_peer_inputs() => self.run_pull(a, send, recv, count, dtype, stream, capturing),
+            Algorithm::CopyEngineRing => self.run_copy_engine(send, recv, count, dtype, stream),
             a => self.run_push(a, send, recv, count, dtype, stream, tuned_shape),
         }
         .inspect_err(|e| {
@@ -333,11 +334,11 @@ impl Comm {
         Ok(())
     }
 
-    /// A sentinel algorithm (OneShotPush): parameters by value from the
-    /// rank's template, a launch shape per launch (configured, tuned or the
-    /// default rule, within residency). The host validates what the kernel
-    /// does not: each launch fits the receive region (`chunks`) and its
-    /// shape stays resident.
+    /// A sentinel algorithm (OneShotPush, TwoShotPush, Hierarchical):
+    /// parameters by value from the rank's template, a launch shape per
+    /// launch (configured, tuned or the default rule, within residency). The
+    /// host validates what the kernel does not: each launch fits the receive
+    /// region (`chunks`) and its shape stays resident.
     #[allow(clippy::too_many_arguments)]
     fn run_sentinel(
         &self,
@@ -351,10 +352,11 @@ impl Comm {
     ) -> Result<()> {
         let geometry = self.setup.geometry();
         let capacity = host.launch_capacity_packs(&geometry);
-        let name = if self.world == 2 && self.config.one_shot_push_tp2 {
+        let kernel = host.kernel();
+        let name = if kernel == AlgorithmId::OneShotPush && self.world == 2 && self.config.one_shot_push_tp2 {
             crate::kernels::one_shot_push2_entry(dtype)
         } else {
-            crate::kernels::entry_name(host.kernel(), dtype)
+            crate::kernels::entry_name(kernel, dtype)
         };
         let f = self.module.function(&name)?;
         let elem = dtype.size_bytes() as u64;
@@ -369,15 +371,56 @@ impl Comm {
             let default = host.launch_shape(&geometry, packs);
             let (blocks, threads) =
                 params::choose_shape(self.config.launch_shape, tuned_shape, default, &geometry.sentinel_resident)?;
-            let off = start as u64 * elem;
-            let p = self.sentinel.one_shot_push(send + off, recv + off, n as u64);
-            // SAFETY: the sentinel entries take one OneShotPushParams by value
-            // (sizes pinned on both sides, checked against the PTX by the
-            // tests); the template's addresses are this communicator's mapped
-            // regions, alive as long as it is; input and output are valid for
-            // `n` elements (checked by the caller); the shape is within the
-            // resident cap and the block limit (choose_shape, Config::validate).
-            unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
+            let (input, output) = (send + start as u64 * elem, recv + start as u64 * elem);
+            // SAFETY (both launches): each entry takes its parameter struct by
+            // value (sizes pinned on both sides, checked against the PTX by
+            // the tests: `kernels::param_struct`); the template's addresses
+            // are this communicator's mapped regions, alive as long as it is;
+            // input and output are valid for `n` elements (checked by the
+            // caller); the shape is within the resident cap and the block
+            // limit (choose_shape, Config::validate).
+            if kernel == AlgorithmId::OneShotPush {
+                let p = self.sentinel.one_shot_push(input, output, n as u64);
+                unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
+            } else {
+                let hierarchical = kernel == AlgorithmId::Hierarchical;
+                let p = self
+                    .sentinel
+                    .island_push(hierarchical, input, output, n as u64)
+                    .ok_or_else(|| Error::Unsupported("hierarchical: this communicator has no islands".into()))?;
+                unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
+            }
+        }
+        Ok(())
+    }
+
+    /// The copy-engine ring: per launch (at most the staging's capacity),
+    /// the program of `comm/copy_engine.rs` on the caller's stream and the
+    /// rank's helper stream.
+    fn run_copy_engine(
+        &self,
+        send: sys::CUdeviceptr,
+        recv: sys::CUdeviceptr,
+        count: usize,
+        dtype: DType,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let (host, step) = self.prepare(Algorithm::CopyEngineRing, dtype)?;
+        let Some((template, runtime)) = &self.sentinel.copy_engine else {
+            return Err(Error::Unsupported("copy-engine-ring: no staging on this communicator".into()));
+        };
+        let geometry = self.setup.geometry();
+        let elem = dtype.size_bytes() as u64;
+        for (start, n) in chunks(count, dtype, host.launch_capacity_packs(&geometry)) {
+            let (input, output) = (send + start as u64 * elem, recv + start as u64 * elem);
+            let pieces = super::copy_engine::pieces(n as u64, dtype, self.world);
+            let shape = |packs| host.launch_shape(&geometry, packs);
+            let ops = template.program((input, output, n as u64), dtype, pieces, shape);
+            // SAFETY: `stream` is a live stream of this context (validated by
+            // the caller); the program's addresses are this communicator's
+            // mapped regions and the caller's buffers, valid for `n`
+            // elements; the program is built by `CopyEngineTemplate::program`.
+            unsafe { driver::copy_engine::run(runtime, &ops, step, stream)? };
         }
         Ok(())
     }

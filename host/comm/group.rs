@@ -36,9 +36,12 @@ impl Comm {
         let module = KernelModule::for_context(&ctx)?;
         let (view, mut notes) = selector::rank_view(&ctx, rank, world, &*rendezvous)?;
         let mut config = config;
-        config.island_size = selector::island_size(&view, &config);
+        if let Some((split, note)) = selector::islands(&view, &config, world)? {
+            config.islands = Some(split.groups());
+            notes.push(note);
+        }
         let setup = setup::build(&stream, rank, world, &*rendezvous, &config, &module)?;
-        let sentinel = super::params::SentinelLaunches::build(&ctx, &setup, rank, &config)?;
+        let sentinel = super::params::SentinelLaunches::build(&ctx, &module, &setup, rank, &config)?;
         // Decided from the gathered placement, the same on every rank: NCCL's
         // creation is collective.
         let nccl = if setup.nccl_eligible {

@@ -10,7 +10,7 @@ use tp_allreduce_kernels::ids::DType;
 use tp_allreduce_kernels::layout::MAX_RANKS;
 
 use crate::algorithm::Algorithm;
-use crate::select::cost_model::{CostModel, Options};
+use crate::select::cost_model::{CostModel, CostParams, Options};
 use crate::select::selection::{human_bytes, select_with, Constraints};
 use crate::select::topology::{embedded, Topology};
 use crate::tools::bench::scenarios::{VERIFY_PASS_ALLREDUCES, VERIFY_PASS_BYTES};
@@ -118,7 +118,7 @@ pub fn plan_report(req: &PlanRequest) -> Result<String, String> {
     let mode = if req.capturing { "CUDA-graph replay" } else { "eager calls" };
     let _ = writeln!(s, "tp-allreduce plan: {world} ranks on {}, {}, {mode}", view.name, req.dtype.name());
     s.push_str(&topology_view::render(&req.topology, &req.devices));
-    let islands = c.island_size.map_or("none".to_string(), |m| format!("{} x {m} consecutive ranks", world / m));
+    let islands = c.islands.map_or("none".to_string(), |i| format!("{i} (from the topology)"));
     let nccl = if c.nccl_available { "available" } else { "unavailable (ranks share a GPU): no NCCL column" };
     let _ = writeln!(s, "transport: {}; hierarchical islands: {islands}", c.transport);
     let _ = writeln!(s, "NCCL: {nccl}; baseline: tuned NCCL (best of ring/tree x LL/Simple)\n");
@@ -168,8 +168,25 @@ fn verify_pass(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
             write!(s, "; tuned NCCL: {nccl_ms:.2} ms ({:.1}x, {:.2} ms saved)", nccl_ms / ours_ms, nccl_ms - ours_ms);
     }
     let _ = writeln!(s, "\n  why: {}", ch.reason);
+    if let Ok(p) = model.predict(
+        view,
+        ch.algorithm,
+        ch.transport,
+        bytes,
+        &Options { capturing: req.capturing, islands: c.islands, nccl: Default::default() },
+    ) {
+        let b = p.breakdown;
+        let _ = writeln!(
+            s,
+            "  where its {:.1} us go: launch {:.0}%, dependent hops {:.0}%, data {:.0}%",
+            b.total(),
+            100.0 * b.launch_us / b.total(),
+            100.0 * b.latency_us / b.total(),
+            100.0 * (b.wire_us + b.contention_us + b.local_us) / b.total()
+        );
+    }
     let _ = writeln!(s, "  every algorithm at {} (model, us):", human_bytes(bytes));
-    let opts = Options { capturing: req.capturing, island_size: c.island_size, nccl: Default::default() };
+    let opts = Options { capturing: req.capturing, islands: c.islands, nccl: Default::default() };
     let header = ["algorithm", "total", "launch", "latency", "wire", "contention", "local", "note"];
     let mut t = table::new(header, 1..7);
     for a in Algorithm::ALL {
@@ -214,7 +231,8 @@ fn assumptions(model: &CostModel) -> String {
     );
     let _ = writeln!(
         s,
-        "    + {:.2} us poll; flag kernels add {:.2} us per flag, {:.2} us more when it publishes peer writes",
+        "    + {:.2} us to see it (push algorithms carry completion in their payload: one hop per phase);\n    \
+         flag kernels (pull, ring) add {:.2} us per flag, {:.2} us more when it publishes peer writes",
         p.hop_overhead_us, p.flag_hop_us, p.flag_drain_us
     );
     let _ = writeln!(
@@ -230,6 +248,13 @@ fn assumptions(model: &CostModel) -> String {
         p.simultaneous_write_efficiency * 100.0,
         p.simultaneous_read_efficiency * 100.0
     );
+    let _ = writeln!(
+        s,
+        "  - copy-engine ring: copies keep {:.0}% of raw PCIe per hop (Gen5 x16: {:.0} GB/s); each of its 2(N-1) steps",
+        p.copy_engine_efficiency * 100.0,
+        CostParams::pcie_lane_gbps(5) * 16.0 * p.copy_engine_efficiency
+    );
+    let _ = writeln!(s, "    adds {:.1} us (copy, flag write, step kernel) + the link latency", p.copy_engine_step_us);
     let _ = writeln!(
         s,
         "  - the socket boundary carries {:.0} GB/s for one flow, {:.0} GB/s aggregate with many; reads get {:.0}% of it",

@@ -10,7 +10,7 @@ use tp_allreduce::{Algorithm, Comm, Config, DType, Transport, TransportPreferenc
 use crate::common::{self, Case, TestElem};
 
 fn test_config(island_size: Option<usize>) -> Config {
-    Config { timeout: Duration::from_secs(3), island_size, ..Config::default() }
+    Config { timeout: Duration::from_secs(3), launch_timeout: Duration::from_secs(3), island_size, ..Config::default() }
 }
 
 fn group(
@@ -101,7 +101,16 @@ fn one_shot_push_matrix() {
 
 #[test]
 fn two_shot_push_matrix() {
-    matrix("two_shot_push_matrix", Algorithm::TwoShotPush, FLAT_WORLDS, MIB8, test_config);
+    matrix("two_shot_push_matrix", Algorithm::TwoShotPush, EVERY_WORLD, MIB8, test_config);
+}
+
+/// Every world size 2..=8 (the island push with one island of every rank).
+const EVERY_WORLD: &[(usize, Option<usize>)] =
+    &[(2, None), (3, None), (4, None), (5, None), (6, None), (7, None), (8, None)];
+
+#[test]
+fn copy_engine_ring_matrix() {
+    matrix("copy_engine_ring_matrix", Algorithm::CopyEngineRing, EVERY_WORLD, MIB8, test_config);
 }
 
 #[test]
@@ -134,6 +143,7 @@ fn chunked_launches_all_algorithms() {
         Algorithm::OneShotPush,
         Algorithm::TwoShotPush,
         Algorithm::Ring,
+        Algorithm::CopyEngineRing,
     ] {
         matrix("chunked_launches_all_algorithms", algorithm, &[(3, None)], 1 << 20, small);
     }

@@ -42,7 +42,10 @@ const TIMEOUT: Duration = Duration::from_secs(3);
 /// An in-process group of `world` ranks on `ctx`, with `algorithm` forced
 /// (`None`: the selection).
 fn group(ctx: &Arc<CudaContext>, world: usize, algorithm: Option<Algorithm>) -> Vec<Comm> {
-    let config = Config { timeout: TIMEOUT, ..Config::default() };
+    group_with(ctx, world, algorithm, Config { timeout: TIMEOUT, launch_timeout: TIMEOUT, ..Config::default() })
+}
+
+fn group_with(ctx: &Arc<CudaContext>, world: usize, algorithm: Option<Algorithm>, config: Config) -> Vec<Comm> {
     let mut comms = Comm::from_streams(common::streams(ctx, world), config).unwrap();
     for c in comms.iter_mut() {
         c.set_algorithm(algorithm).unwrap();
@@ -90,10 +93,42 @@ fn download(buf: &DeviceMemory, n: usize) -> Vec<f32> {
 }
 
 fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: usize, n: usize) {
+    graph_run_with(
+        test,
+        Config { timeout: TIMEOUT, launch_timeout: TIMEOUT, ..Config::default() },
+        world,
+        algorithm,
+        replays,
+        n,
+    )
+}
+
+/// `graph_run` with a configuration of its own (islands, transport).
+pub(crate) fn graph_run_with(
+    test: &str,
+    config: Config,
+    world: usize,
+    algorithm: Option<Algorithm>,
+    replays: usize,
+    n: usize,
+) {
     let _lock = common::gpu_lock();
+    graph_run_locked(test, config, world, algorithm, replays, n)
+}
+
+/// [`graph_run_with`] for a caller that holds the GPU lock (and, say, a
+/// test hook that must only see this group's init).
+pub(crate) fn graph_run_locked(
+    test: &str,
+    config: Config,
+    world: usize,
+    algorithm: Option<Algorithm>,
+    replays: usize,
+    n: usize,
+) {
     let Some(ctx) = common::gpu(test) else { return };
     let mut rng = common::rng(test);
-    let comms = group(&ctx, world, algorithm);
+    let comms = group_with(&ctx, world, algorithm, config);
     let mut bufs = rank_buffers(&comms, n);
     let graphs = capture(&comms, &mut bufs);
     let registered = Comm::register_graph_buffers_group(&comms).unwrap();
@@ -135,11 +170,13 @@ fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: us
         }
         // Every 100th replay: every layer exactly against its actual inputs.
         if rep % 100 == 0 {
+            let roundings = algorithm.map_or(1, |a| a.max_roundings(world));
             for l in 0..LAYERS {
                 let xs: Vec<Vec<f32>> = bufs.iter().map(|b| b.x[l].to_host().unwrap()).collect();
                 for (r, b) in bufs.iter().enumerate() {
                     let out = b.y[l].to_host().unwrap();
-                    common::check_sum(&xs, &out, 1).unwrap_or_else(|e| panic!("replay {rep} layer {l} rank {r}: {e}"));
+                    common::check_sum(&xs, &out, roundings)
+                        .unwrap_or_else(|e| panic!("replay {rep} layer {l} rank {r}: {e}"));
                 }
             }
         }
@@ -162,7 +199,13 @@ fn graph_replays_two_shot_pull_registered() {
 
 #[test]
 fn graph_replays_every_algorithm() {
-    for algorithm in [Algorithm::OneShotPull, Algorithm::OneShotPush, Algorithm::TwoShotPush, Algorithm::Ring] {
+    for algorithm in [
+        Algorithm::OneShotPull,
+        Algorithm::OneShotPush,
+        Algorithm::TwoShotPush,
+        Algorithm::Ring,
+        Algorithm::CopyEngineRing,
+    ] {
         graph_run("graph_replays_every_algorithm", 4, Some(algorithm), 200, 4_099);
     }
 }

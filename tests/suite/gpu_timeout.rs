@@ -22,8 +22,9 @@ fn missing_rank_times_out_with_its_name() {
         Algorithm::TwoShotPush,
         Algorithm::Ring,
         Algorithm::Hierarchical,
+        Algorithm::CopyEngineRing,
     ] {
-        let config = Config { timeout, island_size: Some(2), ..Config::default() };
+        let config = Config { timeout, launch_timeout: timeout, island_size: Some(2), ..Config::default() };
         let mut comms = Comm::from_streams(common::streams(&ctx, world), config).unwrap();
         for c in comms.iter_mut() {
             c.set_algorithm(Some(algorithm)).unwrap();

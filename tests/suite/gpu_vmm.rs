@@ -202,7 +202,12 @@ fn in_process_pair(test: &str) -> Option<(Vec<Arc<CudaContext>>, Vec<Comm>)> {
         ctx0.clone()
     };
     let streams = vec![ctx0.new_stream().unwrap(), ctx1.new_stream().unwrap()];
-    let config = Config { timeout: Duration::from_secs(5), nccl_fallback: false, ..Config::default() };
+    let config = Config {
+        timeout: Duration::from_secs(5),
+        launch_timeout: Duration::from_secs(5),
+        nccl_fallback: false,
+        ..Config::default()
+    };
     let mut comms = Comm::from_streams(streams, config).unwrap();
     if comms[0].transport() != Transport::PeerToPeer {
         use std::io::Write;

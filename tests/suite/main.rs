@@ -12,6 +12,7 @@ mod gpu_errors;
 mod gpu_foundation;
 mod gpu_graph;
 mod gpu_mixed_placement;
+mod gpu_pcie_family;
 mod gpu_streams;
 mod gpu_teardown;
 mod gpu_timeout;

@@ -37,10 +37,15 @@
 //!
 //! Bytes per rank: one-shot `(N-1)·S`; two-shot `2(N-1)/N·S` in two phases;
 //! ring `2(N-1)/N·S` pipelined over `2(N-1)` dependent steps (at most
-//! `ring_max_gbps` per rank); hierarchical `(m-1)/m·S` inside the island
-//! twice and `(I-1)/m·S` across islands; host-staged: every flow crosses
-//! PCIe twice (up into host memory, down into the receiver) with a ~14
-//! us-class latency per hop.
+//! `ring_max_gbps` per rank; the
+//! copy-engine ring: the same bytes at the copy engines' rate, each step a
+//! copy, a flag write and a step kernel); hierarchical (islands of any
+//! shape, `S_h` = the largest island) each rank's non-owned shares inside
+//! the island, its owned shares' partials to every other island's owner, its
+//! owned finals to every member — `(m-1)/m·S`, `(I-1)/m·S`, `(m-1)/m·S`
+//! for equal islands of `m`;
+//! host-staged: every flow crosses PCIe twice (up into host memory, down
+//! into the receiver) with a ~14 us-class latency per hop.
 //!
 //! NCCL is modelled as NCCL models itself (`tuning.cc`): a base latency per
 //! protocol, a per-step latency times the number of steps (`2(N-1)` for
@@ -65,7 +70,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::algorithm::{self, Capabilities, CostRecipe, CostShape, LatencyOver, Op};
+use crate::algorithm::{self, Capabilities, CostRecipe, CostShape, IslandSplit, LatencyOver, Op};
 use crate::algorithm::{Algorithm, Transport};
 use crate::select::topology::Topology;
 
@@ -184,21 +189,16 @@ pub enum NcclTuning {
 pub struct Options {
     /// Replayed from a CUDA graph (else launched eagerly).
     pub capturing: bool,
-    /// Hierarchical: consecutive islands of this many ranks.
-    pub island_size: Option<usize>,
+    /// Hierarchical: the islands (two or more), if any.
+    pub islands: Option<IslandSplit>,
     /// The NCCL baseline.
     pub nccl: NcclTuning,
 }
 
 impl Options {
-    /// Graph replay, islands as the topology derives them (if
-    /// consecutive), tuned NCCL.
+    /// Graph replay, islands as the topology derives them, tuned NCCL.
     pub fn for_topology(view: &Topology) -> Options {
-        Options {
-            capturing: true,
-            island_size: view.islands().and_then(|i| i.consecutive_size()),
-            nccl: NcclTuning::Tuned,
-        }
+        Options { capturing: true, islands: view.island_split(), nccl: NcclTuning::Tuned }
     }
 }
 
@@ -238,15 +238,16 @@ impl CostModel {
         let caps = Capabilities {
             world: n,
             transport,
-            island_size: opts.island_size,
+            islands: opts.islands,
             one_shot_push_max_bytes: usize::MAX,
+            copy_engine: true,
             nccl_available: true,
         };
         algorithm::availability(algorithm, &caps, None).map_err(NotApplicable)?;
         let Some(host) = algorithm::host(algorithm) else {
             return Err(NotApplicable(format!("{algorithm} has no kernel of ours")));
         };
-        let recipe = host.cost(&CostShape { world: n, island_size: opts.island_size });
+        let recipe = host.cost(&CostShape { world: n, islands: opts.islands });
         let net = Net::new(view, p, transport);
         let s = bytes as f64;
         let shared = net.ranks_on_device.iter().copied().max().unwrap_or(1).saturating_sub(1) as f64;
@@ -256,7 +257,7 @@ impl CostModel {
             ..Default::default()
         };
         if n > 1 {
-            self.price_phases(&net, &recipe, !host.sentinel(), s, opts.island_size.unwrap_or(n), &mut b);
+            self.price_phases(&net, &recipe, !host.sentinel(), s, opts.islands, &mut b);
         }
         b.local_us = net.local_beyond(recipe.local_passes, s, b.wire_us + b.contention_us);
         if host.reads_peer_inputs() && !opts.capturing {
@@ -269,17 +270,26 @@ impl CostModel {
 
     /// Adds the latency, wire and contention of `recipe`'s phases for a
     /// message of `s` bytes (islands of `island`); `flags`: a flag kernel.
-    fn price_phases(&self, net: &Net, recipe: &CostRecipe, flags: bool, s: f64, island: usize, b: &mut Breakdown) {
+    fn price_phases(
+        &self,
+        net: &Net,
+        recipe: &CostRecipe,
+        flags: bool,
+        s: f64,
+        islands: Option<IslandSplit>,
+        b: &mut Breakdown,
+    ) {
         let p = &self.params;
         for spec in &recipe.phases {
             let phase = Phase {
-                flows: flows(spec.flows, net.n, island, spec.share * s),
+                flows: flows(spec.flows, net.n, islands, spec.share * s),
                 op: spec.op,
                 pattern: spec.pattern,
                 hops: spec.hops + spec.read_hops * p.read_round_trip_factor,
                 mean_latency: spec.latency_over == LatencyOver::MeanFlow,
                 pipeline: if spec.ring_pipelined { p.ring_efficiency } else { 1.0 },
                 max_gbps: if spec.ring_pipelined { p.ring_max_gbps } else { f64::INFINITY },
+                engine: spec.engine,
             };
             b.latency_us += self.phase_latency(net, &phase, spec.latency_over == LatencyOver::WorstPair);
             if flags {

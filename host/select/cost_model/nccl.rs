@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::network::{Class, Flow, Net, Phase};
 use super::{Breakdown, CostModel, Method, NcclTuning, Options, Prediction};
 use crate::algorithm::Transport;
-use crate::algorithm::{Op, Pattern};
+use crate::algorithm::{Engine, Op, Pattern};
 use crate::select::topology::Topology;
 
 /// NCCL's algorithms within one node.
@@ -114,6 +114,7 @@ impl CostModel {
                 mean_latency: true,
                 pipeline: 1.0,
                 max_gbps: f64::INFINITY,
+                engine: Engine::Sm,
             };
             let (_, actual) = self.data_time(&net, &phase);
             let mut throughput = fraction * link_gbps;

@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 
 use super::{CostModel, CostParams};
-use crate::algorithm::Transport;
-use crate::algorithm::{FlowSet, Op, Pattern};
+use crate::algorithm::{Engine, FlowSet, IslandSplit, Op, Pattern, Transport};
 use crate::select::topology::{components, LinkKind, PcieRelation, Topology};
+use tp_allreduce_kernels::shares::{owned_count, owner_index};
 
 /// Link classes: one latency and one bandwidth rule each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -70,6 +70,8 @@ pub(super) struct Phase {
     /// Most bytes per second one flow reaches whatever the link (GB/s;
     /// infinite but for our ring).
     pub max_gbps: f64,
+    /// SM stores or copy-engine copies (bandwidth and per-hop overhead).
+    pub engine: Engine,
 }
 
 /// The structure of a rank view the model needs, precomputed.
@@ -159,18 +161,43 @@ impl Net {
     }
 }
 
-/// The flows of `set` on `n` ranks (islands of `m` consecutive ranks),
-/// `bytes` each.
-pub(super) fn flows(set: FlowSet, n: usize, m: usize, bytes: f64) -> Vec<Flow> {
-    let m = m.max(1);
+/// The flows of `set` on `n` ranks, `share` bytes per share (or per flow
+/// for the flat sets). Island flows follow the ownership of
+/// `tp_allreduce_kernels::shares`: member `j` of an island of `n_g` owns
+/// shares `j, j + n_g, ...` of the `S` (largest island) shares.
+pub(super) fn flows(set: FlowSet, n: usize, islands: Option<IslandSplit>, share: f64) -> Vec<Flow> {
     let pairs = (0..n).flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)));
-    let wanted = |(i, j): &(usize, usize)| match set {
-        FlowSet::AllPairs => true,
-        FlowSet::RingNeighbours => *j == (*i + 1) % n,
-        FlowSet::WithinIslands => i / m == j / m,
-        FlowSet::AcrossIslands => i / m != j / m && i % m == j % m,
+    let flat = |keep: &dyn Fn(usize, usize) -> bool| -> Vec<Flow> {
+        pairs.clone().filter(|&(i, j)| keep(i, j)).map(|(src, dst)| Flow { src, dst, bytes: share }).collect()
     };
-    pairs.filter(wanted).map(|(src, dst)| Flow { src, dst, bytes }).collect()
+    let split = islands.unwrap_or_else(|| IslandSplit::whole(n));
+    let shares = split.shares() as u32;
+    let owned = |r: usize| owned_count(shares, split.size(split.island_of(r)) as u32, split.index_of(r) as u32) as f64;
+    match set {
+        FlowSet::AllPairs => flat(&|_, _| true),
+        FlowSet::RingNeighbours => flat(&|i, j| j == (i + 1) % n),
+        FlowSet::IslandScatter => pairs
+            .filter(|&(i, j)| split.together(i, j))
+            .map(|(src, dst)| Flow { src, dst, bytes: owned(dst) * share })
+            .collect(),
+        FlowSet::IslandGather => pairs
+            .filter(|&(i, j)| split.together(i, j))
+            .map(|(src, dst)| Flow { src, dst, bytes: owned(src) * share })
+            .collect(),
+        FlowSet::CrossOwners => {
+            let mut out = Vec::new();
+            for src in 0..n {
+                let (g, members) = (split.island_of(src), split.size(split.island_of(src)) as u32);
+                for k in (0..shares).filter(|&k| owner_index(k, members) as usize == split.index_of(src)) {
+                    for h in (0..split.count()).filter(|&h| h != g) {
+                        let dst = split.member(h, owner_index(k, split.size(h) as u32) as usize);
+                        out.push(Flow { src, dst, bytes: share });
+                    }
+                }
+            }
+            out
+        }
+    }
 }
 
 impl CostModel {
@@ -300,10 +327,15 @@ impl CostModel {
         };
         let mut ideal: f64 = 0.0;
         let mut actual: f64 = 0.0;
+        // Copy engines keep their own share of a PCIe link (docs/SOURCES.md [F9]).
+        let engine = match phase.engine {
+            Engine::Sm => 1.0,
+            Engine::CopyEngine => p.copy_engine_efficiency / p.pcie_efficiency,
+        };
         for (r, l) in map {
             let eff = self.efficiency(op, phase.pattern, l.flows);
             let (base, cap, counts_as_wire) = match *r {
-                Resource::PcieOut(d) | Resource::PcieIn(d) => (pcie_of(d), pcie_of(d) * eff, true),
+                Resource::PcieOut(d) | Resource::PcieIn(d) => (pcie_of(d) * engine, pcie_of(d) * engine * eff, true),
                 Resource::NvOut(d) | Resource::NvIn(d) => {
                     let b = nv_cap.get(&d).copied().unwrap_or(p.nvswitch_gpu_gbps);
                     (b, b * eff, true)
@@ -383,6 +415,10 @@ impl CostModel {
         } else {
             classes.iter().map(|&c| self.latency(c)).fold(0.0, f64::max)
         };
-        phase.hops * (lat + self.params.hop_overhead_us)
+        let overhead = match phase.engine {
+            Engine::Sm => self.params.hop_overhead_us,
+            Engine::CopyEngine => self.params.copy_engine_step_us,
+        };
+        phase.hops * (lat + overhead)
     }
 }

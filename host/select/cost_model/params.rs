@@ -71,6 +71,12 @@ pub struct CostParams {
     /// Our ring: most bytes per second one rank streams through its FIFOs,
     /// whatever the link (GB/s; per-chunk flag and credit round trips).
     pub ring_max_gbps: f64,
+    /// Copy-engine peer copies: achieved / raw PCIe bandwidth per hop of a
+    /// ring (the copy-engine ring).
+    pub copy_engine_efficiency: f64,
+    /// Per copy-engine ring step on top of the link latency: the copy node,
+    /// the flag write and the step kernel that waits for it (us).
+    pub copy_engine_step_us: f64,
     /// Socket boundary, one flow alone, per direction (GB/s).
     pub socket_single_flow_gbps: f64,
     /// Socket boundary, aggregate with many flows, per direction (GB/s).
@@ -135,6 +141,8 @@ impl Default for CostParams {
             single_read_efficiency: 0.955,
             ring_efficiency: 0.66,
             ring_max_gbps: 32.0,
+            copy_engine_efficiency: 0.79,
+            copy_engine_step_us: 2.3,
             socket_single_flow_gbps: 53.0,
             socket_many_flows_gbps: 24.0,
             socket_read_factor: 0.81,
@@ -206,6 +214,8 @@ impl CostParams {
             r("single_read_efficiency", self.single_read_efficiency, "x", "SOURCES.md [F6]: load 42.8 vs store 44.8 GB/s alone"),
             r("ring_efficiency", self.ring_efficiency, "x", "assumption: streams no better than NCCL's Simple ring (= nccl_simple_link_fraction)"),
             r("ring_max_gbps", self.ring_max_gbps, "GB/s", "measured here: ring 256 KB-8 MB on 2 H200 streams 30-44 GB/s ({H200X2}/tuning.toml)"),
+            r("copy_engine_efficiency", self.copy_engine_efficiency, "x", "SOURCES.md [F9]: copy-engine flat ring of 8 ranks, 49.64 GB/s per link / 63 raw"),
+            r("copy_engine_step_us", self.copy_engine_step_us, "us", "assumption: 2 dependent graph nodes (copy, flag write) per step at the measured graph launch floor, 1.15 us per dependent node (RESULTS.md, H200)"),
             r("socket_single_flow_gbps", self.socket_single_flow_gbps, "GB/s", "SOURCES.md [F9]: ~53 GB/s for a single hop alone"),
             r("socket_many_flows_gbps", self.socket_many_flows_gbps, "GB/s", "SOURCES.md [F9]: ~24 GB/s aggregate, all flows crossing"),
             r("socket_read_factor", self.socket_read_factor, "x", "SOURCES.md [F6]: read/write ratio under concurrency (20.6 / 25.4)"),

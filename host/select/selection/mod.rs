@@ -34,7 +34,7 @@ use std::fmt;
 
 use tp_allreduce_kernels::ids::DType;
 
-use crate::algorithm::{self, Capabilities};
+use crate::algorithm::{self, Capabilities, IslandSplit};
 use crate::algorithm::{Algorithm, Transport};
 use crate::env;
 use crate::error::Result;
@@ -56,10 +56,12 @@ pub struct Constraints {
     pub transport: Transport,
     /// An NCCL communicator exists (NCCL loaded, ranks on distinct GPUs).
     pub nccl_available: bool,
-    /// Hierarchical: consecutive islands of this many ranks.
-    pub island_size: Option<usize>,
+    /// Hierarchical: the islands (two or more), if any.
+    pub islands: Option<IslandSplit>,
     /// One-shot push handles messages up to this size.
     pub one_shot_push_max_bytes: usize,
+    /// The copy-engine ring has staging.
+    pub copy_engine: bool,
     /// Algorithms the caller rules out.
     pub disabled: Vec<Algorithm>,
     /// `Comm::set_algorithm` / `Config::algorithm`.
@@ -71,16 +73,31 @@ pub struct Constraints {
 impl Constraints {
     /// Defaults for a rank view: P2P when every pair has usable P2P, else
     /// host-staged; NCCL available unless ranks share a GPU; islands as the
-    /// topology derives them when they are consecutive; no overrides.
+    /// topology derives them; the copy-engine ring available with P2P; no
+    /// overrides.
     pub fn for_topology(view: &Topology) -> Constraints {
+        let islands = view.island_split();
+        // Per pair: only pairs across islands lack P2P (as init decides).
+        let n = view.len();
+        let inside_usable = islands.is_some_and(|s| {
+            (0..n).all(|a| (0..n).all(|b| a == b || !s.together(a, b) || view.pair(a, b).p2p_usable()))
+        });
+        let transport = if view.all_p2p_usable() {
+            Transport::PeerToPeer
+        } else if inside_usable {
+            Transport::PerPair
+        } else {
+            Transport::HostStaged
+        };
         Constraints {
-            transport: if view.all_p2p_usable() { Transport::PeerToPeer } else { Transport::HostStaged },
+            transport,
             nccl_available: !view.has_shared_device(),
-            island_size: view.islands().and_then(|i| i.consecutive_size()),
+            islands,
             one_shot_push_max_bytes: crate::config::resolve_one_shot_push_max_bytes(
                 crate::config::Config::ONE_SHOT_PUSH_AUTO,
                 view.len(),
             ),
+            copy_engine: true,
             disabled: Vec::new(),
             communicator_override: None,
             env_override: None,
@@ -102,8 +119,9 @@ impl Constraints {
         let caps = Capabilities {
             world,
             transport: self.transport,
-            island_size: self.island_size,
+            islands: self.islands,
             one_shot_push_max_bytes: self.one_shot_push_max_bytes,
+            copy_engine: self.copy_engine,
             nccl_available: self.nccl_available,
         };
         algorithm::availability(algorithm, &caps, Some(bytes))
@@ -307,7 +325,7 @@ fn select_view(
         model,
         view,
         bytes,
-        opts: Options { capturing, island_size: c.island_size, nccl: NcclTuning::Tuned },
+        opts: Options { capturing, islands: c.islands, nccl: NcclTuning::Tuned },
         c,
         entry,
         past_table,
