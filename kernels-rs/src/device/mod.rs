@@ -9,6 +9,9 @@
 //! * one file per kernel family: [`elementwise`], [`one_shot_pull`],
 //!   [`two_shot_pull`], [`one_shot_push`], [`two_shot_push`], [`ring`],
 //!   [`hierarchical`], [`p2p_check`].
+//! * the fused epilogue (allreduce + residual add + RMSNorm): [`epilogue`]
+//!   (shared pieces and the separate `add_rms_norm` kernel),
+//!   [`fused_one_shot_push`], [`fused_one_shot_pull`].
 //!
 //! Entry points are `#[no_mangle] extern "ptx-kernel"` functions named
 //! `<algorithm>_<dtype>`. Sentinel kernels (OneShotPush) take one
@@ -22,6 +25,9 @@ pub mod sentinel;
 pub mod sync;
 
 pub mod elementwise;
+pub mod epilogue;
+pub mod fused_one_shot_pull;
+pub mod fused_one_shot_push;
 pub mod hierarchical;
 pub mod one_shot_pull;
 pub mod one_shot_push;
