@@ -61,7 +61,7 @@ pub mod tools;
 
 pub use algorithm::{Algorithm, Transport};
 pub use buffer::DeviceBuffer;
-pub use comm::{CallPlan, Comm, Element, ReduceOp};
+pub use comm::{CallPlan, Comm, Element, FusedOptions, FusedPlan, ReduceOp};
 pub use config::{Config, TransportPreference};
 pub use error::{Error, Result};
 pub use rank_env::RankEnv;

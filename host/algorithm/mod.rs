@@ -17,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 mod cost;
+pub mod fused;
 mod hierarchical;
 mod names;
 mod one_shot_pull;

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 /// measured for it (sentinel algorithms): the forced algorithm (no tuned
 /// shape), else the selection table's choice for this size bucket (no
 /// allocation).
-fn choose(comm: &Comm, bytes: usize, dtype: DType, capturing: bool) -> (Algorithm, Option<(u32, u32)>) {
+pub(super) fn choose(comm: &Comm, bytes: usize, dtype: DType, capturing: bool) -> (Algorithm, Option<(u32, u32)>) {
     match comm.config.algorithm {
         Some(forced) => (forced, None),
         None => {
@@ -51,7 +51,7 @@ pub(super) fn plan(comm: &Comm, bytes: usize, dtype: DType, capturing: bool, in_
 
 /// Splits `count` elements into launches of at most `cap_packs` packs each
 /// (chunk boundaries on pack boundaries keep 16-byte alignment).
-fn chunks(count: usize, dtype: DType, cap_packs: u64) -> impl Iterator<Item = (usize, usize)> {
+pub(super) fn chunks(count: usize, dtype: DType, cap_packs: u64) -> impl Iterator<Item = (usize, usize)> {
     let per_pack = tp_allreduce_kernels::partition::elems_per_pack(dtype);
     let cap_elems = (cap_packs.min((usize::MAX / PACK_BYTES) as u64) as usize).saturating_mul(per_pack).max(per_pack);
     (0..count).step_by(cap_elems).map(move |start| (start, cap_elems.min(count - start)))
@@ -153,7 +153,14 @@ impl Comm {
 
     /// Checks that `ptr..ptr+bytes` is device memory of this context (a
     /// wrong count or dtype in the raw API shows up as an overrun).
-    fn validate_device_range(&self, what: &str, ptr: u64, bytes: usize, count: usize, dtype: DType) -> Result<()> {
+    pub(super) fn validate_device_range(
+        &self,
+        what: &str,
+        ptr: u64,
+        bytes: usize,
+        count: usize,
+        dtype: DType,
+    ) -> Result<()> {
         match driver::allocation_range(ptr) {
             Ok((base, size)) => {
                 if ptr + bytes as u64 > base + size as u64 {
@@ -221,6 +228,31 @@ impl Comm {
         unsafe { self.order_after_previous_call(stream, capture)? };
         let capturing = capture.is_some();
         let (algorithm, tuned_shape) = choose(self, bytes, dtype, capturing);
+        // SAFETY: as above.
+        unsafe { self.dispatch(algorithm, tuned_shape, send, recv, count, dtype, stream, capturing) }.inspect_err(|e| {
+            if e.breaks_communicator() {
+                self.mark_broken(e.to_string());
+            }
+        })
+    }
+
+    /// Runs `algorithm` (chosen, ordered) on a validated call: NCCL, a pull
+    /// or a push kernel. Also the allreduce of the fused calls' unfused path.
+    ///
+    /// # Safety
+    /// As `Comm::all_reduce_raw`, with the arguments already validated.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn dispatch(
+        &self,
+        algorithm: Algorithm,
+        tuned_shape: Option<(u32, u32)>,
+        send: sys::CUdeviceptr,
+        recv: sys::CUdeviceptr,
+        count: usize,
+        dtype: DType,
+        stream: sys::CUstream,
+        capturing: bool,
+    ) -> Result<()> {
         match algorithm {
             Algorithm::Nccl => match &self.nccl {
                 Some(nccl) => nccl.all_reduce(send, recv, count, dtype, stream),
@@ -229,11 +261,6 @@ impl Comm {
             a if a.reads_peer_inputs() => self.run_pull(a, send, recv, count, dtype, stream, capturing),
             a => self.run_push(a, send, recv, count, dtype, stream, tuned_shape),
         }
-        .inspect_err(|e| {
-            if e.breaks_communicator() {
-                self.mark_broken(e.to_string());
-            }
-        })
     }
 
     /// Calls on one rank must not overlap: kernels keep per-block state
@@ -248,7 +275,7 @@ impl Comm {
     ///
     /// # Safety
     /// `stream` is a live stream of the communicator's context.
-    unsafe fn order_after_previous_call(&self, stream: sys::CUstream, capture: Option<u64>) -> Result<()> {
+    pub(super) unsafe fn order_after_previous_call(&self, stream: sys::CUstream, capture: Option<u64>) -> Result<()> {
         let mut order = self.order.lock().map_err(|_| Error::Broken("call-order lock poisoned".into()))?;
         let this = PreviousCall { stream: stream as usize, capture };
         let Some(prev) = order.last.filter(|p| p.stream != this.stream) else {
@@ -285,7 +312,11 @@ impl Comm {
 
     /// The host side and kernel of `algorithm` for `dtype`, once the one
     /// availability rule allows it here.
-    fn prepare(&self, algorithm: Algorithm, dtype: DType) -> Result<(&'static dyn AlgorithmHost, sys::CUfunction)> {
+    pub(super) fn prepare(
+        &self,
+        algorithm: Algorithm,
+        dtype: DType,
+    ) -> Result<(&'static dyn AlgorithmHost, sys::CUfunction)> {
         algorithm::availability(algorithm, &self.capabilities(), None).map_err(Error::Unsupported)?;
         let host = algorithm::host(algorithm).ok_or_else(|| Error::invalid("NCCL has no kernel of ours"))?;
         Ok((host, self.module.function(&crate::kernels::entry_name(host.kernel(), dtype))?))
@@ -330,7 +361,7 @@ impl Comm {
     /// does not: each launch fits the receive region (`chunks`) and its
     /// shape stays resident.
     #[allow(clippy::too_many_arguments)]
-    fn run_sentinel(
+    pub(super) fn run_sentinel(
         &self,
         host: &dyn AlgorithmHost,
         send: sys::CUdeviceptr,

@@ -52,7 +52,8 @@ impl Comm {
         } else {
             None
         };
-        let (selection, topology, more) = selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
+        let (selection, fused_selection, topology, more) =
+            selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
         notes.extend(more);
         Ok(Comm {
             rank,
@@ -69,6 +70,7 @@ impl Comm {
             rendezvous: Arc::from(rendezvous),
             nccl,
             selection,
+            fused_selection,
             topology,
             notes,
             restore_context: driver::RestoreOnDrop::default(),

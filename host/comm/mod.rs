@@ -38,6 +38,7 @@
 
 mod call;
 mod fd_passing;
+mod fused;
 mod group;
 mod ipc;
 mod p2p_check;
@@ -61,6 +62,7 @@ pub use cudarc::nccl::ReduceOp;
 
 pub use crate::config::{Config, TransportPreference};
 pub use crate::element::Element;
+pub use fused::{FusedOptions, FusedPlan};
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::driver::{self, KernelModule};
@@ -83,6 +85,8 @@ pub struct Comm {
     rendezvous: Arc<dyn crate::rendezvous::Rendezvous>,
     nccl: Option<crate::nccl::NcclComm>,
     selection: crate::select::selection::SelectionTable,
+    /// The same for fused calls (`all_reduce_add_rms_norm`, `fused.rs`).
+    fused_selection: crate::select::selection::SelectionTable,
     topology: crate::select::topology::Topology,
     notes: Vec<String>,
     /// Last field: restores the caller's current context after every other field's drop.

@@ -46,6 +46,7 @@
 //! residual table (a test asserts each point within ±25 %).
 
 mod calibration;
+mod fused;
 mod nccl;
 mod network;
 mod params;
@@ -61,6 +62,7 @@ use crate::algorithm::{Algorithm, Transport};
 use crate::select::topology::Topology;
 
 pub use calibration::{calibration_points, residual_table, residuals, CalibrationPoint, Residual, Subject, Target};
+pub use fused::{BLOCK_REDUCTION_US, SEPARATE_KERNEL_EAGER_US, SEPARATE_KERNEL_GRAPH_US};
 pub use nccl::{NcclAlgo, NcclProto, NcclVariant};
 pub use params::{CostParams, ParamRow};
 

@@ -22,7 +22,7 @@
 
 use super::pack::{aligned16, load_pack, store_pack, Acc, Element, Pack};
 use super::ptx;
-use crate::params::{FUSED_MAX_THREADS, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET};
+use crate::params::{EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_MAX_THREADS};
 use crate::partition::{div_ceil, elems_in_pack};
 
 /// Unrolls `$body` for `$k` in `0..FUSED_PACKS_PER_THREAD` (a thread's

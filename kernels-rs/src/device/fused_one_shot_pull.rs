@@ -24,10 +24,10 @@ use super::one_shot_pull::{all_aligned, resolve_peer_inputs};
 use super::pack::{aligned16, load_pack, store_pack, Element, Pack, ZERO_PACK};
 use super::ptx;
 use super::sync::Ctx;
-use crate::{for_each_rank, for_each_row_pack};
 use crate::ids::{AlgorithmId, DeviceErrorCode, Phase};
 use crate::layout::{DeviceHandle, PeerPointers, MAX_RANKS};
 use crate::params::{EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_PACKS_PER_THREAD};
+use crate::{for_each_rank, for_each_row_pack};
 
 /// Packs per thread per row (the host keeps `row_packs <= K * threads`).
 const K: usize = FUSED_PACKS_PER_THREAD as usize;

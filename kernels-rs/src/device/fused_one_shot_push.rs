@@ -36,13 +36,12 @@ use super::epilogue::{block_rows, block_sum, inv_rms, normalise, sum_squares};
 use super::pack::{any_word_empty, Acc, Element, Pack, ZERO_PACK};
 use super::ptx;
 use super::sentinel::{self, Stall};
-use crate::{for_each_rank, for_each_row_pack};
 use crate::ids::AlgorithmId;
 use crate::layout::{ErrorRecord, MAX_RANKS, SENTINEL_EMPTY_WORD};
 use crate::params::{
-    Control, FusedOneShotPushParams, RegionId, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET,
-    FUSED_PACKS_PER_THREAD,
+    Control, FusedOneShotPushParams, RegionId, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_PACKS_PER_THREAD,
 };
+use crate::{for_each_rank, for_each_row_pack};
 
 /// Packs per thread per row (the host keeps `row_packs <= K * threads`).
 const K: usize = FUSED_PACKS_PER_THREAD as usize;
