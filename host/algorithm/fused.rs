@@ -20,10 +20,9 @@
 //!
 //! The path depends only on what every rank shares (the algorithm, rows,
 //! hidden, dtype, capacities), never on one rank's pointers, so all ranks
-//! run matching kernels: a rank whose pointers are not 16-byte aligned runs
-//! the plain OneShotPush launches with the same row chunks instead of the
-//! fused push (both speak the same sentinel protocol), and the fused pull
-//! kernel handles any alignment itself.
+//! run the same kernels (the pull kernel's barriers pair blocks across
+//! ranks) with the same reduction tree: the fused kernels take views of any
+//! alignment, going element by element through a misaligned one.
 
 #![forbid(unsafe_code)]
 

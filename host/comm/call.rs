@@ -361,7 +361,7 @@ impl Comm {
     /// does not: each launch fits the receive region (`chunks`) and its
     /// shape stays resident.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn run_sentinel(
+    fn run_sentinel(
         &self,
         host: &dyn AlgorithmHost,
         send: sys::CUdeviceptr,

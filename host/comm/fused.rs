@@ -91,12 +91,6 @@ impl EpilogueCall {
         row * (self.shape.hidden * self.shape.dtype.size_bytes()) as u64
     }
 
-    /// Every pointer of the call 16-byte aligned (the fused push kernel's
-    /// vector accesses need it).
-    fn aligned(&self) -> bool {
-        [self.input, self.residual, self.weight, self.normed].iter().all(|p| p % 16 == 0)
-    }
-
     /// The epilogue of the launch over rows `row0..row0 + rows`.
     fn epilogue(&self, row0: u64, rows: u64) -> FusedEpilogue {
         let off = self.row_offset(row0);
@@ -441,27 +435,15 @@ impl Comm {
         })
     }
 
-    /// Fused OneShotPush: launches of `rows_per_launch` whole rows. A rank
-    /// whose pointers are not 16-byte aligned runs the plain OneShotPush
-    /// launches over the same rows (the same packs, the same protocol:
-    /// peers cannot tell) into the sum's destination, then the separate
-    /// kernel.
+    /// Fused OneShotPush: launches of `rows_per_launch` whole rows (any
+    /// pointer alignment: the kernel goes element by element through a
+    /// misaligned view).
     ///
     /// # Safety
     /// As `fused_call`, after validation and ordering.
     unsafe fn run_fused_push(&self, call: &EpilogueCall, rows_per_launch: u64, stream: sys::CUstream) -> Result<()> {
-        let (host, _) = self.prepare(Algorithm::OneShotPush, call.shape.dtype)?;
+        self.prepare(Algorithm::OneShotPush, call.shape.dtype)?;
         let hidden = call.shape.hidden as u64;
-        if !call.aligned() {
-            let sum = call.sum_destination();
-            for (row0, rows) in row_chunks(call.shape.rows, rows_per_launch) {
-                let off = call.row_offset(row0);
-                let count = (rows * hidden) as usize;
-                self.run_sentinel(host, call.input + off, sum + off, count, call.shape.dtype, stream, None)?;
-            }
-            // SAFETY: as this function.
-            return unsafe { self.launch_epilogue(call, sum, stream) };
-        }
         let row_packs = call.shape.row_packs().unwrap_or(0);
         let threads = call.threads(row_packs);
         let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;

@@ -33,7 +33,7 @@
 //! there is no barrier and a failing thread leaves at once.
 
 use super::epilogue::{block_rows, block_sum, inv_rms, normalise, sum_squares};
-use super::pack::{any_word_empty, Acc, Element, Pack, ZERO_PACK};
+use super::pack::{aligned16, any_word_empty, load_pack, store_pack, Acc, Element, Pack, ZERO_PACK};
 use super::ptx;
 use super::sentinel::{self, Stall};
 use crate::ids::AlgorithmId;
@@ -56,14 +56,22 @@ fn pack_offset(row: u64, row_packs: u64, j: u64) -> u64 {
     16 * (row * row_packs + j)
 }
 
-/// Loads this thread's packs of `row` from `base` (all in flight at once).
+/// Loads this thread's packs of `row` from `base` (all in flight at once;
+/// element by element unless `vector`).
 #[inline(always)]
-unsafe fn load_row_packs(base: u64, row: u64, row_packs: u64, tid: u64, threads: u64) -> [Pack; K] {
+unsafe fn load_row_packs<E: Element>(
+    base: u64,
+    row: u64,
+    row_packs: u64,
+    tid: u64,
+    threads: u64,
+    vector: bool,
+) -> [Pack; K] {
     let mut v = [ZERO_PACK; K];
     for_each_row_pack!(KI => {
         let j = tid + KI as u64 * threads;
         if j < row_packs {
-            v[KI] = ptx::ld_global_v4_u32((base + pack_offset(row, row_packs, j)) as *const u32);
+            v[KI] = load_pack::<E>(base as *const u8, row * row_packs + j, E::LANES as u64, vector);
         }
     });
     v
@@ -134,9 +142,13 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
     let tid = ptx::thread_idx_x() as u64;
     let (first_row, row_stride) = block_rows();
     let input = p.push.h.input;
+    // Rows are whole packs (host-checked), so a pointer's alignment is that
+    // of every row in it; a misaligned view goes element by element (every
+    // rank runs this kernel for the same calls, whatever its pointers).
+    let vector_in = aligned16(input);
     let mut values = [ZERO_PACK; K];
     if first_row < rows {
-        values = load_row_packs(input, first_row, row_packs, tid, threads);
+        values = load_row_packs::<E>(input, first_row, row_packs, tid, threads, vector_in);
     }
     let world = if W == 0 { p.push.h.world } else { W };
     let rank = p.push.h.rank;
@@ -160,7 +172,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
             });
             row += row_stride;
             if row < rows {
-                values = load_row_packs(input, row, row_packs, tid, threads);
+                values = load_row_packs::<E>(input, row, row_packs, tid, threads, vector_in);
             }
         }
     }
@@ -174,6 +186,11 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
     // ---- Per row: poll, reduce, add the residual, normalise.
     let norm = p.epilogue.flags & EPILOGUE_NORM != 0;
     let offset = p.epilogue.flags & EPILOGUE_WEIGHT_OFFSET != 0;
+    let (residual_in, residual_out) = (p.epilogue.residual_in as *const u8, p.epilogue.residual_out as *mut u8);
+    let (weight, normed) = (p.epilogue.weight as *const u8, p.epilogue.normed as *mut u8);
+    let vector_residual = aligned16(residual_in as u64) && aligned16(residual_out as u64);
+    let vector_norm = aligned16(weight as u64) && aligned16(normed as u64);
+    let lanes = E::LANES as u64;
     let scratch = ptx::reduction_scratch();
     let mut parity = 0u32;
     let mut stall: Option<Stall> = None;
@@ -185,20 +202,20 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
         for_each_row_pack!(KI => {
             let j = tid + KI as u64 * threads;
             if j < row_packs && stall.is_none() {
-                let at = pack_offset(row, row_packs, j);
+                let pack = row * row_packs + j;
                 // Own term, residual and weight are issued before the polls.
-                let mine = E::canonicalise(ptx::ld_global_v4_u32((input + at) as *const u32));
-                let residual = ptx::ld_global_v4_u32((p.epilogue.residual_in + at) as *const u32);
+                let mine = E::canonicalise(load_pack::<E>(input as *const u8, pack, lanes, vector_in));
+                let residual = load_pack::<E>(residual_in, pack, lanes, vector_residual);
                 if norm {
-                    weights[KI] = ptx::ld_global_v4_u32((p.epilogue.weight + 16 * j) as *const u32);
+                    weights[KI] = load_pack::<E>(weight, j, lanes, vector_norm);
                 }
-                let off = ptx::opaque_u64(half + at);
+                let off = ptx::opaque_u64(half + pack_offset(row, row_packs, j));
                 let polled: Result<Acc, Stall> = poll_and_sum!(E, p, world, rank, off, mine, control);
                 match polled {
                     Ok(mut acc) => {
                         E::accumulate(&mut acc, &residual);
                         let out = E::round(&acc);
-                        ptx::st_global_v4_u32((p.epilogue.residual_out + at) as *mut u32, out);
+                        store_pack::<E>(residual_out, pack, lanes, vector_residual, &out);
                         kept[KI] = out;
                         squares += sum_squares::<E>(&out);
                     }
@@ -220,7 +237,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
                 let j = tid + KI as u64 * threads;
                 if j < row_packs {
                     let out = normalise::<E>(&kept[KI], &weights[KI], inv, offset);
-                    ptx::st_global_v4_u32((p.epilogue.normed + pack_offset(row, row_packs, j)) as *mut u32, out);
+                    store_pack::<E>(normed, row * row_packs + j, lanes, vector_norm, &out);
                 }
             });
             parity ^= 1;
