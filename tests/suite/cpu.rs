@@ -193,8 +193,9 @@ fn ptx_choice_follows_compute_capability() {
     assert_eq!(pick(8, 6), Some("sm_80"));
     assert_eq!(pick(7, 5), None);
     let entries = tp_allreduce::kernels::expected_entries();
-    // Six allreduce kernels, the two-rank OneShotPush, sum and affine, per dtype; the P2P check.
-    assert_eq!(entries.len(), 7 * 3 + 2 * 3 + 1);
+    // Six allreduce kernels, the two-rank OneShotPush, sum and affine, the
+    // four fused-epilogue entries, per dtype; the P2P check.
+    assert_eq!(entries.len(), 7 * 3 + 2 * 3 + 4 * 3 + 1);
 }
 
 #[test]
