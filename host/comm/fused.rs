@@ -230,6 +230,38 @@ impl Comm {
         unsafe { self.all_reduce_add_raw(i, r, rows, hidden, T::DTYPE, opts, stream) }
     }
 
+    /// The separate epilogue kernel alone, on the communicator's stream (not
+    /// collective): `residual += sum`, `normed = RMSNorm(residual) * w`,
+    /// exactly as the unfused path runs it after an allreduce (ours or
+    /// NCCL's). `hidden = weight.len()`.
+    pub fn add_rms_norm<S, R, W, N, T>(
+        &self,
+        sum: &S,
+        residual: &mut R,
+        weight: &W,
+        eps: f32,
+        normed: &mut N,
+        opts: &FusedOptions,
+    ) -> Result<()>
+    where
+        S: DevicePtr<T>,
+        R: DevicePtrMut<T>,
+        W: DevicePtr<T>,
+        N: DevicePtrMut<T>,
+        T: Element,
+    {
+        let others = [("residual", residual.len()), ("normed", normed.len())];
+        let (rows, hidden) = typed_shape("add_rms_norm", sum.len(), weight.len(), &others)?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
+        let (s, _gs) = sum.device_ptr(&self.stream);
+        let (r, _gr) = residual.device_ptr_mut(&self.stream);
+        let (w, _gw) = weight.device_ptr(&self.stream);
+        let (n, _gn) = normed.device_ptr_mut(&self.stream);
+        let stream = self.stream.cu_stream();
+        // SAFETY: as in `all_reduce_add_rms_norm`.
+        unsafe { self.add_rms_norm_raw(s, r, w, n, rows, hidden, eps, T::DTYPE, opts, stream) }
+    }
+
     /// Raw-pointer form of [`all_reduce_add_rms_norm`](Self::all_reduce_add_rms_norm),
     /// for callers not on cudarc. `normed` may equal `input` (in place) or
     /// must not overlap it; `residual` and `weight` overlap nothing else.

@@ -39,13 +39,27 @@ impl CostModel {
     /// Host-staged OneShotPush fuses like over P2P (the epilogue is local).
     pub fn epilogue_us(&self, algorithm: Algorithm, transport: Transport, bytes: usize, capturing: bool) -> f64 {
         let _ = transport;
-        let pass_us = bytes as f64 / (self.params.device_memory_gbps * 1e3);
         if has_fused_kernel(algorithm) {
-            BLOCK_REDUCTION_US + FUSED_EXTRA_PASSES * pass_us
+            self.fused_epilogue_us(bytes)
         } else {
-            let launch = if capturing { SEPARATE_KERNEL_GRAPH_US } else { SEPARATE_KERNEL_EAGER_US };
-            launch + BLOCK_REDUCTION_US + SEPARATE_PASSES * pass_us
+            self.separate_epilogue_us(bytes, capturing)
         }
+    }
+
+    /// The epilogue inside a fused kernel.
+    pub fn fused_epilogue_us(&self, bytes: usize) -> f64 {
+        BLOCK_REDUCTION_US + FUSED_EXTRA_PASSES * self.pass_us(bytes)
+    }
+
+    /// The separate `add_rms_norm` kernel after an allreduce.
+    pub fn separate_epilogue_us(&self, bytes: usize, capturing: bool) -> f64 {
+        let launch = if capturing { SEPARATE_KERNEL_GRAPH_US } else { SEPARATE_KERNEL_EAGER_US };
+        launch + BLOCK_REDUCTION_US + SEPARATE_PASSES * self.pass_us(bytes)
+    }
+
+    /// One pass of `bytes` through device memory.
+    fn pass_us(&self, bytes: usize) -> f64 {
+        bytes as f64 / (self.params.device_memory_gbps * 1e3)
     }
 }
 
