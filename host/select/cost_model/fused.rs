@@ -18,8 +18,8 @@ use crate::algorithm::{Algorithm, Transport};
 /// (assumption: ~500 cycles at ~1.8 GHz, with margin).
 pub const BLOCK_REDUCTION_US: f64 = 0.3;
 /// A separate small kernel after a dependent one in a CUDA graph: the
-/// launch floor measured on one H200 (1.15 us per step of a graph of tiny
-/// dependent kernels, docs/RESULTS.md), rounded up.
+/// launch floor measured on one H200 (1.15-1.5 us per step of a graph of
+/// tiny dependent kernels, docs/RESULTS.md).
 pub const SEPARATE_KERNEL_GRAPH_US: f64 = 1.2;
 /// The same launched eagerly: plus the host's launch call (assumption, as
 /// `launch_eager_us - launch_graph_us` of the parameters).
