@@ -70,7 +70,7 @@ for f in "$B" "$SUITE"; do [ -x "$f" ] || echo "missing: $f (run PEERS_SRC=none 
 # 1. Correctness first.
 T="env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_GPUS=2 $SUITE --test-threads=1"
 step tests-2gpu 150 $T gpu_fused::fused_two_ranks_on_two_gpus gpu_fused_graph::fused_graph_replays_two_gpus \
-  gpu_fused::fused_calls_refuse_bad_arguments gpu_fused::fused_edge_cases
+  gpu_fused::fused_calls_refuse_bad_arguments gpu_fused::fused_edge_cases gpu_fused::fused_world_of_one
 step tests-1gpu 150 $T gpu_fused::fused_one_shot_push_matrix gpu_fused::fused_one_shot_pull_matrix \
   gpu_fused::fused_calls_on_every_algorithm gpu_fused_graph::fused_graph_replays_one_gpu
 

@@ -348,7 +348,7 @@ fn fused_calls_on_every_algorithm() {
 }
 
 /// `all_reduce_add` (no RMSNorm), misaligned views on odd ranks, odd row
-/// lengths (not whole 16-byte packs), one rank, small receive regions
+/// lengths (not whole 16-byte packs), small receive regions
 /// (several launches per call), thread overrides.
 #[test]
 fn fused_edge_cases() {
@@ -369,7 +369,7 @@ fn fused_edge_cases() {
         v
     };
     for a in [Algorithm::OneShotPush, Algorithm::OneShotPull] {
-        matrix("fused_edge_cases", &[1, 2, 3], Some(a), cases);
+        matrix("fused_edge_cases", &[2, 3], Some(a), cases);
     }
     // 64 KiB receive regions: 64 rows of 7168 bf16 take 43 launches.
     let _lock = common::gpu_lock();
@@ -383,6 +383,21 @@ fn fused_edge_cases() {
             run_typed(&comms, &mut rng, dtype, &case).unwrap_or_else(|e| panic!("{a} {case:?}: {e}"));
         }
     }
+}
+
+/// One rank: no allreduce, the separate kernel alone (sum = input).
+#[test]
+fn fused_world_of_one() {
+    let cases = |_world: usize| {
+        let mut v = Vec::new();
+        for dtype in DType::ALL {
+            v.push((dtype, FusedCase::new(3, 7168)));
+            v.push((dtype, FusedCase { in_place: true, ..FusedCase::new(7, 13) }));
+            v.push((dtype, FusedCase { norm: false, ..FusedCase::new(2, 4096) }));
+        }
+        v
+    };
+    matrix("fused_world_of_one", &[1], None, cases);
 }
 
 /// The second GPU, or `None` after a visible skip
