@@ -151,6 +151,12 @@ impl Comm {
         &self.selection
     }
 
+    /// The precomputed choice per size bucket for fused calls
+    /// (`all_reduce_add_rms_norm`): times include the epilogue.
+    pub fn fused_selection(&self) -> &crate::select::selection::SelectionTable {
+        &self.fused_selection
+    }
+
     /// What init decided and why (tuning table used or not, NCCL, topology).
     pub fn notes(&self) -> &[String] {
         &self.notes

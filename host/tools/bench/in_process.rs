@@ -72,6 +72,7 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
     }
     let mut fused = Vec::new();
     if let Some(shape) = scenarios.fused {
+        notes.push(format!("fused calls select (graph): {}", comms[0].fused_selection().describe(opts.dtype, true)));
         let f = super::fused_runs::in_process(&ranks, &comms, opts, shape, scenarios.verify_pass, &progress)?;
         fused = f.rows;
         verify.extend(f.verify_pass);

@@ -277,6 +277,7 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
     }
     let mut fused = Vec::new();
     if let Some(shape) = scenarios.fused {
+        notes.push(format!("fused calls select (graph): {}", comm.fused_selection().describe(opts.dtype, true)));
         let f = super::fused_runs::per_rank(&comm, env, opts, shape, scenarios.verify_pass)?;
         fused = f.rows;
         verify.extend(f.verify_pass);
