@@ -69,15 +69,15 @@ for f in "$B" "$SUITE"; do [ -x "$f" ] || echo "missing: $f (run PEERS_SRC=none 
 
 # 1. Correctness first.
 T="env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_GPUS=2 $SUITE --test-threads=1"
-step tests-2gpu 150 $T gpu_fused::fused_two_ranks_on_two_gpus gpu_fused_graph::fused_graph_replays_two_gpus \
+step tests-2gpu 130 $T gpu_fused::fused_two_ranks_on_two_gpus gpu_fused_graph::fused_graph_replays_two_gpus \
   gpu_fused::fused_calls_refuse_bad_arguments gpu_fused::fused_edge_cases gpu_fused::fused_world_of_one
-step tests-1gpu 150 $T gpu_fused::fused_one_shot_push_matrix gpu_fused::fused_one_shot_pull_matrix \
+step tests-1gpu 190 $T gpu_fused::fused_one_shot_push_matrix gpu_fused::fused_one_shot_pull_matrix \
   gpu_fused::fused_calls_on_every_algorithm gpu_fused_graph::fused_graph_replays_one_gpu
 
 # 2. The targets: one process per GPU, graph replay, bf16, 3 x 7168.
 F="bench --processes --gpus 0,1 --sizes 42K --dtype bf16 --repeats 20 --fused --fused-shape 3x7168"
 step bench 120 "$B" $F --algorithms auto,nccl --out "$W/bench"
-step bench-1sp 90 "$B" $F --algorithms one-shot-push --out "$W/bench-1sp" --no-verify-pass
+step bench-1sp 80 "$B" $F --algorithms one-shot-push --out "$W/bench-1sp" --no-verify-pass
 
 python3 - "$W" > "$W/summary.txt" 2>&1 <<'PY'
 import json, os, sys
