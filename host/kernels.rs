@@ -123,10 +123,44 @@ pub fn param_struct(name: &str) -> Option<(usize, usize)> {
     }
 }
 
+/// Entry of the fused (allreduce + residual add + RMSNorm) OneShotPush:
+/// `fused_one_shot_push_<dtype>`, or `fused_one_shot_push2_<dtype>` for
+/// two ranks (one `FusedOneShotPushParams` by value).
+pub fn fused_one_shot_push_entry(dtype: DType, two_ranks: bool) -> String {
+    format!("fused_one_shot_push{}_{}", if two_ranks { "2" } else { "" }, dtype.name())
+}
+
+/// Entry of the fused OneShotPull: `fused_one_shot_pull_<dtype>`.
+pub fn fused_one_shot_pull_entry(dtype: DType) -> String {
+    format!("fused_one_shot_pull_{}", dtype.name())
+}
+
+/// Entry of the separate epilogue kernel of the unfused path:
+/// `add_rms_norm_<dtype>`.
+pub fn add_rms_norm_entry(dtype: DType) -> String {
+    format!("add_rms_norm_{}", dtype.name())
+}
+
+/// The fused-epilogue entries of every dtype (launched with at most
+/// `FUSED_MAX_THREADS` threads, the default register budget).
+pub fn fused_entries() -> Vec<String> {
+    DType::ALL
+        .into_iter()
+        .flat_map(|d| {
+            [
+                fused_one_shot_push_entry(d, false),
+                fused_one_shot_push_entry(d, true),
+                fused_one_shot_pull_entry(d),
+                add_rms_norm_entry(d),
+            ]
+        })
+        .collect()
+}
+
 /// Names of every kernel entry the host may launch; each must be present in
 /// every embedded PTX.
 pub fn expected_entries() -> Vec<String> {
-    let mut names = Vec::new();
+    let mut names = fused_entries();
     for dtype in DType::ALL {
         for algorithm in AlgorithmId::ALLREDUCE {
             names.push(entry_name(algorithm, dtype));
@@ -145,7 +179,7 @@ pub fn expected_entries() -> Vec<String> {
 /// Kernels on the latency-critical path: must use no local memory (no stack
 /// frame, no spills) on any architecture.
 pub fn hot_entries() -> Vec<String> {
-    let mut names = Vec::new();
+    let mut names = fused_entries();
     for dtype in DType::ALL {
         for algorithm in AlgorithmId::ALLREDUCE {
             names.push(entry_name(algorithm, dtype));

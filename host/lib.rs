@@ -36,8 +36,9 @@
 #![deny(unsafe_code)]
 
 // `unsafe` is denied crate-wide and allowed (an inner `allow(unsafe_code)` attribute at the
-// top of the file) in four rooms only: `driver` (every CUDA driver call and
+// top of the file) in five rooms only: `driver` (every CUDA driver call and
 // kernel launch), `comm::call` (the raw entry point and the call path),
+// `comm::fused` (the fused calls' raw entry points and launches),
 // `comm::shm` (libc shared memory) and `nccl`. (`comm::ipc` needs none: its
 // driver calls go through `driver`.) Most other files also say
 // `#![forbid(unsafe_code)]`; `tests/suite/cpu.rs` checks the allow list.
@@ -61,7 +62,7 @@ pub mod tools;
 
 pub use algorithm::{Algorithm, Transport};
 pub use buffer::DeviceBuffer;
-pub use comm::{CallPlan, Comm, Element, ReduceOp};
+pub use comm::{CallPlan, Comm, Element, FusedOptions, FusedPlan, ReduceOp};
 pub use config::{Config, TransportPreference};
 pub use error::{Error, Result};
 pub use rank_env::RankEnv;

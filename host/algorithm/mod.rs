@@ -18,6 +18,7 @@
 
 mod copy_engine_ring;
 mod cost;
+pub mod fused;
 mod hierarchical;
 mod islands;
 mod names;

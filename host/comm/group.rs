@@ -55,7 +55,8 @@ impl Comm {
         } else {
             None
         };
-        let (selection, topology, more) = selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
+        let (selection, fused_selection, topology, more) =
+            selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
         notes.extend(more);
         let watchdog = super::watchdog::Watchdog::start(&ctx, setup.watched_peers.clone(), setup.abort_targets(rank))?;
         Ok(Comm {
@@ -73,6 +74,7 @@ impl Comm {
             rendezvous: Arc::from(rendezvous),
             nccl,
             selection,
+            fused_selection,
             topology,
             notes,
             watchdog,

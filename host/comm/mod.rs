@@ -64,6 +64,7 @@ pub use cudarc::nccl::ReduceOp;
 
 pub use crate::config::{Config, TransportPreference};
 pub use crate::element::Element;
+pub use call::fused::{FusedOptions, FusedPlan};
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::driver::{self, KernelModule};
@@ -86,6 +87,8 @@ pub struct Comm {
     rendezvous: Arc<dyn crate::rendezvous::Rendezvous>,
     nccl: Option<crate::nccl::NcclComm>,
     selection: crate::select::selection::SelectionTable,
+    /// The same for fused calls (`all_reduce_add_rms_norm`, `fused.rs`).
+    fused_selection: crate::select::selection::SelectionTable,
     topology: crate::select::topology::Topology,
     notes: Vec<String>,
     /// Watches the peers in other processes (stopped first at teardown).
@@ -150,6 +153,12 @@ impl Comm {
     /// The precomputed algorithm choice per size bucket.
     pub fn selection(&self) -> &crate::select::selection::SelectionTable {
         &self.selection
+    }
+
+    /// The precomputed choice per size bucket for fused calls
+    /// (`all_reduce_add_rms_norm`): times include the epilogue.
+    pub fn fused_selection(&self) -> &crate::select::selection::SelectionTable {
+        &self.fused_selection
     }
 
     /// What init decided and why (tuning table used or not, NCCL, topology).

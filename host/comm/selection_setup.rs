@@ -87,15 +87,16 @@ pub(crate) fn islands(view: &Topology, config: &Config, world: usize) -> Result<
     Ok(view.island_split().map(|s| (s, format!("islands {s} from the topology"))))
 }
 
-/// Collective: the selection table for this communicator. Every rank must
-/// arrive at the same table (checked through a digest).
+/// Collective: the selection tables for this communicator (plain calls,
+/// and fused calls built from the same inputs). Every rank must arrive at
+/// the same plain table (checked through a digest), hence the same fused one.
 pub(crate) fn build_table(
     mut view: Topology,
     setup: &Setup,
     config: &Config,
     nccl_available: bool,
     rdv: &dyn Rendezvous,
-) -> Result<(SelectionTable, Topology, Vec<String>)> {
+) -> Result<(SelectionTable, SelectionTable, Topology, Vec<String>)> {
     let world = view.len();
     // What the transfer check found, per pair: every pair with P2P, none
     // host-staged, only island-mates with the per-pair transport.
@@ -137,12 +138,13 @@ pub(crate) fn build_table(
     };
     let model = CostModel::new(CostParams::default());
     let table = SelectionTable::build(&model, tuning.as_ref(), &view, &constraints);
+    let fused = SelectionTable::build_fused(&model, tuning.as_ref(), &view, &constraints);
     let mine = TableSummary {
         digest: table.digest(),
         inputs: format!("topology {}, tuning table {tuning_used}, {constraints:?}", view.fingerprint()),
     };
     agree_on_tables(&gather_json(rdv, &mine)?)?;
-    Ok((table, view, notes))
+    Ok((table, fused, view, notes))
 }
 
 /// What a rank built its selection table from, and the table's digest.

@@ -11,7 +11,7 @@ use tp_allreduce_kernels::layout::MAX_RANKS;
 
 use crate::algorithm::Algorithm;
 use crate::select::cost_model::{CostModel, CostParams, Options};
-use crate::select::selection::{human_bytes, select_with, Constraints};
+use crate::select::selection::{human_bytes, select_fused, select_with, Constraints};
 use crate::select::topology::{embedded, Topology};
 use crate::tools::bench::scenarios::{VERIFY_PASS_ALLREDUCES, VERIFY_PASS_BYTES};
 use crate::tools::{table, topology_view};
@@ -124,6 +124,7 @@ pub fn plan_report(req: &PlanRequest) -> Result<String, String> {
     let _ = writeln!(s, "NCCL: {nccl}; baseline: tuned NCCL (best of ring/tree x LL/Simple)\n");
     s.push_str(&sizes_table(req, &view, &c));
     s.push_str(&verify_pass(req, &view, &c));
+    s.push_str(&fused_verify_pass(req, &view, &c));
     s.push_str(&assumptions(&CostModel::default()));
     Ok(s)
 }
@@ -211,6 +212,31 @@ fn verify_pass(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
     s
 }
 
+/// The verify pass with the layer epilogue (allreduce + residual add +
+/// RMSNorm, `Comm::all_reduce_add_rms_norm`): the fused selection's choice
+/// against our allreduce or NCCL followed by the separate kernel.
+fn fused_verify_pass(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
+    let model = CostModel::default();
+    let (world, bytes) = (req.world(), VERIFY_PASS_BYTES);
+    let per_pass = |us: f64| VERIFY_PASS_ALLREDUCES as f64 * us / 1e3;
+    let fused = select_fused(view, world, req.dtype, bytes, req.capturing, c);
+    let plain = select_with(&model, None, view, world, req.dtype, bytes, req.capturing, c);
+    let separate_us = model.separate_epilogue_us(bytes, req.capturing);
+    let separate = plain.predicted_us + separate_us;
+    let how = if crate::algorithm::fused::has_fused_kernel(fused.algorithm) { "fused" } else { "+ add_rms_norm" };
+    let mut s = format!(
+        "\nverify pass with the layer epilogue ({VERIFY_PASS_ALLREDUCES} x (allreduce + residual add + RMSNorm)):\n"
+    );
+    let _ = writeln!(s, "  fused call: {:.2} ms per pass ({} {how})", per_pass(fused.predicted_us), fused.algorithm);
+    let _ = writeln!(s, "  our allreduce + add_rms_norm: {:.2} ms ({})", per_pass(separate), plain.algorithm);
+    if c.nccl_available {
+        let nccl = per_pass(plain.nccl_predicted_us + separate_us);
+        let _ = writeln!(s, "  tuned NCCL + add_rms_norm: {nccl:.2} ms");
+    }
+    let _ = writeln!(s, "  why: {}", fused.reason);
+    s
+}
+
 fn assumptions(model: &CostModel) -> String {
     let p = &model.params;
     let mut s = String::from("\nmodel assumptions (docs/COST-MODEL.md has the parameter table and residuals):\n");
@@ -287,7 +313,7 @@ mod tests {
     fn report_for_every_embedded_topology_fits_120_columns() {
         for name in embedded::names() {
             let r = report(name, None, 1).unwrap();
-            for needle in ["42 KiB", "8 MiB", "verify pass", "model assumptions"] {
+            for needle in ["42 KiB", "8 MiB", "verify pass", "model assumptions", "residual add + RMSNorm"] {
                 assert!(r.contains(needle), "{name}: {needle}\n{r}");
             }
             assert!(!r.contains("NaN"), "{name}:\n{r}");
@@ -325,6 +351,21 @@ mod tests {
         let line = r.lines().find(|l| l.trim_start().starts_with("42 KiB")).unwrap();
         assert!(!line.contains("nccl"), "{line}");
         assert!(r.contains("tuned NCCL:"), "{r}");
+    }
+
+    /// Fusing never makes the modelled verify pass slower than our
+    /// allreduce followed by the separate kernel.
+    #[test]
+    fn the_fused_verify_pass_is_at_most_the_unfused_one() {
+        for name in embedded::names() {
+            let r = report(name, None, 1).unwrap();
+            let ms = |label: &str| -> f64 {
+                let line = r.lines().find(|l| l.trim_start().starts_with(label)).unwrap();
+                line.split(": ").nth(1).and_then(|v| v.split(" ms").next()).unwrap().trim().parse().unwrap()
+            };
+            let (fused, ours) = (ms("fused call:"), ms("our allreduce + add_rms_norm:"));
+            assert!(fused <= ours + 1e-9, "{name}: fused {fused} ms > unfused {ours} ms");
+        }
     }
 
     #[test]

@@ -265,3 +265,73 @@ const _: () = assert!(
 const _: () = assert!(core::mem::size_of::<CopyEngineParams>() == 112);
 // A kernel's RegionId indexes the three generation words.
 const _: () = assert!(RegionId::Hierarchical as usize + 1 == 3);
+
+// ---------------------------------------------------------------- fused epilogue
+
+/// [`FusedEpilogue::flags`] bit: normalise (RMSNorm) after the residual add;
+/// without it the epilogue only adds the residual (`all_reduce_add`).
+pub const EPILOGUE_NORM: u32 = 1;
+/// [`FusedEpilogue::flags`] bit: scale by `1 + weight` (Gemma) instead of
+/// `weight`.
+pub const EPILOGUE_WEIGHT_OFFSET: u32 = 2;
+
+/// Threads per block of the fused kernels at most (their register budget is
+/// that of every kernel but the plain sentinel ones: 65536 / 512).
+pub const FUSED_MAX_THREADS: u32 = 512;
+/// Packs of a row each thread of a fused kernel holds in registers between
+/// the residual add and the normalisation.
+pub const FUSED_PACKS_PER_THREAD: u32 = 4;
+/// Longest row (in 16-byte packs) a fused kernel normalises: hidden 16384
+/// in f16/bf16, 8192 in f32. Longer rows take the unfused path.
+pub const FUSED_MAX_ROW_PACKS: u32 = FUSED_MAX_THREADS * FUSED_PACKS_PER_THREAD;
+
+/// What the fused kernels do after the allreduce of a `rows x hidden`
+/// message, per row `r` and element `c` (f32 arithmetic, one rounding per
+/// output):
+///
+/// ```text
+///   y[r,c]         = sum over ranks of input[r,c] (rank order) + residual_in[r,c]
+///   residual_out[r,c] = round(y[r,c])
+///   normed[r,c]    = round(x[r,c] * inv_rms(r) * w[c]),   x = residual_out as f32,
+///   inv_rms(r)     = 1 / sqrt(sum_c x[r,c]^2 / hidden + eps),  w = weight or 1 + weight
+/// ```
+///
+/// The sum of squares is a block reduction with a fixed tree for a given
+/// block size, so every rank computes the same bits. Also the scalar
+/// arguments of `fused_one_shot_pull_<dt>` and `add_rms_norm_<dt>`.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct FusedEpilogue {
+    /// `rows x hidden` elements, read (may equal `residual_out`).
+    pub residual_in: u64,
+    /// `rows x hidden` elements, written.
+    pub residual_out: u64,
+    /// `hidden` elements (0 without [`EPILOGUE_NORM`]).
+    pub weight: u64,
+    /// `rows x hidden` elements, written (0 without [`EPILOGUE_NORM`]).
+    pub normed: u64,
+    pub rows: u32,
+    /// Elements per row.
+    pub hidden: u32,
+    pub eps: f32,
+    /// [`EPILOGUE_NORM`], [`EPILOGUE_WEIGHT_OFFSET`].
+    pub flags: u32,
+}
+
+/// Parameters of `fused_one_shot_push_<dtype>` and
+/// `fused_one_shot_push2_<dtype>`: the OneShotPush parameters (same
+/// receive region, same generation; `h.output` unused, `h.count` =
+/// `rows x hidden`) and the epilogue. A block owns whole rows.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct FusedOneShotPushParams {
+    pub push: OneShotPushParams,
+    pub epilogue: FusedEpilogue,
+}
+
+const _: () = assert!(core::mem::size_of::<FusedEpilogue>() == 48);
+const _: () = assert!(core::mem::size_of::<FusedOneShotPushParams>() == core::mem::size_of::<OneShotPushParams>() + 48);
+const _: () = assert!(core::mem::offset_of!(FusedOneShotPushParams, epilogue) == 96 + 3 * 8 * MAX_RANKS);
+const _: () = assert!(core::mem::align_of::<FusedOneShotPushParams>() == 16);
+// Every warp's partial of a block reduction fits the 16-slot scratch.
+const _: () = assert!(FUSED_MAX_THREADS / 32 <= 16);

@@ -10,6 +10,8 @@ mod gpu_allreduce;
 mod gpu_context;
 mod gpu_errors;
 mod gpu_foundation;
+mod gpu_fused;
+mod gpu_fused_graph;
 mod gpu_graph;
 mod gpu_mixed_placement;
 mod gpu_pcie_family;

@@ -60,6 +60,7 @@
 //! residual table (a test holds every asserted point within [`TOLERANCE`]).
 
 mod calibration;
+mod fused;
 mod nccl;
 mod network;
 mod params;
@@ -77,6 +78,7 @@ use crate::select::topology::Topology;
 pub use calibration::{
     calibration_points, residual_table, residuals, CalibrationPoint, Residual, Role, Subject, Target, TOLERANCE,
 };
+pub use fused::{BLOCK_REDUCTION_US, SEPARATE_KERNEL_EAGER_US, SEPARATE_KERNEL_GRAPH_US};
 pub use nccl::{NcclAlgo, NcclProto, NcclVariant};
 pub use params::{CostParams, ParamRow};
 

@@ -178,6 +178,30 @@ pub fn select(
     select_with(&CostModel::default(), None, topology, world_size, dtype, bytes, capturing, constraints)
 }
 
+/// [`select`] for a fused call (`Comm::all_reduce_add_rms_norm`): every
+/// candidate's time includes its epilogue (fused into OneShotPush and
+/// OneShotPull, the separate `add_rms_norm` kernel after every other
+/// algorithm and NCCL; [`CostModel::epilogue_us`]).
+pub fn select_fused(
+    topology: &Topology,
+    world_size: usize,
+    dtype: DType,
+    bytes: usize,
+    capturing: bool,
+    constraints: &Constraints,
+) -> Choice {
+    let view: Cow<'_, Topology> = if topology.len() == world_size {
+        Cow::Borrowed(topology)
+    } else {
+        match topology.for_world(world_size) {
+            Ok(v) => Cow::Owned(v),
+            // No rank view: the plain selection says why (NCCL fallback).
+            Err(_) => return select(topology, world_size, dtype, bytes, capturing, constraints),
+        }
+    };
+    select_view(&CostModel::default(), None, &view, dtype, bytes, capturing, constraints, true)
+}
+
 /// [`select`] with an explicit model and an optional tuning table (which
 /// the caller has checked applies: [`TuningTable::applicability`]).
 #[allow(clippy::too_many_arguments)]
@@ -209,7 +233,7 @@ pub fn select_with(
             }
         }
     };
-    select_view(model, tuning, &view, dtype, bytes, capturing, constraints)
+    select_view(model, tuning, &view, dtype, bytes, capturing, constraints, false)
 }
 
 /// A time and where it came from.
@@ -231,15 +255,19 @@ struct Selecting<'a> {
     /// The tuning table's last entry for this dtype when `bytes` lies past
     /// it (no entry covers the size).
     past_table: Option<&'a TuningEntry>,
+    /// A fused call: every time includes the epilogue.
+    fused: bool,
 }
 
 impl Selecting<'_> {
     fn time_of(&self, a: Algorithm) -> Option<Timed> {
+        let epilogue =
+            if self.fused { self.model.epilogue_us(a, self.c.transport, self.bytes, self.opts.capturing) } else { 0.0 };
         if let Some(us) = self.entry.and_then(|e| e.median_us(a, self.c.transport)) {
-            return Some(Timed { us, source: Source::Tuning });
+            return Some(Timed { us: us + epilogue, source: Source::Tuning });
         }
         let p = self.model.predict(self.view, a, self.c.transport, self.bytes, &self.opts).ok()?;
-        Some(Timed { us: p.total_us(), source: Source::Model })
+        Some(Timed { us: p.total_us() + epilogue, source: Source::Model })
     }
 
     fn choice(&self, algorithm: Algorithm, t: Option<Timed>, nccl: Timed, source: Source, reason: String) -> Choice {
@@ -310,6 +338,7 @@ impl Selecting<'_> {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn select_view(
     model: &CostModel,
     tuning: Option<&TuningTable>,
@@ -318,6 +347,7 @@ fn select_view(
     bytes: usize,
     capturing: bool,
     c: &Constraints,
+    fused: bool,
 ) -> Choice {
     let entry = tuning.and_then(|t| t.lookup(dtype, bytes));
     let past_table = if entry.is_none() { tuning.and_then(|t| t.last(dtype)) } else { None };
@@ -329,6 +359,7 @@ fn select_view(
         c,
         entry,
         past_table,
+        fused,
     };
     let nccl = s.time_of(Algorithm::Nccl).unwrap_or(Timed { us: f64::NAN, source: Source::Model });
     let (forced, notes) = s.overridden();
@@ -404,6 +435,29 @@ impl SelectionTable {
         view: &Topology,
         constraints: &Constraints,
     ) -> SelectionTable {
+        Self::build_for(model, tuning, view, constraints, false)
+    }
+
+    /// [`build`](Self::build) for fused calls (`Comm::all_reduce_add_rms_norm`):
+    /// every candidate's time includes its epilogue (see [`select_fused`]).
+    /// Built from the same inputs as the plain table, so ranks that agree
+    /// on that one agree on this one.
+    pub fn build_fused(
+        model: &CostModel,
+        tuning: Option<&TuningTable>,
+        view: &Topology,
+        constraints: &Constraints,
+    ) -> SelectionTable {
+        Self::build_for(model, tuning, view, constraints, true)
+    }
+
+    fn build_for(
+        model: &CostModel,
+        tuning: Option<&TuningTable>,
+        view: &Topology,
+        constraints: &Constraints,
+        fused: bool,
+    ) -> SelectionTable {
         let bounds = bucket_bounds();
         let at = |i: usize| {
             if bounds[i] == usize::MAX {
@@ -418,7 +472,7 @@ impl SelectionTable {
         let model_only: Vec<Choice> = [false, true]
             .into_iter()
             .flat_map(|capturing| (0..bounds.len()).map(move |i| (capturing, i)))
-            .map(|(capturing, i)| select_view(model, None, view, DType::F32, at(i), capturing, constraints))
+            .map(|(capturing, i)| select_view(model, None, view, DType::F32, at(i), capturing, constraints, fused))
             .collect();
         let mut choices = Vec::with_capacity(DType::ALL.len() * model_only.len());
         for dtype in DType::ALL {
@@ -428,7 +482,7 @@ impl SelectionTable {
                     // (where the "NCCL won there" rule applies).
                     let tuned = tuning.is_some_and(|t| t.lookup(dtype, at(i)).is_some() || t.last(dtype).is_some());
                     choices.push(if tuned {
-                        select_view(model, tuning, view, dtype, at(i), capturing, constraints)
+                        select_view(model, tuning, view, dtype, at(i), capturing, constraints, fused)
                     } else {
                         model_only[usize::from(capturing) * bounds.len() + i].clone()
                     });

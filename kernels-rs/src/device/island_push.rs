@@ -216,7 +216,9 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
                     }
                 });
                 for_each_rank!($Q => {
-                    if $Q / GROUP == $group && $Q as u32 == $own {
+                    // The own term before slot `$own`; when `$own` is past the
+                    // last slot the caller adds it after the groups.
+                    if $Q / GROUP == $group && $Q as u32 == $own && ($Q as u32) < $count {
                         E::accumulate(&mut $acc, &$mine);
                     }
                     if $Q / GROUP == $group && ($Q as u32) < $count {

@@ -10,6 +10,9 @@
 //!   [`two_shot_pull`], [`one_shot_push`], [`two_shot_push`], [`ring`],
 //!   [`hierarchical`], [`copy_engine_ring`], [`p2p_check`];
 //!   [`island_push`] is the body TwoShotPush and Hierarchical share.
+//! * the fused epilogue (allreduce + residual add + RMSNorm): [`epilogue`]
+//!   (shared pieces and the separate `add_rms_norm` kernel),
+//!   [`fused_one_shot_push`], [`fused_one_shot_pull`].
 //!
 //! Entry points are `#[no_mangle] extern "ptx-kernel"` functions named
 //! `<algorithm>_<dtype>`. Sentinel kernels (OneShotPush, TwoShotPush,
@@ -25,6 +28,9 @@ pub mod sync;
 
 pub mod copy_engine_ring;
 pub mod elementwise;
+pub mod epilogue;
+pub mod fused_one_shot_pull;
+pub mod fused_one_shot_push;
 pub mod hierarchical;
 pub mod island_push;
 pub mod one_shot_pull;

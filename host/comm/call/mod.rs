@@ -6,6 +6,8 @@
 
 #![allow(unsafe_code)]
 
+pub(super) mod fused;
+
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
 use tp_allreduce_kernels::ids::{AlgorithmId, DType};
 use tp_allreduce_kernels::layout::ErrorRecord;
@@ -25,7 +27,7 @@ use crate::error::{Error, Result};
 /// measured for it (sentinel algorithms): the forced algorithm (no tuned
 /// shape), else the selection table's choice for this size bucket (no
 /// allocation).
-fn choose(comm: &Comm, bytes: usize, dtype: DType, capturing: bool) -> (Algorithm, Option<(u32, u32)>) {
+pub(super) fn choose(comm: &Comm, bytes: usize, dtype: DType, capturing: bool) -> (Algorithm, Option<(u32, u32)>) {
     match comm.config.algorithm {
         Some(forced) => (forced, None),
         None => {
@@ -51,7 +53,7 @@ pub(super) fn plan(comm: &Comm, bytes: usize, dtype: DType, capturing: bool, in_
 
 /// Splits `count` elements into launches of at most `cap_packs` packs each
 /// (chunk boundaries on pack boundaries keep 16-byte alignment).
-fn chunks(count: usize, dtype: DType, cap_packs: u64) -> impl Iterator<Item = (usize, usize)> {
+pub(super) fn chunks(count: usize, dtype: DType, cap_packs: u64) -> impl Iterator<Item = (usize, usize)> {
     let per_pack = tp_allreduce_kernels::partition::elems_per_pack(dtype);
     let cap_elems = (cap_packs.min((usize::MAX / PACK_BYTES) as u64) as usize).saturating_mul(per_pack).max(per_pack);
     (0..count).step_by(cap_elems).map(move |start| (start, cap_elems.min(count - start)))
@@ -157,7 +159,14 @@ impl Comm {
     /// reports only the physical chunk holding `ptr`, so a range running
     /// past it is accepted when the chunks mapped after it continue it up
     /// to its end (a few pointer queries per chunk).
-    fn validate_device_range(&self, what: &str, ptr: u64, bytes: usize, count: usize, dtype: DType) -> Result<()> {
+    pub(super) fn validate_device_range(
+        &self,
+        what: &str,
+        ptr: u64,
+        bytes: usize,
+        count: usize,
+        dtype: DType,
+    ) -> Result<()> {
         match driver::allocation_range(ptr) {
             Ok((base, size)) => {
                 let end = ptr.saturating_add(bytes as u64);
@@ -230,6 +239,31 @@ impl Comm {
         unsafe { self.order_after_previous_call(stream, capture)? };
         let capturing = capture.is_some();
         let (algorithm, tuned_shape) = choose(self, bytes, dtype, capturing);
+        // SAFETY: as above.
+        unsafe { self.dispatch(algorithm, tuned_shape, send, recv, count, dtype, stream, capturing) }.inspect_err(|e| {
+            if e.breaks_communicator() {
+                self.mark_broken(e.to_string());
+            }
+        })
+    }
+
+    /// Runs `algorithm` (chosen, ordered) on a validated call: NCCL, a pull
+    /// or a push kernel. Also the allreduce of the fused calls' unfused path.
+    ///
+    /// # Safety
+    /// As `Comm::all_reduce_raw`, with the arguments already validated.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn dispatch(
+        &self,
+        algorithm: Algorithm,
+        tuned_shape: Option<(u32, u32)>,
+        send: sys::CUdeviceptr,
+        recv: sys::CUdeviceptr,
+        count: usize,
+        dtype: DType,
+        stream: sys::CUstream,
+        capturing: bool,
+    ) -> Result<()> {
         match algorithm {
             Algorithm::Nccl => match &self.nccl {
                 Some(nccl) => nccl.all_reduce(send, recv, count, dtype, stream),
@@ -239,11 +273,6 @@ impl Comm {
             Algorithm::CopyEngineRing => self.run_copy_engine(send, recv, count, dtype, stream),
             a => self.run_push(a, send, recv, count, dtype, stream, tuned_shape),
         }
-        .inspect_err(|e| {
-            if e.breaks_communicator() {
-                self.mark_broken(e.to_string());
-            }
-        })
     }
 
     /// Calls on one rank must not overlap: kernels keep per-block state
@@ -258,7 +287,7 @@ impl Comm {
     ///
     /// # Safety
     /// `stream` is a live stream of the communicator's context.
-    unsafe fn order_after_previous_call(&self, stream: sys::CUstream, capture: Option<u64>) -> Result<()> {
+    pub(super) unsafe fn order_after_previous_call(&self, stream: sys::CUstream, capture: Option<u64>) -> Result<()> {
         let mut order = self.order.lock().map_err(|_| Error::Broken("call-order lock poisoned".into()))?;
         let this = PreviousCall { stream: stream as usize, capture };
         let Some(prev) = order.last.filter(|p| p.stream != this.stream) else {
@@ -295,7 +324,11 @@ impl Comm {
 
     /// The host side and kernel of `algorithm` for `dtype`, once the one
     /// availability rule allows it here.
-    fn prepare(&self, algorithm: Algorithm, dtype: DType) -> Result<(&'static dyn AlgorithmHost, sys::CUfunction)> {
+    pub(super) fn prepare(
+        &self,
+        algorithm: Algorithm,
+        dtype: DType,
+    ) -> Result<(&'static dyn AlgorithmHost, sys::CUfunction)> {
         algorithm::availability(algorithm, &self.capabilities(), None).map_err(Error::Unsupported)?;
         let host = algorithm::host(algorithm).ok_or_else(|| Error::invalid("NCCL has no kernel of ours"))?;
         Ok((host, self.module.function(&crate::kernels::entry_name(host.kernel(), dtype))?))
