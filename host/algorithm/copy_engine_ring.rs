@@ -57,7 +57,9 @@ impl AlgorithmHost for CopyEngineRing {
         if caps.copy_engine {
             Ok(())
         } else {
-            Err("copy-engine-ring has no staging in this communicator".into())
+            Err("copy-engine-ring has no staging in this communicator (it needs peer-to-peer access and one rank \
+                 per GPU)"
+                .into())
         }
     }
 

@@ -480,7 +480,10 @@ fn allocate(
         ring_chunk_packs: config.ring_chunk_bytes as u64 / pack,
         island_sizes: split.map_or([0; tp_allreduce_kernels::layout::MAX_RANKS], |s| s.sizes()),
         island_count: split.map_or(0, |s| s.count() as u32),
-        copy_engine_pieces: if p2p { CE_MAX_PIECES } else { 0 },
+        // The copy-engine ring needs one rank per GPU: between ranks of one
+        // GPU the copies run on its SMs and compete with the step kernels
+        // that wait for them (seen: a timeout with 6 ranks on one H200).
+        copy_engine_pieces: if p2p && placement.one_rank_per_gpu { CE_MAX_PIECES } else { 0 },
         enable_two_shot_pull: p2p,
         enable_two_shot_push: true,
         enable_ring: true,

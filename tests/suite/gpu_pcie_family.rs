@@ -184,7 +184,10 @@ fn island_push_and_copy_engine_ring_graphs_replay_1000_times() {
     crate::gpu_graph::graph_run_locked(test, config(), 8, Some(Algorithm::TwoShotPush), 1000, 10_755);
     let islands = Config { island_size: Some(4), ..config() };
     crate::gpu_graph::graph_run_locked(test, islands, 8, Some(Algorithm::Hierarchical), 1000, 10_755);
-    crate::gpu_graph::graph_run_locked(test, config(), 4, Some(Algorithm::CopyEngineRing), 1000, 300_007);
+    // The copy-engine ring needs one rank per GPU.
+    let Some(ctx) = common::gpu(test) else { return };
+    let Some(second) = crate::gpu_context::second_gpu(test) else { return };
+    crate::gpu_graph::graph_run_with_contexts(test, config(), &[ctx, second], Algorithm::CopyEngineRing, 1000, 300_007);
 }
 
 /// The copy-engine ring where flags are raised by the one-thread publish
@@ -196,16 +199,18 @@ fn copy_engine_ring_with_kernel_publication() {
     let mut rng = common::rng("copy_engine_ring_with_kernel_publication");
     let _hook = KernelPublication::new();
     let mut failures = Vec::new();
-    for world in [2, 3, 5] {
-        let comms = forced(&vec![ctx.clone(); world], config(), Algorithm::CopyEngineRing);
-        failures.extend(matrix(&comms, &mut rng, Algorithm::CopyEngineRing, 4 << 20, "kernel publication"));
-    }
+    // One rank per GPU (the ring's rule).
+    let Some(second) = crate::gpu_context::second_gpu("copy_engine_ring_with_kernel_publication") else { return };
+    let gpus = vec![ctx.clone(), second];
+    let comms = forced(&gpus, config(), Algorithm::CopyEngineRing);
+    failures.extend(matrix(&comms, &mut rng, Algorithm::CopyEngineRing, 4 << 20, "kernel publication"));
+    drop(comms);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    crate::gpu_graph::graph_run_locked(
+    crate::gpu_graph::graph_run_with_contexts(
         "copy_engine_ring_with_kernel_publication",
         config(),
-        3,
-        Some(Algorithm::CopyEngineRing),
+        &gpus,
+        Algorithm::CopyEngineRing,
         200,
         300_007,
     );
@@ -256,10 +261,26 @@ fn new_waits_time_out_naming_their_phase() {
     let comms = forced(&two(), quick.clone(), Algorithm::TwoShotPush);
     assert_eq!(stall(&comms, &[Some(50_000), None], 1)[0], (Some(Phase::RsPayload), Some(1)));
     drop(comms);
-    // All-gather: rank 1 expects twice the packs, so it waits in its
-    // reduce-scatter and never sends rank 0 its share.
+    // Mismatched counts: rank 0 expects twice the packs of rank 1, so half
+    // of its owned positions never get rank 1's reduce-scatter payload and
+    // half of the other share's all-gather never comes. (Rank 1 expecting
+    // more, as first written, lets rank 0 finish: every thread progresses on
+    // its own positions, and rank 0's are all covered — measured on 2 H200s.)
+    // Which of the two waits gives up first is a race; both name rank 1.
+    // (Rank 1 finishes: everything it needs arrives. Only rank 0 is checked.)
     let comms = forced(&two(), quick.clone(), Algorithm::TwoShotPush);
-    assert_eq!(stall(&comms, &[Some(40_000), Some(80_000)], 1)[0], (Some(Phase::AgPayload), Some(1)));
+    let bufs: Vec<_> = comms.iter().map(|c| c.stream().alloc_zeros::<f32>(80_000).unwrap()).collect();
+    let outs: Vec<_> = comms.iter().map(|c| c.stream().alloc_zeros::<f32>(80_000).unwrap()).collect();
+    for (r, (c, n)) in comms.iter().zip([80_000, 40_000]).enumerate() {
+        let s = c.stream();
+        let (src, dst) = (common::ptr_of(&s, &bufs[r], 0), common::ptr_of(&s, &outs[r], 0));
+        // SAFETY: live buffers of 80,000 elements on the rank's stream.
+        unsafe { c.all_reduce_raw(src, dst, n, DType::F32, s.cu_stream()) }.expect("queued");
+    }
+    let seen = failure_of(&comms[0]);
+    let _ = comms[1].synchronize();
+    assert!(matches!(seen, (Some(Phase::RsPayload | Phase::AgPayload), Some(1))), "{seen:?}");
+    drop((bufs, outs));
     drop(comms);
     // Cross-island: 2+2, rank 3 never calls; rank 1 owns share 1, whose
     // owner in the other island is rank 3.
@@ -269,13 +290,16 @@ fn new_waits_time_out_naming_their_phase() {
     assert_eq!(seen[1], (Some(Phase::CrossPayload), Some(3)), "{seen:?}");
     drop(comms);
     // Copy-engine data: rank 1 never calls.
-    let comms = forced(&two(), quick.clone(), Algorithm::CopyEngineRing);
+    // The copy-engine ring needs one rank per GPU.
+    let Some(second) = crate::gpu_context::second_gpu("new_waits_time_out_naming_their_phase") else { return };
+    let two_gpus = || vec![ctx.clone(), second.clone()];
+    let comms = forced(&two_gpus(), quick.clone(), Algorithm::CopyEngineRing);
     assert_eq!(stall(&comms, &[Some(300_000), None], 1)[0], (Some(Phase::CeData), Some(1)));
     drop(comms);
     // Copy-engine handshake: rank 1 never tells rank 0 its staging is free
     // again, so rank 0's second call waits before its first copy.
     let hook = NoCopyEngineHandshake::on_rank(1);
-    let comms = forced(&two(), quick, Algorithm::CopyEngineRing);
+    let comms = forced(&two_gpus(), quick, Algorithm::CopyEngineRing);
     drop(hook);
     let seen = stall(&comms, &[Some(300_000), Some(300_000)], 2);
     assert_eq!(seen[0], (Some(Phase::CeHandshake), Some(1)), "{seen:?}");

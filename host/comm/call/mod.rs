@@ -135,13 +135,15 @@ impl Comm {
         }
         let bytes =
             count.checked_mul(dtype.size_bytes()).ok_or_else(|| Error::invalid("all_reduce: count overflows"))?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
+        // Ranges first: an overrun (wrong count or dtype) is the root cause
+        // of an overlap with a neighbouring allocation and says so.
+        for (what, ptr) in [("send", send), ("recv", recv)] {
+            self.validate_device_range(what, ptr, bytes, count, dtype)?;
+        }
         let overlap = send != recv && ranges_overlap(send, recv, bytes as u64);
         if overlap {
             return Err(Error::invalid("all_reduce: send and recv overlap without being equal"));
-        }
-        let _context = driver::CurrentContext::bind(&self.ctx)?;
-        for (what, ptr) in [("send", send), ("recv", recv)] {
-            self.validate_device_range(what, ptr, bytes, count, dtype)?;
         }
         // SAFETY: the caller guarantees `stream` is a live stream (contract of this fn).
         let stream_ctx = unsafe { driver::stream_context(stream)? };

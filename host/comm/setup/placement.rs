@@ -43,6 +43,8 @@ pub(super) struct Placement {
     pub(super) ranks_on_device: usize,
     /// Every rank on its own GPU and asking for NCCL (same on every rank).
     pub(super) nccl_eligible: bool,
+    /// No two ranks share a GPU (same on every rank).
+    pub(super) one_rank_per_gpu: bool,
     pub(super) pull_max_blocks: u32,
     pub(super) ring_blocks: u32,
     /// Rank 0's salt (P2P check patterns) and job id (shared-memory names).
@@ -111,11 +113,13 @@ impl Placement {
         // the decision must not depend on this rank's own GPU (with 3 ranks
         // on 2 GPUs the lone rank would enter NCCL's rounds alone).
         let nccl_eligible = hellos.len() > 1 && hellos.iter().all(|h| h.nccl_fallback && ranks_on(&h.device_uuid) == 1);
+        let one_rank_per_gpu = hellos.iter().all(|h| ranks_on(&h.device_uuid) == 1);
         let mine = &hellos[me];
         Placement {
             same_process: hellos.iter().map(|h| h.process == mine.process).collect(),
             ranks_on_device: ranks_on(&mine.device_uuid),
             nccl_eligible,
+            one_rank_per_gpu,
             pull_max_blocks: config.pull_max_blocks.min(resident_limit),
             ring_blocks: config.ring_blocks.min(resident_limit),
             salt: hellos[0].salt,

@@ -242,7 +242,7 @@ impl CostModel {
             transport,
             islands: opts.islands,
             one_shot_push_max_bytes: usize::MAX,
-            copy_engine: true,
+            copy_engine: !view.has_shared_device(),
             nccl_available: true,
         };
         algorithm::availability(algorithm, &caps, None).map_err(NotApplicable)?;

@@ -97,7 +97,7 @@ impl Constraints {
                 crate::config::Config::ONE_SHOT_PUSH_AUTO,
                 view.len(),
             ),
-            copy_engine: true,
+            copy_engine: !view.has_shared_device(),
             disabled: Vec::new(),
             communicator_override: None,
             env_override: None,
