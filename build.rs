@@ -247,13 +247,18 @@ fn build_arch(staged: &Path, out: &Path, arch: &str) -> Result<PathBuf, String> 
 /// attribute: `.maxnreg N` between each entry's parameter list and its body
 /// makes ptxas stay within it (spilling if it must, which the PTX tests
 /// reject) instead of producing a kernel that fails to launch.
-/// * Sentinel kernels (`one_shot_push*`) launch with any block size up to
-///   1024 threads: 64 registers (65536 / 1024).
+/// * Sentinel kernels (`one_shot_push*`, `two_shot_push*`, `hierarchical*`)
+///   and the copy-engine ring's (`copy_engine_ring*`) launch with any block
+///   size up to 1024 threads: 64 registers (65536 / 1024).
 /// * Every other kernel launches with `THREADS_PER_BLOCK` (512) threads:
 ///   128 registers. (`.maxntid 512,1,1` made ptxas pick 64 registers for
 ///   some of them and spill.)
 ///
 /// The host reads the same rule back from `kernels::max_registers`.
+/// Entries launched with any block size up to 1024 threads (the host's
+/// `kernels::is_sentinel_entry` states the same list).
+const SENTINEL_PREFIXES: [&str; 4] = ["one_shot_push", "two_shot_push", "hierarchical", "copy_engine_ring"];
+
 fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut entry: Option<String> = None;
@@ -265,7 +270,7 @@ fn add_launch_bounds(ptx: &str) -> String {
         out.push('\n');
         if line.trim_start().starts_with(')') {
             if let Some(name) = entry.take() {
-                let regs = if name.starts_with("one_shot_push") { 64 } else { 128 };
+                let regs = if SENTINEL_PREFIXES.iter().any(|p| name.starts_with(p)) { 64 } else { 128 };
                 out.push_str(&format!(".maxnreg {regs}\n"));
             }
         }

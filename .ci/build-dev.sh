@@ -12,6 +12,7 @@
 # machine takes at most 64 MiB of carried files).
 #
 #   PEERS_SRC=/path/to/flashinfer-pcie bash .ci/build-dev.sh
+# (PEERS_SRC=none OLD_REV=none: the CLI and the test binary only, e.g. for .ci/fused-exp.sh)
 # then: run(kind="nvidia-h200-x2", carry=[".dev", ".peers"], command="OUT=$OUT bash .ci/speed-exp.sh")
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,7 +43,7 @@ fi
 strip .dev/tp-allreduce .dev/suite
 [ -x .dev/tp-allreduce-old ] && strip .dev/tp-allreduce-old
 
-if [ ! -f .peers/flashinfer-pcie/run_peer_bench.py ]; then
+if [ "${PEERS_SRC:-}" != none ] && [ ! -f .peers/flashinfer-pcie/run_peer_bench.py ]; then
   [ -n "${PEERS_SRC:-}" ] && [ -f "$PEERS_SRC/run_peer_bench.py" ] || {
     echo "set PEERS_SRC to the folder holding run_peer_bench.py (the FlashInfer peer benchmark)" >&2
     exit 1

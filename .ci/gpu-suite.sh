@@ -6,8 +6,10 @@
 #      (tests that put two ranks' processes on one GPU skip visibly here);
 #   2. under MPS, the tests whose processes share a GPU (4 processes on 2
 #      GPUs, mixed placement);
-#   3. the Python package's GPU tests and the decode-step example;
-#   4. the candle example on 2 GPUs (when .dev/candle_tp exists).
+#   3. the new kernel families (payload-completion island push, copy-engine
+#      ring, fused epilogue);
+#   4. the Python package's GPU tests (WITH_PYTHON=1) and the candle example
+#      on 2 GPUs (when .dev/candle_tp exists).
 # The CPU-only parts (cpu::, ptx::, cli::, sentinel_model::) run in CI and
 # read the repository at its build path, so they are skipped here.
 #
@@ -24,17 +26,20 @@ export TP_ALLREDUCE_BIN=$PWD/.dev/tp-allreduce TP_ALLREDUCE_TUNING_FILE=$W/no-tu
 SKIP_CPU=(--skip cpu:: --skip ptx:: --skip cli:: --skip sentinel_model::)
 nvidia-smi --query-gpu=index,name,driver_version --format=csv > "$W/gpus.txt" 2>&1
 
-step suite "${SUITE_LIMIT:-330}" env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_GPUS=2 \
-  .dev/suite --test-threads=1 "${SKIP_CPU[@]}" ${SUITE_FILTER:-}
+T="env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_GPUS=2 .dev/suite --test-threads=1"
+# The new kernels' families run in their own step, after the rest.
+step suite "${SUITE_LIMIT:-270}" $T "${SKIP_CPU[@]}" --skip gpu_fused --skip gpu_pcie_family ${SUITE_FILTER:-}
 
 if mps_start; then
-  step suite-mps 120 env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_MPS=1 CUDA_DEVICE_MAX_CONNECTIONS=2 \
+  step suite-mps 60 env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_MPS=1 CUDA_DEVICE_MAX_CONNECTIONS=2 \
     .dev/suite --test-threads=1 multiprocess::multi_process_selftest_4_ranks_in_islands_of_2 \
     multiprocess::sigkill_of_one_rank_fails_the_others_cleanly
   mps_stop
 fi
 
-if ls .dev/wheels/tp_allreduce-*.whl > /dev/null 2>&1; then
+step suite-new 200 $T gpu_pcie_family gpu_fused
+
+if ls .dev/wheels/tp_allreduce-*.whl > /dev/null 2>&1 && [ -n "${WITH_PYTHON:-}" ]; then
   step python 200 env OUT="$W/python" bash python/run-gpu-checks.sh .dev/wheels
 fi
 if [ -x .dev/candle_tp ] || [ -f .dev/candle_tp.xz ]; then
@@ -43,7 +48,7 @@ fi
 
 {
   echo "GPU suites (test results per step):"
-  for f in "$W"/suite.log "$W"/suite-mps.log; do
+  for f in "$W"/suite.log "$W"/suite-mps.log "$W"/suite-new.log; do
     [ -f "$f" ] || continue
     echo "-- $(basename "$f"): $(grep -E '^test result' "$f" | tail -1)"
     grep -E '^test .* FAILED|^failures:' "$f" | head -20

@@ -47,8 +47,9 @@ pub struct Config {
     /// default): `8 MiB / (world - 1)`, i.e. 16 MiB of receive region per
     /// rank at every world size. 0 disables OneShotPush.
     pub one_shot_push_max_bytes: usize,
-    /// Most blocks of a flag-based push kernel (TwoShotPush, Hierarchical)
-    /// per launch; their scratch is striped per block.
+    /// No effect any more (kept for compatibility, still validated):
+    /// TwoShotPush and Hierarchical carry completion in the payload and run
+    /// with any launch shape, like OneShotPush (`launch_shape`).
     pub push_blocks: u32,
     /// Launch shape `(blocks, threads)` of every sentinel (OneShotPush)
     /// launch, overriding the tuning table and the default rule
@@ -76,8 +77,15 @@ pub struct Config {
     pub ring_slots: u32,
     pub ring_chunk_bytes: usize,
     /// Hierarchical: ranks per island, consecutive ranks forming an island
-    /// (`Some(4)` with 8 ranks: {0..3}, {4..7}). `None`: no hierarchy.
+    /// (`Some(4)` with 8 ranks: {0..3}, {4..7}). `None`: the islands come
+    /// from `islands`, else from the topology (socket, root complex, PCIe
+    /// switch boundaries).
     pub island_size: Option<usize>,
+    /// Hierarchical: the islands explicitly, any shape (`[[0, 1, 2],
+    /// [3, 4]]`; `TP_ALLREDUCE_ISLANDS=0,1,2/3,4`). Overrides `island_size`
+    /// and the topology. At init the communicator stores here the islands
+    /// it uses.
+    pub islands: Option<Vec<Vec<usize>>>,
     pub transport: TransportPreference,
     /// Force one algorithm for every call (`None`: the selection decides).
     pub algorithm: Option<Algorithm>,
@@ -109,6 +117,7 @@ impl Default for Config {
             ring_slots: 4,
             ring_chunk_bytes: 64 << 10,
             island_size: None,
+            islands: None,
             transport: TransportPreference::Auto,
             algorithm: None,
             max_registered_buffers: 8192,
@@ -132,7 +141,7 @@ impl Config {
     /// The fields every rank must agree on, as one comparable string.
     pub(crate) fn shape_fingerprint(&self) -> String {
         format!(
-            "chunk={} oneshot={} push_blocks={} pull_blocks={} ring={}x{}x{} islands={:?} transport={:?} table={} \
+            "chunk={} oneshot={} push_blocks={} pull_blocks={} ring={}x{}x{} islands={:?} {:?} transport={:?} table={} \
              counters={:?}",
             self.max_chunk_bytes,
             self.one_shot_push_max_bytes,
@@ -142,6 +151,7 @@ impl Config {
             self.ring_slots,
             self.ring_chunk_bytes,
             self.island_size,
+            self.islands,
             self.transport,
             self.max_registered_buffers,
             self.test_initial_counter
@@ -222,6 +232,9 @@ impl Config {
         }
         if let Some(n) = env::island_size()? {
             c.island_size = Some(n);
+        }
+        if let Some(groups) = env::islands()? {
+            c.islands = Some(groups);
         }
         if let Some(n) = env::push_blocks()? {
             c.push_blocks = n;

@@ -25,6 +25,7 @@
 
 #![allow(unsafe_code)]
 
+pub mod copy_engine;
 #[cfg(feature = "tools")]
 pub(crate) mod elementwise;
 mod memory;

@@ -6,16 +6,18 @@
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
-//! | `TP_ALLREDUCE_ALGORITHM` | force an algorithm for every call: `one-shot-pull`, `two-shot-pull`, `one-shot-push`, `two-shot-push`, `ring`, `hierarchical`, `nccl`; `auto` = the selection | `auto` |
+//! | `TP_ALLREDUCE_ALGORITHM` | force an algorithm for every call: `one-shot-pull`, `two-shot-pull`, `one-shot-push`, `two-shot-push`, `ring`, `hierarchical`, `copy-engine-ring`, `nccl`; `auto` = the selection | `auto` |
 //! | `TP_ALLREDUCE_TOPOLOGY` | model with this embedded topology instead of discovering the machine (communicators and `plan`) | discovery |
 //! | `TP_ALLREDUCE_TUNING_FILE` | tuning table to load (TOML, see `select::tuning`) | `$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml` |
-//! | `TP_ALLREDUCE_TRANSPORT` | force the transport: `p2p` or `host-staged` | auto (P2P if every pair passes the check) |
+//! | `TP_ALLREDUCE_TRANSPORT` | force the transport: `p2p`, `host-staged` or `per-pair` (P2P inside islands, host-staged across) | auto (P2P if every pair passes the check) |
 //! | `TP_ALLREDUCE_TIMEOUT_MS` | bound of a device-side wait on a peer that already started the call, in ms | `5000` |
 //! | `TP_ALLREDUCE_LAUNCH_TIMEOUT_MS` | bound of a device-side wait on a peer that has not shown the call yet, in ms | `60000` (at least the timeout) |
 //! | `TP_ALLREDUCE_ISLAND_SIZE` | ranks per island for `hierarchical` (consecutive ranks) | from the topology |
-//! | `TP_ALLREDUCE_PUSH_BLOCKS` | most blocks per flag-based push-kernel launch (two-shot-push, hierarchical) | `16` |
-//! | `TP_ALLREDUCE_SHAPE` | launch shape `BLOCKSxTHREADS` of every one-shot-push launch (overrides tuning and the default rule) | tuning table, else the default rule |
+//! | `TP_ALLREDUCE_ISLANDS` | the islands for `hierarchical`, any shape: ranks by `,`, islands by `/` (`0,1,2/3,4`) | from the topology |
+//! | `TP_ALLREDUCE_PUSH_BLOCKS` | no effect any more (two-shot-push and hierarchical run with any launch shape); still validated | `16` |
+//! | `TP_ALLREDUCE_SHAPE` | launch shape `BLOCKSxTHREADS` of every sentinel launch (one-shot-push, two-shot-push, hierarchical; overrides tuning and the default rule) | tuning table, else the default rule |
 //! | `TP_ALLREDUCE_ONE_SHOT_PUSH_TP2` | `1`/`0`: use the two-rank specialisation of one-shot-push at 2 ranks | `1` |
+//! | `TP_ALLREDUCE_CE_PUBLISH` | how the copy-engine ring raises its flags: `memop` (`cuStreamWriteValue32`, where the device supports stream memory operations) or `kernel` (a one-thread kernel) | `memop` where supported |
 //! | `TP_ALLREDUCE_TRACE` | `1`: one-shot-push launches record timestamps (`bench --trace`) | `0` |
 //! | `TP_ALLREDUCE_RANK` | rank of a process started by `tp-allreduce launch` | set by the launcher |
 //! | `TP_ALLREDUCE_WORLD_SIZE` | world size of a launched process | set by the launcher |
@@ -52,6 +54,8 @@ pub const TRANSPORT: &str = "TP_ALLREDUCE_TRANSPORT";
 pub const TIMEOUT_MS: &str = "TP_ALLREDUCE_TIMEOUT_MS";
 pub const LAUNCH_TIMEOUT_MS: &str = "TP_ALLREDUCE_LAUNCH_TIMEOUT_MS";
 pub const ISLAND_SIZE: &str = "TP_ALLREDUCE_ISLAND_SIZE";
+pub const ISLANDS: &str = "TP_ALLREDUCE_ISLANDS";
+pub const CE_PUBLISH: &str = "TP_ALLREDUCE_CE_PUBLISH";
 pub const PUSH_BLOCKS: &str = "TP_ALLREDUCE_PUSH_BLOCKS";
 pub const SHAPE: &str = "TP_ALLREDUCE_SHAPE";
 pub const ONE_SHOT_PUSH_TP2: &str = "TP_ALLREDUCE_ONE_SHOT_PUSH_TP2";
@@ -79,7 +83,7 @@ pub const VARS: &[EnvVar] = &[
         meaning: "tuning table to load (TOML)",
         default: "$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml",
     },
-    EnvVar { name: TRANSPORT, meaning: "force the transport: p2p or host-staged", default: "auto" },
+    EnvVar { name: TRANSPORT, meaning: "force the transport: p2p, host-staged or per-pair", default: "auto" },
     EnvVar {
         name: TIMEOUT_MS,
         meaning: "bound of a device-side wait on a peer that already started the call, in ms",
@@ -92,8 +96,18 @@ pub const VARS: &[EnvVar] = &[
     },
     EnvVar { name: ISLAND_SIZE, meaning: "ranks per island for hierarchical", default: "from the topology" },
     EnvVar {
+        name: CE_PUBLISH,
+        meaning: "copy-engine ring flag publication: memop (cuStreamWriteValue32) or kernel",
+        default: "memop where supported",
+    },
+    EnvVar {
+        name: ISLANDS,
+        meaning: "the islands for hierarchical, ranks by `,`, islands by `/` (0,1,2/3,4)",
+        default: "from the topology",
+    },
+    EnvVar {
         name: PUSH_BLOCKS,
-        meaning: "most blocks per flag-based push-kernel launch (two-shot-push, hierarchical)",
+        meaning: "no effect any more (two-shot-push and hierarchical run with any launch shape)",
         default: "16",
     },
     EnvVar {
@@ -179,6 +193,35 @@ pub fn launch_timeout() -> Result<Option<Duration>> {
 /// `TP_ALLREDUCE_ISLAND_SIZE`, if set.
 pub fn island_size() -> Result<Option<usize>> {
     var(ISLAND_SIZE).map(|v| parse(ISLAND_SIZE, &v)).transpose()
+}
+
+/// `TP_ALLREDUCE_CE_PUBLISH`: `Some(true)` for `kernel`, `Some(false)`
+/// for `memop`, `None` when unset.
+pub fn ce_publish_with_kernel() -> Result<Option<bool>> {
+    var(CE_PUBLISH)
+        .map(|v| match v.trim() {
+            "kernel" => Ok(true),
+            "memop" => Ok(false),
+            other => Err(Error::Config(format!("{CE_PUBLISH}: `{other}`; expected memop or kernel"))),
+        })
+        .transpose()
+}
+
+/// `TP_ALLREDUCE_ISLANDS` (`0,1,2/3,4`), if set.
+pub fn islands() -> Result<Option<Vec<Vec<usize>>>> {
+    var(ISLANDS).map(|v| parse_islands(&v).map_err(|e| Error::Config(format!("{ISLANDS}: {e}")))).transpose()
+}
+
+/// `0,1,2/3,4` -> `[[0, 1, 2], [3, 4]]`.
+pub fn parse_islands(text: &str) -> std::result::Result<Vec<Vec<usize>>, String> {
+    text.split('/')
+        .map(|group| {
+            group
+                .split(',')
+                .map(|r| r.trim().parse::<usize>().map_err(|_| format!("`{}` is not a rank in `{text}`", r.trim())))
+                .collect()
+        })
+        .collect()
 }
 
 /// `TP_ALLREDUCE_PUSH_BLOCKS`, if set.
@@ -267,6 +310,14 @@ mod tests {
         assert_eq!(parse_algorithm("nccl").unwrap(), Some(Algorithm::Nccl));
         let e = parse_algorithm("fastest").unwrap_err().to_string();
         assert!(e.contains(ALGORITHM) && e.contains("fastest") && e.contains("two-shot-pull"), "{e}");
+    }
+
+    #[test]
+    fn island_lists_parse() {
+        assert_eq!(parse_islands("0,1,2/3,4").unwrap(), vec![vec![0, 1, 2], vec![3, 4]]);
+        assert_eq!(parse_islands(" 0 , 2 / 1,3 ").unwrap(), vec![vec![0, 2], vec![1, 3]]);
+        assert!(parse_islands("0,1/x").unwrap_err().contains("`x`"));
+        assert!(parse_islands("0,,1").is_err());
     }
 
     #[test]

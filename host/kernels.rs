@@ -58,11 +58,17 @@ pub fn one_shot_push2_entry(dtype: DType) -> String {
     format!("{}2_{}", AlgorithmId::OneShotPush.kernel_prefix(), dtype.name())
 }
 
-/// Sentinel kernels: parameters passed by value, any block size up to
-/// [`SENTINEL_MAX_THREADS`], built with [`SENTINEL_MAX_REGISTERS`]
-/// registers (build.rs states the same rule).
+/// Entries that run with any block size up to [`SENTINEL_MAX_THREADS`] and
+/// take one parameter struct by value, built with
+/// [`SENTINEL_MAX_REGISTERS`] registers (build.rs states the same list):
+/// the sentinel kernels and the copy-engine ring's.
+const ANY_SHAPE_PREFIXES: [AlgorithmId; 4] =
+    [AlgorithmId::OneShotPush, AlgorithmId::TwoShotPush, AlgorithmId::Hierarchical, AlgorithmId::CopyEngineRing];
+
+/// Sentinel kernels (payload carries completion: OneShotPush, TwoShotPush,
+/// Hierarchical): parameters by value, any launch shape within residency.
 pub fn is_sentinel_entry(name: &str) -> bool {
-    name.starts_with(AlgorithmId::OneShotPush.kernel_prefix())
+    ANY_SHAPE_PREFIXES[..3].iter().any(|a| name.starts_with(a.kernel_prefix()))
 }
 
 /// Largest block of a sentinel kernel.
@@ -72,22 +78,89 @@ pub const SENTINEL_MAX_REGISTERS: u32 = 64;
 
 /// Register budget (`.maxnreg`) build.rs gives entry `name`.
 pub fn max_registers(name: &str) -> u32 {
-    if is_sentinel_entry(name) {
+    if ANY_SHAPE_PREFIXES.iter().any(|a| name.starts_with(a.kernel_prefix())) {
         SENTINEL_MAX_REGISTERS
     } else {
         65_536 / tp_allreduce_kernels::layout::THREADS_PER_BLOCK
     }
 }
 
-/// Every sentinel entry (both OneShotPush variants, every dtype).
+/// Every sentinel entry (every dtype): both OneShotPush variants,
+/// TwoShotPush, Hierarchical.
 pub fn sentinel_entries() -> Vec<String> {
-    DType::ALL.into_iter().flat_map(|d| [entry_name(AlgorithmId::OneShotPush, d), one_shot_push2_entry(d)]).collect()
+    DType::ALL
+        .into_iter()
+        .flat_map(|d| {
+            [
+                entry_name(AlgorithmId::OneShotPush, d),
+                one_shot_push2_entry(d),
+                entry_name(AlgorithmId::TwoShotPush, d),
+                entry_name(AlgorithmId::Hierarchical, d),
+            ]
+        })
+        .collect()
+}
+
+/// The copy-engine ring's one-thread kernels (no dtype): the handshake
+/// wait and the flag publication.
+pub const COPY_ENGINE_HANDSHAKE: &str = "copy_engine_ring_handshake";
+pub const COPY_ENGINE_PUBLISH: &str = "copy_engine_ring_publish";
+
+/// Size and alignment of the one by-value parameter struct of `name`, for
+/// the entries that take one (`None` for the others).
+pub fn param_struct(name: &str) -> Option<(usize, usize)> {
+    use std::mem::{align_of, size_of};
+    use tp_allreduce_kernels::params::{CopyEngineParams, IslandPushParams, OneShotPushParams};
+    let prefix = |a: AlgorithmId| name.starts_with(a.kernel_prefix());
+    if prefix(AlgorithmId::OneShotPush) {
+        Some((size_of::<OneShotPushParams>(), align_of::<OneShotPushParams>()))
+    } else if prefix(AlgorithmId::TwoShotPush) || prefix(AlgorithmId::Hierarchical) {
+        Some((size_of::<IslandPushParams>(), align_of::<IslandPushParams>()))
+    } else if prefix(AlgorithmId::CopyEngineRing) && name != COPY_ENGINE_PUBLISH {
+        Some((size_of::<CopyEngineParams>(), align_of::<CopyEngineParams>()))
+    } else {
+        None
+    }
+}
+
+/// Entry of the fused (allreduce + residual add + RMSNorm) OneShotPush:
+/// `fused_one_shot_push_<dtype>`, or `fused_one_shot_push2_<dtype>` for
+/// two ranks (one `FusedOneShotPushParams` by value).
+pub fn fused_one_shot_push_entry(dtype: DType, two_ranks: bool) -> String {
+    format!("fused_one_shot_push{}_{}", if two_ranks { "2" } else { "" }, dtype.name())
+}
+
+/// Entry of the fused OneShotPull: `fused_one_shot_pull_<dtype>`.
+pub fn fused_one_shot_pull_entry(dtype: DType) -> String {
+    format!("fused_one_shot_pull_{}", dtype.name())
+}
+
+/// Entry of the separate epilogue kernel of the unfused path:
+/// `add_rms_norm_<dtype>`.
+pub fn add_rms_norm_entry(dtype: DType) -> String {
+    format!("add_rms_norm_{}", dtype.name())
+}
+
+/// The fused-epilogue entries of every dtype (launched with at most
+/// `FUSED_MAX_THREADS` threads, the default register budget).
+pub fn fused_entries() -> Vec<String> {
+    DType::ALL
+        .into_iter()
+        .flat_map(|d| {
+            [
+                fused_one_shot_push_entry(d, false),
+                fused_one_shot_push_entry(d, true),
+                fused_one_shot_pull_entry(d),
+                add_rms_norm_entry(d),
+            ]
+        })
+        .collect()
 }
 
 /// Names of every kernel entry the host may launch; each must be present in
 /// every embedded PTX.
 pub fn expected_entries() -> Vec<String> {
-    let mut names = Vec::new();
+    let mut names = fused_entries();
     for dtype in DType::ALL {
         for algorithm in AlgorithmId::ALLREDUCE {
             names.push(entry_name(algorithm, dtype));
@@ -97,6 +170,8 @@ pub fn expected_entries() -> Vec<String> {
         names.push(format!("affine_{}", dtype.name()));
     }
     names.push(AlgorithmId::P2pCheck.kernel_prefix().to_string());
+    names.push(COPY_ENGINE_HANDSHAKE.to_string());
+    names.push(COPY_ENGINE_PUBLISH.to_string());
     names.sort();
     names
 }
@@ -104,7 +179,7 @@ pub fn expected_entries() -> Vec<String> {
 /// Kernels on the latency-critical path: must use no local memory (no stack
 /// frame, no spills) on any architecture.
 pub fn hot_entries() -> Vec<String> {
-    let mut names = Vec::new();
+    let mut names = fused_entries();
     for dtype in DType::ALL {
         for algorithm in AlgorithmId::ALLREDUCE {
             names.push(entry_name(algorithm, dtype));

@@ -37,9 +37,9 @@
 
 // `unsafe` is denied crate-wide and allowed (an inner `allow(unsafe_code)` attribute at the
 // top of the file) in four rooms only: `driver` (every CUDA driver call and
-// kernel launch), `comm::call` (the raw entry point and the call path),
-// `comm::shm` (libc shared memory) and `nccl`, plus `candle` (the candle
-// ops' uninitialised outputs and raw calls). (`comm::ipc` needs none: its
+// kernel launch), `comm::call` (the raw entry points and the call paths of
+// the allreduce and the fused epilogue), `comm::shm` (libc shared memory)
+// and `nccl`. (`comm::ipc` needs none: its
 // driver calls go through `driver`.) Most other files also say
 // `#![forbid(unsafe_code)]`; `tests/suite/cpu.rs` checks the allow list.
 pub mod algorithm;
@@ -64,7 +64,7 @@ pub mod tools;
 
 pub use algorithm::{Algorithm, Transport};
 pub use buffer::DeviceBuffer;
-pub use comm::{CallPlan, Comm, Element, ReduceOp};
+pub use comm::{CallPlan, Comm, Element, FusedOptions, FusedPlan, ReduceOp};
 pub use config::{Config, TransportPreference};
 pub use error::{Error, Result};
 pub use rank_env::RankEnv;

@@ -5,12 +5,14 @@
 
 #![forbid(unsafe_code)]
 
+use super::IslandSplit;
+
 /// The shape a cost recipe depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CostShape {
     pub world: usize,
-    /// Hierarchical: island size (checked by [`availability`] first).
-    pub island_size: Option<usize>,
+    /// Hierarchical: the islands (checked by [`availability`](super::availability) first).
+    pub islands: Option<IslandSplit>,
 }
 
 /// Which ordered pairs of ranks exchange data in a phase.
@@ -20,10 +22,26 @@ pub enum FlowSet {
     AllPairs,
     /// Every rank to the next one (`r -> r+1 mod N`).
     RingNeighbours,
-    /// Every rank to the other members of its island.
-    WithinIslands,
-    /// Every rank to the same-index member of every other island.
-    AcrossIslands,
+    /// Island reduce-scatter: every rank to every other member of its
+    /// island, the shares that member owns (`share` per owned share).
+    IslandScatter,
+    /// Island all-gather: every rank to every other member of its island,
+    /// the shares it owns.
+    IslandGather,
+    /// Cross-island exchange: every rank, for each share it owns, to that
+    /// share's owner in every other island.
+    CrossOwners,
+}
+
+/// What moves a phase's bytes and what a dependent hop costs beyond the
+/// link latency.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// SM loads/stores; a hop adds the poll/flag overhead (`hop_overhead_us`).
+    Sm,
+    /// Copy-engine peer copies (`copy_engine_efficiency` of the link); a hop
+    /// adds a copy, a flag write and a step kernel (`copy_engine_step_us`).
+    CopyEngine,
 }
 
 /// The memory operation that moves a phase's data over the link.
@@ -73,10 +91,12 @@ pub struct PhaseSpec {
     pub latency_over: LatencyOver,
     /// Throughput limited by the ring's chunked FIFO pipeline.
     pub ring_pipelined: bool,
+    pub engine: Engine,
 }
 
 impl PhaseSpec {
-    /// A phase of posted writes, one dependent hop, staggered peers.
+    /// A phase of posted writes, one dependent hop, staggered peers. With
+    /// payload completion (every push algorithm) the hop is the data itself.
     pub(crate) const fn staggered_writes(flows: FlowSet, share: f64) -> PhaseSpec {
         PhaseSpec {
             flows,
@@ -87,6 +107,7 @@ impl PhaseSpec {
             read_hops: 0.0,
             latency_over: LatencyOver::WorstFlow,
             ring_pipelined: false,
+            engine: Engine::Sm,
         }
     }
 
@@ -101,6 +122,7 @@ impl PhaseSpec {
             read_hops,
             latency_over: LatencyOver::WorstPair,
             ring_pipelined: false,
+            engine: Engine::Sm,
         }
     }
 }

@@ -1,17 +1,20 @@
-//! Hierarchical: reduce-scatter inside each island, exchange each island
-//! member's reduced share with the same-index member of every other island,
-//! all-gather inside the island; posted writes, three flag phases. Islands
-//! are consecutive ranks (`Config::island_size`, or derived from the
-//! topology when its islands are consecutive).
-//! Kernel: `kernels-rs/src/device/hierarchical.rs`; scratch:
-//! `ScratchLayout::hierarchical_*`.
+//! Hierarchical: reduce-scatter inside each island, exchange each share's
+//! partial sum with that share's owner in every other island, all-gather
+//! inside the island; posted writes, payload completion (a sentinel kernel:
+//! no flag, no barrier, any launch shape), three dependent hops. Islands of
+//! any shape (unequal sizes allowed): from `Config::islands`,
+//! `Config::island_size` (consecutive) or the topology
+//! (`select::topology::islands`). With the per-pair transport the cross
+//! slots live in host memory (P2P inside islands, host-staged across).
+//! Kernel: `kernels-rs/src/device/hierarchical.rs` (body in
+//! `island_push.rs`); receive region: `ScratchLayout::hierarchical_*`.
 
 #![forbid(unsafe_code)]
 
 use tp_allreduce_kernels::ids::AlgorithmId;
-use tp_allreduce_kernels::partition::{div_ceil, push_grid};
 
-use super::{islands_split, AlgorithmHost, Capabilities, CostRecipe, CostShape, FlowSet, Geometry, PhaseSpec};
+use super::two_shot_push::share_shape;
+use super::{AlgorithmHost, Capabilities, CostRecipe, CostShape, FlowSet, Geometry, PhaseSpec};
 
 pub(crate) struct Hierarchical;
 
@@ -24,33 +27,54 @@ impl AlgorithmHost for Hierarchical {
         true
     }
 
+    fn supports_per_pair(&self) -> bool {
+        true
+    }
+
     /// The island reduction and the cross-island sum each round.
     fn max_roundings(&self, _world: usize) -> usize {
         2
     }
 
     fn requirement(&self, caps: &Capabilities, _bytes: Option<usize>) -> Result<(), String> {
-        match caps.island_size {
-            Some(m) if islands_split(m, caps.world) => Ok(()),
-            Some(m) => Err(format!("hierarchical: islands of {m} do not split {} ranks into two or more", caps.world)),
+        match caps.islands {
+            Some(i) if i.splits() && i.world() == caps.world => Ok(()),
+            Some(i) => Err(format!("hierarchical: islands {i} do not split {} ranks into two or more", caps.world)),
             None => Err("hierarchical needs islands (none derived from the topology or configured)".into()),
         }
     }
 
+    fn sentinel(&self) -> bool {
+        true
+    }
+
+    fn launch_capacity_packs(&self, g: &Geometry) -> u64 {
+        g.layout.hierarchical_share_packs * g.layout.island_shares as u64
+    }
+
     fn grid(&self, g: &Geometry, packs: u64) -> u32 {
-        let share = div_ceil(packs, g.layout.island_size.max(1) as u64);
-        push_grid(share, Geometry::THREADS, g.layout.hierarchical_stripe_packs, g.layout.push_blocks)
+        self.launch_shape(g, packs).0
+    }
+
+    fn launch_shape(&self, g: &Geometry, packs: u64) -> (u32, u32) {
+        share_shape(packs, g.layout.island_shares.max(1) as u64, &g.sentinel_resident)
     }
 
     fn cost(&self, shape: &CostShape) -> CostRecipe {
-        let share = 1.0 / shape.island_size.unwrap_or(shape.world).max(1) as f64;
+        let (shares, largest, islands) = match shape.islands {
+            Some(i) => (i.shares() as f64, i.shares() as f64, i.count() as f64),
+            None => (shape.world as f64, shape.world as f64, 1.0),
+        };
+        let share = 1.0 / shares;
         CostRecipe {
             phases: vec![
-                PhaseSpec::staggered_writes(FlowSet::WithinIslands, share),
-                PhaseSpec::staggered_writes(FlowSet::AcrossIslands, share),
-                PhaseSpec::staggered_writes(FlowSet::WithinIslands, share),
+                PhaseSpec::staggered_writes(FlowSet::IslandScatter, share),
+                PhaseSpec::staggered_writes(FlowSet::CrossOwners, share),
+                PhaseSpec::staggered_writes(FlowSet::IslandGather, share),
             ],
-            local_passes: 4.0,
+            // Input once; reads and resets of the reduce-scatter, cross and
+            // all-gather slots; the partial written and read back; output.
+            local_passes: 3.0 + (4.0 * (largest - 1.0) + 2.0 * (islands - 1.0)) / shares,
         }
     }
 }

@@ -16,8 +16,11 @@
 
 #![forbid(unsafe_code)]
 
+mod copy_engine_ring;
 mod cost;
+pub mod fused;
 mod hierarchical;
+mod islands;
 mod names;
 mod one_shot_pull;
 mod one_shot_push;
@@ -28,7 +31,9 @@ mod two_shot_push;
 use tp_allreduce_kernels::ids::AlgorithmId;
 use tp_allreduce_kernels::layout::{ScratchLayout, THREADS_PER_BLOCK};
 
-pub use cost::{CostRecipe, CostShape, FlowSet, LatencyOver, Op, Pattern, PhaseSpec};
+pub use copy_engine_ring::{pieces_for, CopyEnginePlan, CE_MAX_PIECES};
+pub use cost::{CostRecipe, CostShape, Engine, FlowSet, LatencyOver, Op, Pattern, PhaseSpec};
+pub use islands::IslandSplit;
 pub use names::{Algorithm, Transport};
 
 /// Everything of one algorithm's host side.
@@ -82,6 +87,13 @@ pub(crate) trait AlgorithmHost: Sync {
         (self.grid(geometry, packs), THREADS_PER_BLOCK)
     }
 
+    /// Whether it can run with P2P inside islands and host staging across
+    /// them (`Transport::PerPair`): only an algorithm whose cross-island
+    /// traffic has a receive region of its own in host memory.
+    fn supports_per_pair(&self) -> bool {
+        false
+    }
+
     /// The phases the cost model prices for `shape`.
     fn cost(&self, shape: &CostShape) -> CostRecipe;
 }
@@ -95,6 +107,7 @@ pub(crate) fn host(algorithm: Algorithm) -> Option<&'static dyn AlgorithmHost> {
         Algorithm::TwoShotPush => Some(&two_shot_push::TwoShotPush),
         Algorithm::Ring => Some(&ring::Ring),
         Algorithm::Hierarchical => Some(&hierarchical::Hierarchical),
+        Algorithm::CopyEngineRing => Some(&copy_engine_ring::CopyEngineRing),
         Algorithm::Nccl => None,
     }
 }
@@ -105,10 +118,12 @@ pub(crate) fn host(algorithm: Algorithm) -> Option<&'static dyn AlgorithmHost> {
 pub struct Capabilities {
     pub world: usize,
     pub transport: Transport,
-    /// Hierarchical: consecutive islands of this many ranks.
-    pub island_size: Option<usize>,
+    /// Hierarchical: the islands (two or more), if any.
+    pub islands: Option<IslandSplit>,
     /// One-shot push handles messages up to this size (0: disabled).
     pub one_shot_push_max_bytes: usize,
+    /// The copy-engine ring has staging (pieces per shard > 0).
+    pub copy_engine: bool,
     /// An NCCL communicator exists (NCCL loaded, ranks on distinct GPUs).
     pub nccl_available: bool,
 }
@@ -120,15 +135,14 @@ pub fn availability(algorithm: Algorithm, caps: &Capabilities, bytes: Option<usi
         return if caps.nccl_available { Ok(()) } else { Err("NCCL is not available".into()) };
     };
     if caps.transport == Transport::HostStaged && !h.supports_host_staged() {
-        return Err(format!("{algorithm} reads peers' device buffers and cannot run host-staged (no usable P2P)"));
+        return Err(format!("{algorithm} cannot run host-staged (no usable P2P)"));
+    }
+    if caps.transport == Transport::PerPair && !h.supports_per_pair() {
+        return Err(format!(
+            "{algorithm} needs P2P between every pair; here only ranks inside an island have it (per-pair transport)"
+        ));
     }
     h.requirement(caps, bytes)
-}
-
-/// Islands of `island_size` split `world` ranks into two or more islands
-/// of at least two ranks.
-pub(crate) fn islands_split(island_size: usize, world: usize) -> bool {
-    island_size >= 2 && island_size < world && world % island_size == 0
 }
 
 /// What a launch's grid and capacity depend on: the communicator's scratch
@@ -170,7 +184,15 @@ mod tests {
     use super::*;
 
     fn caps(transport: Transport, island_size: Option<usize>) -> Capabilities {
-        Capabilities { world: 8, transport, island_size, one_shot_push_max_bytes: 512 << 10, nccl_available: true }
+        let islands = island_size.and_then(|m| IslandSplit::consecutive(m, 8).ok());
+        Capabilities {
+            world: 8,
+            transport,
+            islands,
+            one_shot_push_max_bytes: 512 << 10,
+            copy_engine: true,
+            nccl_available: true,
+        }
     }
 
     #[test]
@@ -183,13 +205,20 @@ mod tests {
     }
 
     #[test]
-    fn pull_algorithms_need_peer_to_peer() {
+    fn pull_algorithms_and_the_copy_engine_ring_need_peer_to_peer() {
         let staged = caps(Transport::HostStaged, Some(4));
         for a in Algorithm::OURS {
             let r = availability(a, &staged, None);
-            assert_eq!(r.is_ok(), !host(a).unwrap().reads_peer_inputs(), "{a}: {r:?}");
+            let p2p_only = host(a).unwrap().reads_peer_inputs() || a == Algorithm::CopyEngineRing;
+            assert_eq!(r.is_ok(), !p2p_only, "{a}: {r:?}");
         }
         assert!(availability(Algorithm::OneShotPull, &caps(Transport::PeerToPeer, None), None).is_ok());
+        // Per-pair transport (P2P inside islands only): hierarchical alone.
+        let per_pair = caps(Transport::PerPair, Some(4));
+        for a in Algorithm::OURS {
+            assert_eq!(availability(a, &per_pair, None).is_ok(), a == Algorithm::Hierarchical, "{a}");
+        }
+        assert!(availability(Algorithm::Nccl, &per_pair, None).is_ok());
     }
 
     #[test]
@@ -201,6 +230,10 @@ mod tests {
             let e = availability(Algorithm::Hierarchical, &p2p(bad), None).unwrap_err();
             assert!(e.contains("hierarchical") || e.contains("island"), "{bad:?}: {e}");
         }
+        // Unequal islands: 3+5 of 8.
+        let mut c = p2p(None);
+        c.islands = Some(IslandSplit::from_groups(&[vec![0, 1, 2], vec![3, 4, 5, 6, 7]], 8).unwrap());
+        assert!(availability(Algorithm::Hierarchical, &c, None).is_ok());
     }
 
     #[test]
@@ -223,8 +256,10 @@ mod tests {
 
     #[test]
     fn recipes_move_the_bytes_the_algorithms_move() {
-        // Per-rank bytes sent, as a multiple of S, for N = 8, m = 4.
-        let shape = CostShape { world: 8, island_size: Some(4) };
+        // Per-rank bytes sent, as a multiple of S, for N = 8, islands 4+4
+        // (every rank owns one of the four shares).
+        let islands = IslandSplit::consecutive(4, 8).ok();
+        let shape = CostShape { world: 8, islands };
         let sent = |a: Algorithm| -> f64 {
             host(a)
                 .unwrap()
@@ -235,8 +270,8 @@ mod tests {
                     let peers = match p.flows {
                         FlowSet::AllPairs => 7.0,
                         FlowSet::RingNeighbours => 1.0,
-                        FlowSet::WithinIslands => 3.0,
-                        FlowSet::AcrossIslands => 1.0,
+                        FlowSet::IslandScatter | FlowSet::IslandGather => 3.0,
+                        FlowSet::CrossOwners => 1.0,
                     };
                     peers * p.share
                 })
@@ -248,6 +283,7 @@ mod tests {
         assert!(close(sent(Algorithm::TwoShotPush), 2.0 * 7.0 / 8.0));
         assert!(close(sent(Algorithm::TwoShotPull), 2.0 * 7.0 / 8.0));
         assert!(close(sent(Algorithm::Ring), 2.0 * 7.0 / 8.0));
+        assert!(close(sent(Algorithm::CopyEngineRing), 2.0 * 7.0 / 8.0));
         // Hierarchical: (m-1)/m twice inside the island, 1/m across.
         assert!(close(sent(Algorithm::Hierarchical), 2.0 * 3.0 / 4.0 + 1.0 / 4.0));
     }

@@ -20,28 +20,32 @@ pub enum Algorithm {
     TwoShotPush,
     Ring,
     Hierarchical,
+    /// Ring whose data moves with copy-engine peer copies (large messages).
+    CopyEngineRing,
     /// NCCL's allreduce (fallback and baseline).
     Nccl,
 }
 
 impl Algorithm {
     /// Every algorithm with a kernel in this crate.
-    pub const OURS: [Algorithm; 6] = [
+    pub const OURS: [Algorithm; 7] = [
         Algorithm::OneShotPull,
         Algorithm::TwoShotPull,
         Algorithm::OneShotPush,
         Algorithm::TwoShotPush,
         Algorithm::Ring,
         Algorithm::Hierarchical,
+        Algorithm::CopyEngineRing,
     ];
 
-    pub const ALL: [Algorithm; 7] = [
+    pub const ALL: [Algorithm; 8] = [
         Algorithm::OneShotPull,
         Algorithm::TwoShotPull,
         Algorithm::OneShotPush,
         Algorithm::TwoShotPush,
         Algorithm::Ring,
         Algorithm::Hierarchical,
+        Algorithm::CopyEngineRing,
         Algorithm::Nccl,
     ];
 
@@ -54,6 +58,7 @@ impl Algorithm {
             Algorithm::TwoShotPush => "two-shot-push",
             Algorithm::Ring => "ring",
             Algorithm::Hierarchical => "hierarchical",
+            Algorithm::CopyEngineRing => "copy-engine-ring",
             Algorithm::Nccl => "nccl",
         }
     }
@@ -108,6 +113,10 @@ pub enum Transport {
     PeerToPeer,
     /// Pinned host memory mapped into every GPU: for GPUs without usable P2P.
     HostStaged,
+    /// P2P inside islands, host-staged across them: where only the pairs
+    /// that cross an island boundary lack P2P (two sockets). Hierarchical
+    /// only: its cross-island slots live in pinned host memory.
+    PerPair,
 }
 
 impl Transport {
@@ -115,6 +124,7 @@ impl Transport {
         match self {
             Transport::PeerToPeer => "p2p",
             Transport::HostStaged => "host-staged",
+            Transport::PerPair => "per-pair",
         }
     }
 }
@@ -131,7 +141,8 @@ impl FromStr for Transport {
         match s.trim().to_ascii_lowercase().as_str() {
             "p2p" | "peer-to-peer" => Ok(Transport::PeerToPeer),
             "host-staged" | "host" => Ok(Transport::HostStaged),
-            other => Err(Error::invalid(format!("unknown transport `{other}`; expected p2p or host-staged"))),
+            "per-pair" => Ok(Transport::PerPair),
+            other => Err(Error::invalid(format!("unknown transport `{other}`; expected p2p, host-staged or per-pair"))),
         }
     }
 }

@@ -9,7 +9,7 @@
 use tp_allreduce_kernels::ids::AlgorithmId;
 use tp_allreduce_kernels::partition::div_ceil;
 
-use super::{AlgorithmHost, CostRecipe, CostShape, FlowSet, Geometry, LatencyOver, Op, Pattern, PhaseSpec};
+use super::{AlgorithmHost, CostRecipe, CostShape, Engine, FlowSet, Geometry, LatencyOver, Op, Pattern, PhaseSpec};
 
 pub(crate) struct Ring;
 
@@ -49,6 +49,7 @@ impl AlgorithmHost for Ring {
                 read_hops: 0.0,
                 latency_over: LatencyOver::MeanFlow,
                 ring_pipelined: true,
+                engine: Engine::Sm,
             }],
             local_passes: 3.0,
         }

@@ -1,15 +1,18 @@
-//! TwoShotPush: reduce-scatter by posted writes (slice `j` of every rank's
+//! TwoShotPush: reduce-scatter by posted writes (share `j` of every rank's
 //! input goes to rank `j`), then all-gather by posted writes; peers in a
-//! staggered order. Two flag phases.
-//! Kernel: `kernels-rs/src/device/two_shot_push.rs`; scratch:
-//! `ScratchLayout::two_shot_push_*`.
+//! staggered order. Payload completion (a sentinel kernel: no flag, no
+//! barrier; parameters by value; any launch shape): the island push with
+//! one island of every rank.
+//! Kernel: `kernels-rs/src/device/two_shot_push.rs` (body in
+//! `island_push.rs`); receive region: `ScratchLayout::two_shot_push_*`.
 
 #![forbid(unsafe_code)]
 
 use tp_allreduce_kernels::ids::AlgorithmId;
-use tp_allreduce_kernels::partition::{div_ceil, push_grid};
+use tp_allreduce_kernels::partition::div_ceil;
 
-use super::{AlgorithmHost, CostRecipe, CostShape, FlowSet, Geometry, PhaseSpec};
+use super::one_shot_push::default_shape;
+use super::{AlgorithmHost, CostRecipe, CostShape, FlowSet, Geometry, PhaseSpec, ResidentBlocks};
 
 pub(crate) struct TwoShotPush;
 
@@ -22,19 +25,41 @@ impl AlgorithmHost for TwoShotPush {
         true
     }
 
+    fn sentinel(&self) -> bool {
+        true
+    }
+
+    fn launch_capacity_packs(&self, g: &Geometry) -> u64 {
+        g.layout.two_shot_push_share_packs * g.world as u64
+    }
+
     fn grid(&self, g: &Geometry, packs: u64) -> u32 {
-        let slice = div_ceil(packs, g.world as u64);
-        push_grid(slice, Geometry::THREADS, g.layout.two_shot_push_stripe_packs, g.layout.push_blocks)
+        self.launch_shape(g, packs).0
+    }
+
+    fn launch_shape(&self, g: &Geometry, packs: u64) -> (u32, u32) {
+        share_shape(packs, g.world as u64, &g.sentinel_resident)
     }
 
     fn cost(&self, shape: &CostShape) -> CostRecipe {
-        let slice = 1.0 / shape.world as f64;
+        let n = shape.world as f64;
+        let share = 1.0 / n;
         CostRecipe {
             phases: vec![
-                PhaseSpec::staggered_writes(FlowSet::AllPairs, slice),
-                PhaseSpec::staggered_writes(FlowSet::AllPairs, slice),
+                PhaseSpec::staggered_writes(FlowSet::AllPairs, share),
+                PhaseSpec::staggered_writes(FlowSet::AllPairs, share),
             ],
-            local_passes: 3.0,
+            // Input once; per received share a read and a reset, twice
+            // (reduce-scatter, all-gather); the output.
+            local_passes: 2.0 + 4.0 * (n - 1.0) / n,
         }
     }
+}
+
+/// The default launch shape of an island push launch over `packs` packs cut
+/// into `shares` shares: threads walk the packs of one share (every phase
+/// is a grid-stride loop over a share's packs), so the default rule of
+/// OneShotPush applied to a share.
+pub(crate) fn share_shape(packs: u64, shares: u64, resident: &ResidentBlocks) -> (u32, u32) {
+    default_shape(div_ceil(packs, shares.max(1)), resident)
 }

@@ -31,10 +31,7 @@
 //! on (`CudaDevice::enable_cuda_graph_htod_cache`) over an eager warm-up and
 //! the capture.
 
-// One of the crate's unsafe rooms (host/lib.rs): the ops allocate
-// uninitialised outputs and pass candle's pointers and stream to
-// `Comm::all_reduce_raw`.
-#![allow(unsafe_code)]
+#![forbid(unsafe_code)]
 
 mod norm;
 #[cfg(test)]
@@ -46,7 +43,7 @@ use std::sync::Arc;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::CudaDType;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, InplaceOp1, Layout, Shape, Tensor};
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream};
 
 pub use norm::FusedAddRmsNorm;
 
@@ -61,32 +58,106 @@ const ALL_REDUCE_OP: &str = "tp-allreduce all_reduce";
 /// NCCL unique id, `[c_char; 128]`).
 pub const ID_PAYLOAD_BYTES: usize = 128;
 
-/// The call the ops make. `Comm` in the library; a recording fake in the
-/// CPU tests, so that the ops' checks run without a GPU.
-trait RawAllReduce: Send + Sync {
-    /// # Safety
-    /// As [`Comm::all_reduce_raw`].
-    unsafe fn all_reduce_raw(
+/// The call the ops make, per element type: `Comm` in the library (its
+/// safe [`Comm::all_reduce_slices_on`]); a recording fake in the CPU tests,
+/// so that the ops' checks run without a GPU.
+trait SliceAllReduce: Send + Sync {
+    fn f32(
         &self,
-        send: sys::CUdeviceptr,
-        recv: sys::CUdeviceptr,
+        send: Option<(&CudaSlice<f32>, usize)>,
+        recv: (&mut CudaSlice<f32>, usize),
         count: usize,
-        dtype: DType,
-        stream: sys::CUstream,
+        stream: &Arc<CudaStream>,
+    ) -> crate::Result<()>;
+    fn f16(
+        &self,
+        send: Option<(&CudaSlice<half::f16>, usize)>,
+        recv: (&mut CudaSlice<half::f16>, usize),
+        count: usize,
+        stream: &Arc<CudaStream>,
+    ) -> crate::Result<()>;
+    fn bf16(
+        &self,
+        send: Option<(&CudaSlice<half::bf16>, usize)>,
+        recv: (&mut CudaSlice<half::bf16>, usize),
+        count: usize,
+        stream: &Arc<CudaStream>,
     ) -> crate::Result<()>;
 }
 
-impl RawAllReduce for Comm {
-    unsafe fn all_reduce_raw(
+impl SliceAllReduce for Comm {
+    fn f32(
         &self,
-        send: sys::CUdeviceptr,
-        recv: sys::CUdeviceptr,
+        send: Option<(&CudaSlice<f32>, usize)>,
+        recv: (&mut CudaSlice<f32>, usize),
         count: usize,
-        dtype: DType,
-        stream: sys::CUstream,
+        stream: &Arc<CudaStream>,
     ) -> crate::Result<()> {
-        // SAFETY: forwarded; the caller upholds `Comm::all_reduce_raw`'s contract.
-        unsafe { Comm::all_reduce_raw(self, send, recv, count, dtype, stream) }
+        self.all_reduce_slices_on(send, recv, count, stream)
+    }
+    fn f16(
+        &self,
+        send: Option<(&CudaSlice<half::f16>, usize)>,
+        recv: (&mut CudaSlice<half::f16>, usize),
+        count: usize,
+        stream: &Arc<CudaStream>,
+    ) -> crate::Result<()> {
+        self.all_reduce_slices_on(send, recv, count, stream)
+    }
+    fn bf16(
+        &self,
+        send: Option<(&CudaSlice<half::bf16>, usize)>,
+        recv: (&mut CudaSlice<half::bf16>, usize),
+        count: usize,
+        stream: &Arc<CudaStream>,
+    ) -> crate::Result<()> {
+        self.all_reduce_slices_on(send, recv, count, stream)
+    }
+}
+
+/// The element types of the ops, each routed to its method of
+/// [`SliceAllReduce`].
+trait OpElement: CudaDType + Element + cudarc::driver::ValidAsZeroBits {
+    fn reduce(
+        comm: &dyn SliceAllReduce,
+        send: Option<(&CudaSlice<Self>, usize)>,
+        recv: (&mut CudaSlice<Self>, usize),
+        count: usize,
+        stream: &Arc<CudaStream>,
+    ) -> crate::Result<()>;
+}
+
+impl OpElement for f32 {
+    fn reduce(
+        c: &dyn SliceAllReduce,
+        s: Option<(&CudaSlice<f32>, usize)>,
+        r: (&mut CudaSlice<f32>, usize),
+        n: usize,
+        st: &Arc<CudaStream>,
+    ) -> crate::Result<()> {
+        c.f32(s, r, n, st)
+    }
+}
+impl OpElement for half::f16 {
+    fn reduce(
+        c: &dyn SliceAllReduce,
+        s: Option<(&CudaSlice<half::f16>, usize)>,
+        r: (&mut CudaSlice<half::f16>, usize),
+        n: usize,
+        st: &Arc<CudaStream>,
+    ) -> crate::Result<()> {
+        c.f16(s, r, n, st)
+    }
+}
+impl OpElement for half::bf16 {
+    fn reduce(
+        c: &dyn SliceAllReduce,
+        s: Option<(&CudaSlice<half::bf16>, usize)>,
+        r: (&mut CudaSlice<half::bf16>, usize),
+        n: usize,
+        st: &Arc<CudaStream>,
+    ) -> crate::Result<()> {
+        c.bf16(s, r, n, st)
     }
 }
 
@@ -99,7 +170,7 @@ impl RawAllReduce for Comm {
 /// ```
 #[derive(Clone)]
 pub struct AllReduce {
-    comm: Arc<dyn RawAllReduce>,
+    comm: Arc<dyn SliceAllReduce>,
 }
 
 impl std::fmt::Debug for AllReduce {
@@ -127,7 +198,7 @@ impl AllReduce {
     /// Allreduce of `count` elements from `src` (slice and start element)
     /// into `dst` from element `dst_offset` (`src` `None`: in place) on
     /// `stream`, the buffers' candle stream.
-    fn reduce_slices<T: CudaDType + Element>(
+    fn reduce_slices<T: OpElement>(
         &self,
         src: Option<(&CudaSlice<T>, usize)>,
         dst: &mut CudaSlice<T>,
@@ -139,49 +210,26 @@ impl AllReduce {
         if dst.len().saturating_sub(dst_offset) < count || (src.is_some() && src_len < count) {
             candle_core::bail!("{ALL_REDUCE_OP}: the layout reaches past the end of the tensor's storage");
         }
-        let elem = T::DTYPE.size_bytes() as u64;
-        // The guards record the use on the stream (cudarc's event tracking)
-        // and must live until the call is queued.
-        let (recv, _dst_guard) = dst.device_ptr_mut(stream);
-        let recv = recv + dst_offset as u64 * elem;
-        let (send, _src_guard) = match src {
-            Some((slice, start)) => {
-                let (send, guard) = slice.device_ptr(stream);
-                (send + start as u64 * elem, Some(guard))
-            }
-            None => (recv, None),
-        };
-        // SAFETY: `send` and `recv` point into live candle buffers holding
-        // at least `offset + count` elements of `T` (checked above),
-        // borrowed until the call is queued on
-        // `stream`, the buffers' own candle stream; candle keeps a buffer
-        // alive while a tensor refers to it, and frees it stream-ordered.
-        unsafe { self.comm.all_reduce_raw(send, recv, count, T::DTYPE, stream.cu_stream()) }.map_err(to_candle)
+        T::reduce(&*self.comm, src, (dst, dst_offset), count, stream).map_err(to_candle)
     }
 
     /// The out-of-place op for element type `T`.
-    fn out_of_place<T: CudaDType + Element>(
+    fn out_of_place<T: OpElement>(
         &self,
         storage: &CudaStorage,
         start: usize,
         count: usize,
     ) -> candle_core::Result<CudaStorage> {
         let device = storage.device().clone();
-        // SAFETY: the allreduce writes every element before any read. (One
-        // element at least: the driver refuses empty allocations; an empty
-        // tensor's storage may be longer than its layout needs.)
-        let mut out = unsafe { device.alloc::<T>(count.max(1)) }?;
+        // Zeroed (a memset on the stream; the allreduce overwrites it). One
+        // element at least: the driver refuses empty allocations.
+        let mut out = device.alloc_zeros::<T>(count.max(1))?;
         self.reduce_slices(Some((storage.as_cuda_slice::<T>()?, start)), &mut out, 0, count, &device.cuda_stream())?;
         Ok(CudaStorage::wrap_cuda_slice(out, device))
     }
 
     /// The in-place op for element type `T`.
-    fn in_place<T: CudaDType + Element>(
-        &self,
-        storage: &mut CudaStorage,
-        start: usize,
-        count: usize,
-    ) -> candle_core::Result<()> {
+    fn in_place<T: OpElement>(&self, storage: &mut CudaStorage, start: usize, count: usize) -> candle_core::Result<()> {
         let stream = storage.device().cuda_stream();
         self.reduce_slices(None, storage.as_cuda_slice_mut::<T>()?, start, count, &stream)
     }

@@ -14,17 +14,40 @@ struct CountingComm {
     calls: AtomicUsize,
 }
 
-impl RawAllReduce for CountingComm {
-    unsafe fn all_reduce_raw(
-        &self,
-        _: sys::CUdeviceptr,
-        _: sys::CUdeviceptr,
-        _: usize,
-        _: DType,
-        _: sys::CUstream,
-    ) -> crate::Result<()> {
+impl CountingComm {
+    fn record(&self) -> crate::Result<()> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         Err(crate::Error::invalid("the CPU tests never reach the device call"))
+    }
+}
+
+impl SliceAllReduce for CountingComm {
+    fn f32(
+        &self,
+        _: Option<(&CudaSlice<f32>, usize)>,
+        _: (&mut CudaSlice<f32>, usize),
+        _: usize,
+        _: &Arc<CudaStream>,
+    ) -> crate::Result<()> {
+        self.record()
+    }
+    fn f16(
+        &self,
+        _: Option<(&CudaSlice<half::f16>, usize)>,
+        _: (&mut CudaSlice<half::f16>, usize),
+        _: usize,
+        _: &Arc<CudaStream>,
+    ) -> crate::Result<()> {
+        self.record()
+    }
+    fn bf16(
+        &self,
+        _: Option<(&CudaSlice<half::bf16>, usize)>,
+        _: (&mut CudaSlice<half::bf16>, usize),
+        _: usize,
+        _: &Arc<CudaStream>,
+    ) -> crate::Result<()> {
+        self.record()
     }
 }
 

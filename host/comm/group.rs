@@ -36,9 +36,12 @@ impl Comm {
         let module = KernelModule::for_context(&ctx)?;
         let (view, mut notes) = selector::rank_view(&ctx, rank, world, &*rendezvous)?;
         let mut config = config;
-        config.island_size = selector::island_size(&view, &config);
+        if let Some((split, note)) = selector::islands(&view, &config, world)? {
+            config.islands = Some(split.groups());
+            notes.push(note);
+        }
         let setup = setup::build(&stream, rank, world, &*rendezvous, &config, &module)?;
-        let sentinel = super::params::SentinelLaunches::build(&ctx, &setup, rank, &config)?;
+        let sentinel = super::params::SentinelLaunches::build(&ctx, &module, &setup, rank, &config)?;
         // Decided from the gathered placement, the same on every rank: NCCL's
         // creation is collective.
         let nccl = if setup.nccl_eligible {
@@ -52,7 +55,8 @@ impl Comm {
         } else {
             None
         };
-        let (selection, topology, more) = selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
+        let (selection, fused_selection, topology, more) =
+            selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
         notes.extend(more);
         let watchdog = super::watchdog::Watchdog::start(&ctx, setup.watched_peers.clone(), setup.abort_targets(rank))?;
         Ok(Comm {
@@ -70,6 +74,7 @@ impl Comm {
             rendezvous: Arc::from(rendezvous),
             nccl,
             selection,
+            fused_selection,
             topology,
             notes,
             watchdog,

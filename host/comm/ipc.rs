@@ -21,7 +21,8 @@
 //! Same-process device memory of another GPU needs peer access from this
 //! rank's context to the owner's; host memory never does
 //! ([`peer_access_needed`]); cuMem memory is mapped again for the peer's
-//! device instead (peer access does not cover it).
+//! device instead (peer access does not cover it), from the chunks its
+//! owner listed in its offer (only the owner's context finds them).
 
 #![forbid(unsafe_code)]
 
@@ -33,7 +34,7 @@ use serde::{Deserialize, Serialize};
 
 use super::shm::SharedHostRegion;
 use super::vmm_buffers::{self, VmmExport, VmmExports};
-use crate::driver::vmm::{self, Backing, VmmMapping};
+use crate::driver::vmm::{self, Backing, VmmChunk, VmmMapping};
 use crate::driver::{self, DeviceMemory, IpcMapping, MemoryLocation, PinnedHostMemory, RetainedPrimaryContext};
 use crate::error::{Error, Result};
 
@@ -67,6 +68,10 @@ pub(crate) struct BufferOffer {
     /// How a peer in another process maps it; `None` when every peer shares
     /// the owner's process.
     pub cross_process: Option<CrossProcess>,
+    /// cuMem memory with a peer in the owner's process: the chunks behind
+    /// it, found by the owner (a context of another device cannot find
+    /// them). `None` otherwise.
+    pub vmm_chunks: Option<Vec<VmmChunk>>,
 }
 
 /// The cross-process form of a buffer.
@@ -92,9 +97,9 @@ pub(crate) struct StepOffer {
 /// How one peer reaches a buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum BufferDescriptor {
-    /// Same process: the address itself (and the length, for cuMem memory
-    /// that must be mapped again for another device).
-    Local { addr: u64, bytes: u64 },
+    /// Same process: the address itself (and, for cuMem memory, which is
+    /// mapped again for another device, its chunks).
+    Local { addr: u64, vmm_chunks: Option<Vec<VmmChunk>> },
     /// Another process: the IPC handle or shared-memory name.
     Remote(CrossProcess),
 }
@@ -111,7 +116,7 @@ pub(crate) fn cross_process_needed(same_process: &[bool]) -> bool {
 /// which only a misbehaving or mismatched peer does).
 pub(crate) fn descriptor_for_peer(offer: &BufferOffer, same_process: bool) -> Result<BufferDescriptor> {
     if same_process {
-        return Ok(BufferDescriptor::Local { addr: offer.addr, bytes: offer.bytes });
+        return Ok(BufferDescriptor::Local { addr: offer.addr, vmm_chunks: offer.vmm_chunks.clone() });
     }
     match &offer.cross_process {
         Some(form) => Ok(BufferDescriptor::Remote(form.clone())),
@@ -140,7 +145,7 @@ pub(crate) fn offer_region(
             ))
         }
     };
-    Ok(BufferOffer { addr, bytes: bytes as u64, cross_process })
+    Ok(BufferOffer { addr, bytes: bytes as u64, cross_process, vmm_chunks: None })
 }
 
 /// What this rank offers for the registered device buffers `buffers`
@@ -150,13 +155,25 @@ pub(crate) fn offer_region(
 /// buffer's address is reused by later allocations, and a cached handle
 /// would make peers read the freed one. cuMem memory goes as descriptors
 /// (see `vmm_buffers.rs`); anything else cannot reach another process.
+/// cuMem buffers list their chunks for the peers in this process. Called
+/// with the owner's context current.
 pub(crate) fn offer_step(
     ctx: &CudaContext,
     buffers: &[(u64, usize)],
     same_process: &[bool],
 ) -> Result<(StepOffer, Option<VmmExports>)> {
-    let mut offers: Vec<BufferOffer> =
-        buffers.iter().map(|&(addr, bytes)| BufferOffer { addr, bytes: bytes as u64, cross_process: None }).collect();
+    let peers_in_process = same_process.iter().filter(|&&same| same).count() > 1;
+    let mut offers = buffers
+        .iter()
+        .map(|&(addr, bytes)| {
+            let vmm_chunks = if peers_in_process && vmm::backing(addr) == Backing::Vmm {
+                Some(vmm_buffers::chunks_for_peers_in_process(addr, bytes)?)
+            } else {
+                None
+            };
+            Ok(BufferOffer { addr, bytes: bytes as u64, cross_process: None, vmm_chunks })
+        })
+        .collect::<Result<Vec<_>>>()?;
     if !cross_process_needed(same_process) {
         return Ok((StepOffer { buffers: offers, vmm: None }, None));
     }
@@ -218,15 +235,13 @@ pub(crate) fn import_registered(
     runs: &[u64],
 ) -> Result<(u64, PeerMapping)> {
     match desc {
-        BufferDescriptor::Local { addr, bytes } => {
-            if vmm::backing(*addr) == Backing::Vmm {
-                return Ok(match vmm_buffers::remap_in_process(ctx, *addr, *bytes as usize)? {
-                    Some((here, mapping)) => (here, PeerMapping::Vmm(mapping)),
-                    None => (*addr, PeerMapping::None),
-                });
-            }
-            Ok((*addr, enable_access_to(ctx, *addr)?))
+        BufferDescriptor::Local { addr, vmm_chunks: Some(chunks) } => {
+            Ok(match vmm_buffers::remap_in_process(ctx, *addr, chunks)? {
+                Some((here, mapping)) => (here, PeerMapping::Vmm(mapping)),
+                None => (*addr, PeerMapping::None),
+            })
         }
+        BufferDescriptor::Local { addr, vmm_chunks: None } => Ok((*addr, enable_access_to(ctx, *addr)?)),
         BufferDescriptor::Remote(CrossProcess::Vmm { run, offset }) => {
             Ok((address_in_runs(runs, *run, *offset)?, PeerMapping::None))
         }
@@ -302,8 +317,11 @@ mod tests {
     #[test]
     fn every_rank_in_one_process_offers_addresses_only() {
         assert!(!cross_process_needed(&[true, true, true]));
-        let offer = BufferOffer { addr: 0x1000, bytes: 64, cross_process: None };
-        assert_eq!(descriptor_for_peer(&offer, true).unwrap(), BufferDescriptor::Local { addr: 0x1000, bytes: 64 });
+        let offer = BufferOffer { addr: 0x1000, bytes: 64, cross_process: None, vmm_chunks: None };
+        assert_eq!(
+            descriptor_for_peer(&offer, true).unwrap(),
+            BufferDescriptor::Local { addr: 0x1000, vmm_chunks: None }
+        );
     }
 
     #[test]
@@ -316,12 +334,21 @@ mod tests {
             assert!(cross_process_needed(&same(me)), "rank {me}");
         }
         let offers: Vec<BufferOffer> = (0..3)
-            .map(|r| BufferOffer { addr: 0x1000 * (r as u64 + 1), bytes: 64, cross_process: Some(ipc(r as u8)) })
+            .map(|r| BufferOffer {
+                addr: 0x1000 * (r as u64 + 1),
+                bytes: 64,
+                cross_process: Some(ipc(r as u8)),
+                vmm_chunks: None,
+            })
             .collect();
         // What rank `me` imports from rank `owner`.
         let import = |me: usize, owner: usize| descriptor_for_peer(&offers[owner], same(me)[owner]).unwrap();
-        assert_eq!(import(1, 0), BufferDescriptor::Local { addr: 0x1000, bytes: 64 }, "same process: the address");
-        assert_eq!(import(0, 1), BufferDescriptor::Local { addr: 0x2000, bytes: 64 });
+        assert_eq!(
+            import(1, 0),
+            BufferDescriptor::Local { addr: 0x1000, vmm_chunks: None },
+            "same process: the address"
+        );
+        assert_eq!(import(0, 1), BufferDescriptor::Local { addr: 0x2000, vmm_chunks: None });
         assert_eq!(import(2, 0), BufferDescriptor::Remote(ipc(0)), "other process: the handle");
         assert_eq!(import(2, 1), BufferDescriptor::Remote(ipc(1)));
         assert_eq!(import(0, 2), BufferDescriptor::Remote(ipc(2)));
@@ -331,17 +358,18 @@ mod tests {
     #[test]
     fn host_staged_mixed_placement_uses_the_shared_memory_name_across_processes() {
         let shm = CrossProcess::Shm { name: "/tpar-job-0".into(), bytes: 4096 };
-        let offer = BufferOffer { addr: 0x7f00_0000_0000, bytes: 4096, cross_process: Some(shm.clone()) };
+        let offer =
+            BufferOffer { addr: 0x7f00_0000_0000, bytes: 4096, cross_process: Some(shm.clone()), vmm_chunks: None };
         assert_eq!(descriptor_for_peer(&offer, false).unwrap(), BufferDescriptor::Remote(shm));
         assert_eq!(
             descriptor_for_peer(&offer, true).unwrap(),
-            BufferDescriptor::Local { addr: 0x7f00_0000_0000, bytes: 4096 }
+            BufferDescriptor::Local { addr: 0x7f00_0000_0000, vmm_chunks: None }
         );
     }
 
     #[test]
     fn a_peer_in_another_process_without_a_handle_is_refused() {
-        let offer = BufferOffer { addr: 0x1000, bytes: 64, cross_process: None };
+        let offer = BufferOffer { addr: 0x1000, bytes: 64, cross_process: None, vmm_chunks: None };
         let e = descriptor_for_peer(&offer, false).unwrap_err();
         assert!(matches!(e, Error::Protocol { .. }), "{e}");
     }
@@ -360,21 +388,28 @@ mod tests {
 
     #[test]
     fn offers_round_trip_through_the_rendezvous_encoding() {
-        let offer = BufferOffer { addr: 42, bytes: 64, cross_process: Some(ipc(7)) };
+        let offer = BufferOffer { addr: 42, bytes: 64, cross_process: Some(ipc(7)), vmm_chunks: None };
         let bytes = serde_json::to_vec(&offer).unwrap();
         assert_eq!(serde_json::from_slice::<BufferOffer>(&bytes).unwrap(), offer);
     }
 
     #[test]
     fn a_cumem_buffer_goes_to_other_processes_as_its_place_in_the_owners_runs() {
-        // Rank 0 (process A) registers a cuMem buffer; rank 1 shares its
-        // process, rank 2 does not.
-        let vmm = CrossProcess::Vmm { run: 1, offset: 0x1234 };
-        let offer = BufferOffer { addr: 0x7f00_0020_1234, bytes: 4096, cross_process: Some(vmm.clone()) };
+        // Rank 0 (process A) registers a cuMem buffer straddling two chunks
+        // on its device 1; rank 1 shares its process, rank 2 does not.
+        let chunk = |base: u64, id| VmmChunk { base, size: 2 << 20, device: Some(1), exportable_as_fd: true, id };
+        let chunks = vec![chunk(0x7f00_0000_0000, 7), chunk(0x7f00_0020_0000, 8)];
+        let vmm = CrossProcess::Vmm { run: 1, offset: 0x1f_f000 };
+        let offer = BufferOffer {
+            addr: 0x7f00_001f_f000,
+            bytes: 8192,
+            cross_process: Some(vmm.clone()),
+            vmm_chunks: Some(chunks.clone()),
+        };
         assert_eq!(
             descriptor_for_peer(&offer, true).unwrap(),
-            BufferDescriptor::Local { addr: 0x7f00_0020_1234, bytes: 4096 },
-            "same process: the address"
+            BufferDescriptor::Local { addr: 0x7f00_001f_f000, vmm_chunks: Some(chunks) },
+            "same process: the address and the chunks the owner found"
         );
         assert_eq!(descriptor_for_peer(&offer, false).unwrap(), BufferDescriptor::Remote(vmm.clone()));
         // Rank 2 mapped the owner's two runs at these addresses.

@@ -37,9 +37,11 @@
 //! [`Comm::close`] does the same and reports errors.
 
 mod call;
+mod copy_engine;
 mod fd_passing;
 mod group;
 mod ipc;
+mod island_params;
 mod p2p_check;
 pub(crate) mod params;
 mod registry;
@@ -62,6 +64,7 @@ pub use cudarc::nccl::ReduceOp;
 
 pub use crate::config::{Config, TransportPreference};
 pub use crate::element::Element;
+pub use call::fused::{FusedOptions, FusedPlan};
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::driver::{self, KernelModule};
@@ -84,6 +87,8 @@ pub struct Comm {
     rendezvous: Arc<dyn crate::rendezvous::Rendezvous>,
     nccl: Option<crate::nccl::NcclComm>,
     selection: crate::select::selection::SelectionTable,
+    /// The same for fused calls (`all_reduce_add_rms_norm`, `fused.rs`).
+    fused_selection: crate::select::selection::SelectionTable,
     topology: crate::select::topology::Topology,
     notes: Vec<String>,
     /// Watches the peers in other processes (stopped first at teardown).
@@ -150,6 +155,12 @@ impl Comm {
         &self.selection
     }
 
+    /// The precomputed choice per size bucket for fused calls
+    /// (`all_reduce_add_rms_norm`): times include the epilogue.
+    pub fn fused_selection(&self) -> &crate::select::selection::SelectionTable {
+        &self.fused_selection
+    }
+
     /// What init decided and why (tuning table used or not, NCCL, topology).
     pub fn notes(&self) -> &[String] {
         &self.notes
@@ -204,13 +215,13 @@ impl Comm {
     /// What this communicator offers, the input of the one availability
     /// rule (`algorithm::availability`).
     pub(crate) fn capabilities(&self) -> crate::algorithm::Capabilities {
-        let islands = &self.setup.islands;
         crate::algorithm::Capabilities {
             world: self.world,
             transport: self.setup.transport,
-            island_size: (islands.island_count >= 2).then_some(islands.island_size as usize),
+            islands: self.setup.island_split,
             one_shot_push_max_bytes: self.setup.layout.one_shot_push_max_packs as usize
                 * tp_allreduce_kernels::partition::PACK_BYTES,
+            copy_engine: self.setup.layout.copy_engine_pieces > 0,
             nccl_available: self.nccl.is_some(),
         }
     }
@@ -247,8 +258,8 @@ impl Comm {
     }
 
     /// Test-only: this rank's protocol counters after its stream's work:
-    /// the OneShotPush generation, then block 0's barrier epoch (pull),
-    /// TwoShotPush epoch, Hierarchical epoch, ring messages sent and
+    /// the OneShotPush generation, block 0's barrier epoch (pull), the
+    /// TwoShotPush and Hierarchical generations, ring messages sent and
     /// received (see `Config::test_initial_counter`).
     #[doc(hidden)]
     pub fn test_counters(&self) -> Result<[u32; 6]> {
@@ -266,8 +277,8 @@ impl Comm {
         Ok([
             read(offset_of!(LocalState, control) + offset_of!(Control, generation))?,
             read(offset_of!(LocalState, barrier_epoch))?,
-            read(offset_of!(LocalState, two_shot_push_epoch))?,
-            read(offset_of!(LocalState, hierarchical_epoch))?,
+            read(offset_of!(LocalState, control) + offset_of!(Control, generation) + 4)?,
+            read(offset_of!(LocalState, control) + offset_of!(Control, generation) + 8)?,
             read(offset_of!(LocalState, ring_sent))?,
             read(offset_of!(LocalState, ring_received))?,
         ])
@@ -316,9 +327,11 @@ impl Comm {
         // context: wait for all of them.
         let synced = driver::CurrentContext::bind(&self.ctx).and_then(|_context| driver::context_synchronize());
         let registered = self.setup.registered_mappings.get_mut().map(std::mem::take).unwrap_or_default();
+        // The per-pair transport's cross region goes with the region.
+        let (cross_region, cross_mappings) = self.setup.cross.take().map(|c| (c.region, c.mappings)).unzip();
         let departed = teardown::Departed {
-            memory: Box::new(self.setup.region.clone()),
-            mappings: Box::new((std::mem::take(&mut self.setup.peer_mappings), registered)),
+            memory: Box::new((self.setup.region.clone(), cross_region)),
+            mappings: Box::new((std::mem::take(&mut self.setup.peer_mappings), registered, cross_mappings)),
             rendezvous: group.meets_other_processes().then(|| self.rendezvous.clone()),
         };
         let released = group.leave(departed, bound);

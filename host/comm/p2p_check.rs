@@ -39,6 +39,24 @@ pub(crate) fn run(
     (base, local_state, handle): (u64, u64, &DeviceMemory),
     (rank, world): (usize, usize),
     rdv: &dyn Rendezvous,
+    salts: (u32, u32),
+) -> Result<Vec<TransportProblem>> {
+    let everyone: Vec<usize> = (0..world).collect();
+    run_among(stream, module, (base, local_state, handle), (rank, world), &everyone, rdv, salts)
+}
+
+/// [`run`] among a subset of the ranks (the per-pair transport checks each
+/// island): `handle` is renumbered to them (`rank` is this rank's index
+/// among `ranks`, `world` their count) and `ranks[i]` names local index `i`
+/// in the problems. Every rank of the communicator calls it at once (the
+/// rendezvous steps are the communicator's).
+pub(crate) fn run_among(
+    stream: &Arc<CudaStream>,
+    module: &KernelModule,
+    (base, local_state, handle): (u64, u64, &DeviceMemory),
+    (rank, world): (usize, usize),
+    ranks: &[usize],
+    rdv: &dyn Rendezvous,
     (salt, kernel_salt): (u32, u32),
 ) -> Result<Vec<TransportProblem>> {
     // Every rank has mapped every region (the exchange before this ended
@@ -51,7 +69,10 @@ pub(crate) fn run(
     module.launch_p2p_check(stream, handle, kernel_salt)?;
     driver::synchronize(stream)?;
     let observed = read_observed(stream, base, local_state, world)?;
-    let mine = problems(rank, world, salt, &observed);
+    let mine: Vec<TransportProblem> = problems(rank, world, salt, &observed)
+        .into_iter()
+        .map(|p| TransportProblem { rank: ranks[p.rank], peer: ranks[p.peer], what: p.what })
+        .collect();
     // After this all-gather every rank's kernel has finished: nobody reads
     // or writes a region any more when the caller drops it.
     let all: Vec<Vec<TransportProblem>> = gather_json(rdv, &mine)?;

@@ -1,6 +1,7 @@
-//! Launch parameters of the sentinel kernels (OneShotPush), built once per
-//! rank at init and completed per launch, and what their launch shape may
-//! be on this rank.
+//! Launch parameters of the sentinel kernels (OneShotPush; TwoShotPush and
+//! Hierarchical from `island_params.rs`) and the copy-engine ring
+//! (`copy_engine.rs`), built once per rank at init and completed per
+//! launch, and what their launch shape may be on this rank.
 //!
 //! The template resolves every peer address the kernel needs (where this
 //! rank's payload lands at each peer, where each peer's payload lands here,
@@ -14,13 +15,17 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext};
 use tp_allreduce_kernels::layout::{LocalState, ScratchLayout, SignalBlock};
 use tp_allreduce_kernels::params::{
-    one_shot_push_slot, one_shot_push_source, Control, OneShotPushParams, SentinelHeader, TraceRecord, FLAG_TRACE,
-    TRACE_RECORDS,
+    one_shot_push_slot, one_shot_push_source, Control, IslandPushParams, OneShotPushParams, SentinelHeader,
+    TraceRecord, FLAG_TRACE, TRACE_RECORDS,
 };
 
+use super::copy_engine::{self, CopyEngineTemplate};
+use super::island_params::{island_push_template, IslandKind};
 use super::setup::Setup;
 use crate::algorithm::ResidentBlocks;
+use crate::algorithm::{IslandSplit, Transport};
 use crate::config::Config;
+use crate::driver::copy_engine::CopyEngineRuntime;
 use crate::driver::{self, DeviceMemory, KernelModule};
 use crate::error::{Error, Result};
 use crate::kernels::sentinel_entries;
@@ -126,25 +131,76 @@ impl Setup {
     }
 }
 
-/// What every sentinel launch of one rank starts from.
+/// What every sentinel (and copy-engine ring) launch of one rank starts from.
 pub(crate) struct SentinelLaunches {
     one_shot_push: OneShotPushParams,
+    two_shot_push: IslandPushParams,
+    /// With islands only.
+    hierarchical: Option<IslandPushParams>,
+    /// With the copy-engine ring's staging only (P2P transport).
+    pub(crate) copy_engine: Option<(CopyEngineTemplate, CopyEngineRuntime)>,
     /// The trace ring (`Config::trace`), `TRACE_RECORDS` records.
     trace: Option<DeviceMemory>,
 }
 
 impl SentinelLaunches {
-    pub(crate) fn build(ctx: &Arc<CudaContext>, setup: &Setup, rank: usize, config: &Config) -> Result<Self> {
-        let mut one_shot_push = one_shot_push_template(rank, &setup.memory(), config.wait_bounds_ns());
+    pub(crate) fn build(
+        ctx: &Arc<CudaContext>,
+        module: &KernelModule,
+        setup: &Setup,
+        rank: usize,
+        config: &Config,
+    ) -> Result<Self> {
+        let bounds = config.wait_bounds_ns();
+        let (timeout_ns, launch_timeout_ns) = bounds;
+        let mem = setup.memory();
+        let mut one_shot_push = one_shot_push_template(rank, &mem, bounds);
+        let world = mem.region_bases.len();
+        let cross = setup.cross.as_ref().map(|c| &c.regions);
+        let island = |kind, split| {
+            let mut p = island_push_template(rank, &mem, kind, split, cross, timeout_ns);
+            p.h.launch_timeout_ns = launch_timeout_ns;
+            p
+        };
+        let mut two_shot_push = island(IslandKind::TwoShotPush, IslandSplit::whole(world));
+        let mut hierarchical = setup.island_split.map(|s| island(IslandKind::Hierarchical, s));
+        let copy_engine = if setup.layout.copy_engine_pieces > 0 && setup.transport == Transport::PeerToPeer {
+            // Ring progress depends on every rank upstream: the launch bound.
+            let template = CopyEngineTemplate::new(rank, &mem, setup.island_split, launch_timeout_ns);
+            Some((template, copy_engine::runtime(ctx, module)?))
+        } else {
+            None
+        };
         let trace = if config.trace {
             let ring = DeviceMemory::alloc_zeroed(ctx, TRACE_RECORDS * size_of::<TraceRecord>())?;
-            one_shot_push.h.trace = ring.ptr();
-            one_shot_push.h.flags |= FLAG_TRACE;
+            for h in [Some(&mut one_shot_push.h), Some(&mut two_shot_push.h), hierarchical.as_mut().map(|p| &mut p.h)]
+                .into_iter()
+                .flatten()
+            {
+                h.trace = ring.ptr();
+                h.flags |= FLAG_TRACE;
+            }
             Some(ring)
         } else {
             None
         };
-        Ok(SentinelLaunches { one_shot_push, trace })
+        Ok(SentinelLaunches { one_shot_push, two_shot_push, hierarchical, copy_engine, trace })
+    }
+
+    /// The parameters of one TwoShotPush (`hierarchical == false`) or
+    /// Hierarchical launch over `count` elements (`None` without islands).
+    pub(crate) fn island_push(
+        &self,
+        hierarchical: bool,
+        input: sys::CUdeviceptr,
+        output: sys::CUdeviceptr,
+        count: u64,
+    ) -> Option<IslandPushParams> {
+        let mut p = if hierarchical { self.hierarchical? } else { self.two_shot_push };
+        p.h.input = input;
+        p.h.output = output;
+        p.h.count = count;
+        Some(p)
     }
 
     /// The parameters of one OneShotPush launch over `count` elements.
@@ -220,11 +276,12 @@ mod tests {
             world_size: world as u32,
             max_packs: 4096,
             one_shot_push_max_packs: 1000,
-            push_blocks: 4,
             ring_blocks: 4,
             ring_slots: 4,
             ring_chunk_packs: 64,
-            island_size: 0,
+            island_sizes: [0; tp_allreduce_kernels::layout::MAX_RANKS],
+            island_count: 0,
+            copy_engine_pieces: 4,
             enable_two_shot_pull: true,
             enable_two_shot_push: true,
             enable_ring: true,

@@ -10,7 +10,7 @@ use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
 
 use super::setup::{gather_json, Setup};
-use crate::algorithm::Transport;
+use crate::algorithm::{IslandSplit, Transport};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::rendezvous::Rendezvous;
@@ -67,26 +67,47 @@ pub(crate) fn rank_view(
     Ok((Topology::from_json(&text)?, notes))
 }
 
-/// The island size the hierarchy uses: the configured one, else the one the
-/// topology derives (consecutive ranks), else none.
-pub(crate) fn island_size(view: &Topology, config: &Config) -> Option<usize> {
-    config.island_size.or_else(|| view.islands().and_then(|i| i.consecutive_size()))
+/// The islands the hierarchy uses and where they come from: the
+/// configured groups (`Config::islands`), else consecutive islands of
+/// `Config::island_size`, else the topology's (any shape), else none. A
+/// configured shape that does not work is an error; the topology's is
+/// only used when the kernel runs it. Pure.
+pub(crate) fn islands(view: &Topology, config: &Config, world: usize) -> Result<Option<(IslandSplit, String)>> {
+    let configured = |split: std::result::Result<IslandSplit, String>, what: &str| match split {
+        Ok(s) if s.splits() => Ok(Some((s, format!("islands {s} {what}")))),
+        Ok(s) => Err(Error::invalid(format!("islands {s}: at least two islands are needed"))),
+        Err(why) => Err(Error::invalid(why)),
+    };
+    if let Some(groups) = &config.islands {
+        return configured(IslandSplit::from_groups(groups, world), "configured");
+    }
+    if let Some(m) = config.island_size {
+        return configured(IslandSplit::consecutive(m, world), "of island_size");
+    }
+    Ok(view.island_split().map(|s| (s, format!("islands {s} from the topology"))))
 }
 
-/// Collective: the selection table for this communicator. Every rank must
-/// arrive at the same table (checked through a digest).
+/// Collective: the selection tables for this communicator (plain calls,
+/// and fused calls built from the same inputs). Every rank must arrive at
+/// the same plain table (checked through a digest), hence the same fused one.
 pub(crate) fn build_table(
     mut view: Topology,
     setup: &Setup,
     config: &Config,
     nccl_available: bool,
     rdv: &dyn Rendezvous,
-) -> Result<(SelectionTable, Topology, Vec<String>)> {
+) -> Result<(SelectionTable, SelectionTable, Topology, Vec<String>)> {
     let world = view.len();
-    let p2p_ok = setup.transport == Transport::PeerToPeer;
+    // What the transfer check found, per pair: every pair with P2P, none
+    // host-staged, only island-mates with the per-pair transport.
     for a in 0..world {
         for b in 0..world {
             if a != b {
+                let p2p_ok = match setup.transport {
+                    Transport::PeerToPeer => true,
+                    Transport::HostStaged => false,
+                    Transport::PerPair => setup.island_split.is_some_and(|s| s.together(a, b)),
+                };
                 view.set_p2p_check(a, b, p2p_ok);
             }
         }
@@ -94,7 +115,8 @@ pub(crate) fn build_table(
     let mut constraints = Constraints::for_topology(&view).with_env()?;
     constraints.transport = setup.transport;
     constraints.nccl_available = nccl_available;
-    constraints.island_size = (setup.islands.island_count >= 2).then_some(setup.islands.island_size as usize);
+    constraints.islands = setup.island_split;
+    constraints.copy_engine = setup.layout.copy_engine_pieces > 0;
     constraints.one_shot_push_max_bytes =
         setup.layout.one_shot_push_max_packs as usize * tp_allreduce_kernels::layout::PACK_BYTES;
     constraints.communicator_override = config.algorithm;
@@ -116,12 +138,13 @@ pub(crate) fn build_table(
     };
     let model = CostModel::new(CostParams::default());
     let table = SelectionTable::build(&model, tuning.as_ref(), &view, &constraints);
+    let fused = SelectionTable::build_fused(&model, tuning.as_ref(), &view, &constraints);
     let mine = TableSummary {
         digest: table.digest(),
         inputs: format!("topology {}, tuning table {tuning_used}, {constraints:?}", view.fingerprint()),
     };
     agree_on_tables(&gather_json(rdv, &mine)?)?;
-    Ok((table, view, notes))
+    Ok((table, fused, view, notes))
 }
 
 /// What a rank built its selection table from, and the table's digest.

@@ -42,14 +42,15 @@ use super::p2p_check;
 use super::shm::SharedHostRegion;
 use super::teardown::LocalGroup;
 use super::test_hooks;
-use crate::algorithm::Transport;
-use crate::algorithm::{Geometry, ResidentBlocks};
+use crate::algorithm::{Geometry, IslandSplit, ResidentBlocks, Transport, CE_MAX_PIECES};
 use crate::config::{Config, TransportPreference};
 use crate::driver::{self, CurrentContext, DeviceMemory, KernelModule, PinnedHostMemory};
 use crate::error::{Error, Result};
 use crate::rendezvous::Rendezvous;
+use per_pair::CrossSetup;
 use placement::{agree_placement, Placement};
 
+pub(crate) mod per_pair;
 mod placement;
 
 /// A random token identifying this process (pids collide across containers).
@@ -87,7 +88,10 @@ pub(crate) struct Setup {
     /// Ranks in other processes of this pid namespace (the watchdog).
     pub watched_peers: Vec<(usize, crate::comm::watchdog::ProcessIdentity)>,
     pub layout: ScratchLayout,
-    pub islands: IslandLayout,
+    /// The islands Hierarchical runs on (two or more), if any.
+    pub island_split: Option<IslandSplit>,
+    /// The per-pair transport's host-memory cross regions.
+    pub cross: Option<CrossSetup>,
     pub offsets: RegionOffsets,
     pub pull_max_blocks: u32,
     pub ring_blocks: u32,
@@ -214,7 +218,7 @@ pub(crate) fn verdict(
         Step::Check => "the P2P transfer check",
     };
     match (preference, transport) {
-        (TransportPreference::Auto, Transport::PeerToPeer) => {
+        (TransportPreference::Auto, Transport::PeerToPeer | Transport::PerPair) => {
             Verdict::FallBack(format!("{what} failed ({listed}): host-staged transport"))
         }
         _ => Verdict::Fail(match step {
@@ -229,19 +233,35 @@ pub(crate) fn verdict(
     }
 }
 
-/// The transport to try first, from the pairs without P2P access. Pure.
+/// The transport to try first, from the pairs without P2P access and the
+/// islands: P2P everywhere, else per pair (P2P inside islands) when only
+/// pairs across islands lack it, else host-staged. Pure.
 pub(crate) fn initial_transport(
     preference: TransportPreference,
     unreachable: &[(usize, usize)],
+    split: Option<IslandSplit>,
 ) -> Result<(Transport, String)> {
     match preference {
         TransportPreference::Force(Transport::PeerToPeer) if !unreachable.is_empty() => Err(Error::Unsupported(
             format!("P2P transport forced, but these rank pairs have no P2P access: {unreachable:?}"),
         )),
+        TransportPreference::Force(Transport::PerPair)
+            if !split.is_some_and(|s| s.splits() && unreachable.iter().all(|&(a, b)| !s.together(a, b))) =>
+        {
+            Err(Error::Unsupported(format!(
+                "per-pair transport forced, but it needs islands whose members all reach each other over P2P \
+                 (islands: {}; pairs without P2P: {unreachable:?})",
+                split.map_or("none".to_string(), |s| s.to_string())
+            )))
+        }
         TransportPreference::Force(t) => Ok((t, format!("forced to {t} by configuration"))),
         TransportPreference::Auto if unreachable.is_empty() => {
             Ok((Transport::PeerToPeer, "every pair reports P2P access".to_string()))
         }
+        TransportPreference::Auto if per_pair::fits(unreachable, split) => Ok((
+            Transport::PerPair,
+            format!("no P2P access between ranks {unreachable:?}, all across islands: P2P inside islands, host-staged across"),
+        )),
         TransportPreference::Auto => {
             Ok((Transport::HostStaged, format!("no P2P access between ranks {unreachable:?}: host-staged transport")))
         }
@@ -263,13 +283,20 @@ pub(crate) fn build(
     // Joined before the next round, so no rank of this process can leave
     // before every one of them has joined.
     let local_group = super::teardown::join(&placement.job, placement.same_process.iter().any(|same| !same));
-    let unreachable = reachability(&ctx, &placement, rdv)?;
-    let (mut transport, mut reason) = initial_transport(config.transport, &unreachable)?;
-    let islands = island_layout(rank, world, config.island_size)?;
+    let split = island_split(world, config)?;
+    let unreachable = reachability(&ctx, &placement, rdv, split)?;
+    let (mut transport, mut reason) = initial_transport(config.transport, &unreachable, split)?;
+    let islands = island_layout(rank, split);
     let resident = super::params::resident_blocks(module, placement.hellos[rank].sms, placement.ranks_on_device)?;
     loop {
-        let mut attempt = allocate(&ctx, (rank, world), config, transport, &placement, &islands)?;
-        let (mut problems, peer_bases) = map_peers(&ctx, (rank, world), rdv, transport, &placement, &mut attempt)?;
+        let mut attempt = allocate(&ctx, (rank, world), config, transport, &placement, split)?;
+        let (mut problems, peer_bases) =
+            map_peers(&ctx, (rank, world), rdv, (transport, split), &placement, &mut attempt)?;
+        let mut cross = None;
+        if let (Transport::PerPair, Some(s), true) = (transport, split, problems.is_empty()) {
+            let (c, more) = per_pair::map_cross_regions(&ctx, (rank, world), rdv, &placement, (&attempt.layout, &s))?;
+            (cross, problems) = (Some(c), more);
+        }
         let mut step = Step::Map;
         if problems.is_empty() {
             write_handle(&attempt, (rank, world), transport, &peer_bases, &islands, config)?;
@@ -277,13 +304,20 @@ pub(crate) fn build(
                 step = Step::Check;
                 let ptrs = (attempt.region.device_ptr(), attempt.local_state.ptr(), &attempt.handle);
                 let salts = (placement.salt, p2p_check_salt(transport, rank, placement.salt));
-                problems = p2p_check::run(stream, module, ptrs, (rank, world), rdv, salts)?;
+                problems = match (transport, split) {
+                    (Transport::PerPair, Some(s)) => {
+                        let ptrs = (ptrs.0, ptrs.1, attempt.error_record.device_ptr());
+                        per_pair::check_island(stream, module, ptrs, (rank, &s), &peer_bases, rdv, salts, config)?
+                    }
+                    _ => p2p_check::run(stream, module, ptrs, (rank, world), rdv, salts)?,
+                };
             }
         }
         match verdict(config.transport, transport, step, &problems) {
             Verdict::Keep => {
                 let sentinel = (peer_bases, resident);
-                let setup = attempt.into_setup(transport, reason, &placement, islands, config, sentinel);
+                let mut setup = attempt.into_setup(transport, reason, &placement, config, sentinel);
+                (setup.island_split, setup.cross) = (split, cross);
                 return Ok(Setup { local_group: Some(local_group), ..setup });
             }
             // `attempt` is dropped here: its memory and mappings released.
@@ -297,15 +331,20 @@ pub(crate) fn build(
 /// test hook, on the P2P transport).
 fn p2p_check_salt(transport: Transport, rank: usize, salt: u32) -> u32 {
     match transport {
-        Transport::PeerToPeer => test_hooks::p2p_check_kernel_salt(rank, salt),
+        Transport::PeerToPeer | Transport::PerPair => test_hooks::p2p_check_kernel_salt(rank, salt),
         Transport::HostStaged => salt,
     }
 }
 
 /// Step 2: the rank pairs without P2P access. Devices are identified by
 /// UUID (`cuDeviceGet` + `cuDeviceGetUuid`), so no context is created on
-/// any GPU.
-fn reachability(ctx: &CudaContext, placement: &Placement, rdv: &dyn Rendezvous) -> Result<Vec<(usize, usize)>> {
+/// any GPU. (A test hook removes the pairs across islands.)
+fn reachability(
+    ctx: &CudaContext,
+    placement: &Placement,
+    rdv: &dyn Rendezvous,
+    split: Option<IslandSplit>,
+) -> Result<Vec<(usize, usize)>> {
     let my_uuid = driver::device_uuid(ctx.cu_device())?;
     let mut reach = Vec::with_capacity(placement.hellos.len());
     for h in &placement.hellos {
@@ -322,31 +361,45 @@ fn reachability(ctx: &CudaContext, placement: &Placement, rdv: &dyn Rendezvous) 
         reach.push(ok);
     }
     let reach_all: Vec<Vec<bool>> = gather_json(rdv, &reach)?;
+    let hook = split.filter(|_| test_hooks::no_p2p_across_islands());
     Ok(reach_all
         .iter()
         .enumerate()
-        .flat_map(|(r, row)| row.iter().enumerate().filter(|(_, ok)| !**ok).map(move |(p, _)| (r, p)))
+        .flat_map(|(r, row)| {
+            let cut = move |p: usize| hook.is_some_and(|s| !s.together(r, p));
+            row.iter().enumerate().filter(move |(p, ok)| !**ok || cut(*p)).map(move |(p, _)| (r, p))
+        })
         .collect())
 }
 
-fn island_layout(rank: usize, world: usize, island_size: Option<usize>) -> Result<IslandLayout> {
-    let mut layout = IslandLayout::default();
-    let Some(m) = island_size else {
-        return Ok(layout);
+/// The islands of the configuration (`Config::islands`, resolved at init
+/// from the topology unless configured, else `Config::island_size`): two
+/// or more, or none.
+fn island_split(world: usize, config: &Config) -> Result<Option<IslandSplit>> {
+    let split = match (&config.islands, config.island_size) {
+        (Some(groups), _) => IslandSplit::from_groups(groups, world),
+        (None, Some(m)) => IslandSplit::consecutive(m, world),
+        (None, None) => return Ok(None),
     };
-    if m < 2 || m >= world || world % m != 0 {
-        return Err(Error::invalid(format!(
-            "island_size {m} must divide the world size {world} into at least two islands of at least two ranks"
-        )));
+    split.map(|s| s.splits().then_some(s)).map_err(Error::invalid)
+}
+
+/// The handle's island table (members of each island; `island_size` only
+/// when all islands have the same size). No kernel reads it any more.
+fn island_layout(rank: usize, split: Option<IslandSplit>) -> IslandLayout {
+    let mut layout = IslandLayout::default();
+    let Some(s) = split else { return layout };
+    let equal = (0..s.count()).all(|g| s.size(g) == s.size(0));
+    layout.island_size = if equal { s.size(0) as u32 } else { 0 };
+    layout.island_count = s.count() as u32;
+    layout.my_island = s.island_of(rank) as u32;
+    layout.my_index = s.index_of(rank) as u32;
+    for g in 0..s.count() {
+        for (i, r) in s.members(g).into_iter().enumerate() {
+            layout.members[g][i] = r as u8;
+        }
     }
-    layout.island_size = m as u32;
-    layout.island_count = (world / m) as u32;
-    layout.my_island = (rank / m) as u32;
-    layout.my_index = (rank % m) as u32;
-    for r in 0..world {
-        layout.members[r / m][r % m] = r as u8;
-    }
-    Ok(layout)
+    layout
 }
 
 /// One try of steps 3-5 with one transport.
@@ -367,7 +420,6 @@ impl Attempt {
         transport: Transport,
         transport_reason: String,
         placement: &Placement,
-        islands: IslandLayout,
         config: &Config,
         (region_bases, sentinel_resident): (Vec<u64>, ResidentBlocks),
     ) -> Setup {
@@ -383,7 +435,8 @@ impl Attempt {
                 crate::comm::watchdog::ProcessIdentity::of_self(),
             ),
             layout: self.layout,
-            islands,
+            island_split: None,
+            cross: None,
             offsets: self.offsets,
             pull_max_blocks: placement.pull_max_blocks,
             ring_blocks: placement.ring_blocks,
@@ -414,42 +467,52 @@ fn allocate(
     config: &Config,
     transport: Transport,
     placement: &Placement,
-    islands: &IslandLayout,
+    split: Option<IslandSplit>,
 ) -> Result<Attempt> {
     let pack = PACK_BYTES as u64;
+    let p2p = transport == Transport::PeerToPeer;
     let layout = ScratchLayout::new(&ScratchConfig {
         world_size: world as u32,
         max_packs: config.max_chunk_bytes as u64 / pack,
         one_shot_push_max_packs: config.one_shot_push_capacity(world) as u64 / pack,
-        push_blocks: placement.push_blocks,
         ring_blocks: placement.ring_blocks,
         ring_slots: config.ring_slots,
         ring_chunk_packs: config.ring_chunk_bytes as u64 / pack,
-        island_size: islands.island_size,
-        enable_two_shot_pull: transport == Transport::PeerToPeer,
+        island_sizes: split.map_or([0; tp_allreduce_kernels::layout::MAX_RANKS], |s| s.sizes()),
+        island_count: split.map_or(0, |s| s.count() as u32),
+        // The copy-engine ring needs one rank per GPU: between ranks of one
+        // GPU the copies run on its SMs and compete with the step kernels
+        // that wait for them (seen: a timeout with 6 ranks on one H200).
+        copy_engine_pieces: if p2p && placement.one_rank_per_gpu { CE_MAX_PIECES } else { 0 },
+        enable_two_shot_pull: p2p,
         enable_two_shot_push: true,
         enable_ring: true,
     });
     let scratch = align(size_of::<SignalBlock>(), 256);
     let staging = align(scratch + layout.total_bytes as usize, 256);
-    let staging_bytes = if transport == Transport::PeerToPeer { config.max_chunk_bytes } else { 0 };
+    let staging_bytes = if p2p { config.max_chunk_bytes } else { 0 };
     let offsets = RegionOffsets { scratch, staging, total: staging + staging_bytes };
 
     let all_local = placement.same_process.iter().all(|s| *s);
     let region = match transport {
-        Transport::PeerToPeer => Region::Device(DeviceMemory::alloc_zeroed(ctx, offsets.total)?),
+        Transport::PeerToPeer | Transport::PerPair => Region::Device(DeviceMemory::alloc_zeroed(ctx, offsets.total)?),
         Transport::HostStaged if all_local => Region::Pinned(PinnedHostMemory::alloc(ctx, offsets.total)?),
         Transport::HostStaged => {
             let name = format!("/tpar-{}-{rank}", placement.job);
             Region::Shared(SharedHostRegion::create(ctx, &name, offsets.total)?)
         }
     };
-    // OneShotPush receive buffers start out "empty".
-    let one_shot_push_bytes = (layout.two_shot_push_offset - layout.one_shot_push_offset) as usize;
-    if one_shot_push_bytes > 0 {
-        let start = region.device_ptr() + offsets.scratch as u64 + layout.one_shot_push_offset;
+    // The sentinel receive regions (OneShotPush, TwoShotPush, Hierarchical,
+    // adjacent) start out "empty"; the copy-engine ring's handshake starts
+    // raised ("your staging is free").
+    let sentinel_bytes = (layout.ring_offset - layout.one_shot_push_offset) as usize;
+    let scratch_ptr = region.device_ptr() + offsets.scratch as u64;
+    if sentinel_bytes > 0 {
         debug_assert_eq!(SENTINEL_EMPTY_WORD, 0xFFFF_FFFF);
-        driver::memset_d8(start, 0xFF, one_shot_push_bytes)?;
+        driver::memset_d8(scratch_ptr + layout.one_shot_push_offset, 0xFF, sentinel_bytes)?;
+    }
+    if layout.copy_engine_pieces > 0 {
+        driver::memcpy_htod(scratch_ptr + layout.copy_engine_handshake_offset, &1u32.to_ne_bytes())?;
     }
     let local_state = DeviceMemory::alloc_zeroed(ctx, size_of::<LocalState>())?;
     if let Some(seed) = config.test_initial_counter {
@@ -482,7 +545,7 @@ fn map_peers(
     ctx: &Arc<CudaContext>,
     (rank, world): (usize, usize),
     rdv: &dyn Rendezvous,
-    transport: Transport,
+    (transport, split): (Transport, Option<IslandSplit>),
     placement: &Placement,
     attempt: &mut Attempt,
 ) -> Result<(Vec<TransportProblem>, Vec<u64>)> {
@@ -496,6 +559,11 @@ fn map_peers(
     let mut peer_bases = vec![attempt.region.device_ptr(); world];
     attempt.peer_mappings = (0..world).map(|_| PeerMapping::None).collect();
     for (p, offer) in offers.iter().enumerate().filter(|(p, _)| *p != rank) {
+        // Per-pair transport: only island-mates map each other's region.
+        if transport == Transport::PerPair && !split.is_some_and(|s| s.together(rank, p)) {
+            peer_bases[p] = 0;
+            continue;
+        }
         let imported = match offer {
             RegionOffer::ExportFailed(why) => {
                 problems.push(TransportProblem {
@@ -568,90 +636,4 @@ fn write_handle(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const AUTO: TransportPreference = TransportPreference::Auto;
-    const FORCE_P2P: TransportPreference = TransportPreference::Force(Transport::PeerToPeer);
-    const FORCE_HOST: TransportPreference = TransportPreference::Force(Transport::HostStaged);
-
-    fn problem(rank: usize, peer: usize) -> TransportProblem {
-        TransportProblem { rank, peer, what: "opening a peer's memory handle failed".into() }
-    }
-
-    #[test]
-    fn no_problem_keeps_the_transport() {
-        for preference in [AUTO, FORCE_P2P, FORCE_HOST] {
-            for step in [Step::Map, Step::Check] {
-                assert!(matches!(verdict(preference, Transport::PeerToPeer, step, &[]), Verdict::Keep));
-            }
-        }
-    }
-
-    #[test]
-    fn a_failed_import_under_auto_falls_back_on_every_rank() {
-        // The problems are all-gathered, so every rank evaluates the same list.
-        let all = [problem(1, 0)];
-        for _rank in 0..2 {
-            match verdict(AUTO, Transport::PeerToPeer, Step::Map, &all) {
-                Verdict::FallBack(why) => {
-                    assert!(why.contains("mapping the peers' regions failed"), "{why}");
-                    assert!(why.contains("rank 1 <- rank 0"), "{why}");
-                    assert!(why.contains("host-staged"), "{why}");
-                }
-                other => panic!("{other:?}"),
-            }
-        }
-    }
-
-    #[test]
-    fn a_failed_import_with_p2p_forced_fails_naming_the_pair() {
-        match verdict(FORCE_P2P, Transport::PeerToPeer, Step::Map, &[problem(1, 0), problem(2, 0)]) {
-            Verdict::Fail(Error::Ipc(msg)) => {
-                assert!(msg.contains("rank 1 could not map the region of rank 0"), "{msg}");
-                assert!(msg.contains("rank 2 <- rank 0"), "every pair is listed: {msg}");
-                assert!(msg.contains("forced"), "{msg}");
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn host_staging_that_fails_too_is_an_error() {
-        match verdict(AUTO, Transport::HostStaged, Step::Map, &[problem(0, 1)]) {
-            Verdict::Fail(Error::Ipc(msg)) => assert!(msg.contains("host-staged"), "{msg}"),
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn a_failed_check_falls_back_under_auto_and_fails_when_forced() {
-        let bad = [TransportProblem { rank: 3, peer: 1, what: "7/4096 words written by rank 1 arrived wrong".into() }];
-        assert!(matches!(verdict(AUTO, Transport::PeerToPeer, Step::Check, &bad), Verdict::FallBack(_)));
-        match verdict(FORCE_P2P, Transport::PeerToPeer, Step::Check, &bad) {
-            Verdict::Fail(Error::P2pCheck { rank: 3, peer: 1, what }) => assert!(what.contains("7/4096"), "{what}"),
-            other => panic!("{other:?}"),
-        }
-        assert!(matches!(verdict(FORCE_HOST, Transport::HostStaged, Step::Check, &bad), Verdict::Fail(_)));
-    }
-
-    #[test]
-    fn the_first_transport_follows_reachability_and_preference() {
-        assert_eq!(initial_transport(AUTO, &[]).unwrap().0, Transport::PeerToPeer);
-        let (t, why) = initial_transport(AUTO, &[(0, 1)]).unwrap();
-        assert_eq!(t, Transport::HostStaged);
-        assert!(why.contains("[(0, 1)]"), "{why}");
-        assert!(matches!(initial_transport(FORCE_P2P, &[(1, 0)]), Err(Error::Unsupported(_))));
-        assert_eq!(initial_transport(FORCE_HOST, &[]).unwrap().0, Transport::HostStaged);
-        assert_eq!(initial_transport(FORCE_P2P, &[]).unwrap().0, Transport::PeerToPeer);
-    }
-
-    #[test]
-    fn islands_are_consecutive_ranks() {
-        let l = island_layout(5, 8, Some(4)).unwrap();
-        assert_eq!((l.island_size, l.island_count, l.my_island, l.my_index), (4, 2, 1, 1));
-        assert_eq!(l.members[1][..4], [4, 5, 6, 7]);
-        assert!(island_layout(0, 6, Some(4)).is_err());
-        assert_eq!(island_layout(0, 4, None).unwrap().island_count, 0);
-    }
-}
+mod tests;

@@ -7,11 +7,14 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(not(feature = "tools"), allow(dead_code))]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 const NONE: usize = usize::MAX;
 static FAIL_REGION_IMPORT_ON_RANK: AtomicUsize = AtomicUsize::new(NONE);
 static WRONG_P2P_CHECK_SALT_ON_RANK: AtomicUsize = AtomicUsize::new(NONE);
+static NO_P2P_ACROSS_ISLANDS: AtomicBool = AtomicBool::new(false);
+static KERNEL_PUBLICATION: AtomicBool = AtomicBool::new(false);
+static NO_CE_HANDSHAKE_ON_RANK: AtomicUsize = AtomicUsize::new(NONE);
 
 /// While alive, rank `rank` of every communicator initialised in this
 /// process fails to map its peers' regions over the P2P transport, as a
@@ -47,6 +50,89 @@ impl Drop for CorruptP2pCheck {
     fn drop(&mut self) {
         WRONG_P2P_CHECK_SALT_ON_RANK.store(NONE, Ordering::SeqCst);
     }
+}
+
+/// While alive, every communicator initialised in this process sees no P2P
+/// access between ranks of different islands (init step 2), as on a
+/// dual-socket host whose cross-socket P2P is unsupported: it settles on
+/// the per-pair transport when its islands allow it.
+pub struct NoP2pAcrossIslands(());
+
+impl NoP2pAcrossIslands {
+    pub fn new() -> NoP2pAcrossIslands {
+        NO_P2P_ACROSS_ISLANDS.store(true, Ordering::SeqCst);
+        NoP2pAcrossIslands(())
+    }
+}
+
+impl Default for NoP2pAcrossIslands {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for NoP2pAcrossIslands {
+    fn drop(&mut self) {
+        NO_P2P_ACROSS_ISLANDS.store(false, Ordering::SeqCst);
+    }
+}
+
+/// While alive, the copy-engine ring of every communicator initialised in
+/// this process raises its flags with the one-thread publish kernel, as on
+/// a device without stream memory operations.
+pub struct KernelPublication(());
+
+impl KernelPublication {
+    pub fn new() -> KernelPublication {
+        KERNEL_PUBLICATION.store(true, Ordering::SeqCst);
+        KernelPublication(())
+    }
+}
+
+impl Default for KernelPublication {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for KernelPublication {
+    fn drop(&mut self) {
+        KERNEL_PUBLICATION.store(false, Ordering::SeqCst);
+    }
+}
+
+/// While alive, rank `rank` of every communicator initialised in this
+/// process never tells its previous rank in the copy-engine ring that its
+/// staging is free again (as a rank that died after a call would): that
+/// rank's next call waits for the handshake until its timeout.
+pub struct NoCopyEngineHandshake(());
+
+impl NoCopyEngineHandshake {
+    pub fn on_rank(rank: usize) -> NoCopyEngineHandshake {
+        NO_CE_HANDSHAKE_ON_RANK.store(rank, Ordering::SeqCst);
+        NoCopyEngineHandshake(())
+    }
+}
+
+impl Drop for NoCopyEngineHandshake {
+    fn drop(&mut self) {
+        NO_CE_HANDSHAKE_ON_RANK.store(NONE, Ordering::SeqCst);
+    }
+}
+
+/// Whether rank `rank` publishes its copy-engine ring handshakes.
+pub(crate) fn copy_engine_handshake(rank: usize) -> bool {
+    NO_CE_HANDSHAKE_ON_RANK.load(Ordering::SeqCst) != rank
+}
+
+/// Whether P2P between different islands must look unsupported.
+pub(crate) fn no_p2p_across_islands() -> bool {
+    NO_P2P_ACROSS_ISLANDS.load(Ordering::SeqCst)
+}
+
+/// Whether the copy-engine ring must publish with the kernel.
+pub(crate) fn kernel_publication() -> bool {
+    KERNEL_PUBLICATION.load(Ordering::SeqCst)
 }
 
 /// Whether rank `rank`'s region imports must fail.

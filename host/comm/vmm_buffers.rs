@@ -215,17 +215,34 @@ pub(crate) fn map_runs(
         .collect()
 }
 
+/// The chunks behind a cuMem buffer of this rank, for the peers in its
+/// process (see [`remap_in_process`]). Called by the owner, with its own
+/// context current: a context of another device does not find them.
+pub(crate) fn chunks_for_peers_in_process(ptr: u64, bytes: usize) -> Result<Vec<VmmChunk>> {
+    vmm::physical_chunks(ptr, bytes.max(1), MAX_CHUNKS_PER_BUFFER)
+}
+
 /// For a peer in this process on another device: cuMem memory is readable
 /// only by the devices its mapping grants access (`cuCtxEnablePeerAccess`
-/// does not cover it), so map the chunks behind `ptr..ptr+bytes` again into
-/// a range of `ctx`'s own. `None` when `ctx`'s device owns every chunk (the
-/// address works as is).
-pub(crate) fn remap_in_process(ctx: &Arc<CudaContext>, ptr: u64, bytes: usize) -> Result<Option<(u64, VmmMapping)>> {
-    let chunks = vmm::physical_chunks(ptr, bytes.max(1), MAX_CHUNKS_PER_BUFFER)?;
+/// does not cover it), so map the chunks behind the buffer at `ptr` (as
+/// its owner listed them) again into a range of `ctx`'s own. `None` when
+/// `ctx`'s device owns every chunk (the address works as is). Only the
+/// chunks' handles are asked for here (which works from any context).
+pub(crate) fn remap_in_process(
+    ctx: &Arc<CudaContext>,
+    ptr: u64,
+    chunks: &[VmmChunk],
+) -> Result<Option<(u64, VmmMapping)>> {
+    let first = chunks.first().map_or(0, |c| c.base);
+    if !chunks.first().is_some_and(|c| c.base <= ptr && ptr - c.base < c.size) {
+        return Err(Error::Protocol {
+            from: "peer".into(),
+            what: format!("the cuMem buffer at {ptr:#x} was offered without the chunk holding it"),
+        });
+    }
     if chunks.iter().all(|c| c.device == Some(ctx.ordinal())) {
         return Ok(None);
     }
-    let first = chunks.first().map_or(ptr, |c| c.base);
     let handles = chunks.iter().map(|c| Ok((ChunkHandle::retain(c.base)?, c.size))).collect::<Result<Vec<_>>>()?;
     let mapping = VmmMapping::map(ctx, handles)?;
     Ok(Some((mapping.ptr() + (ptr - first), mapping)))

@@ -28,6 +28,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
+use serde::{Deserialize, Serialize};
 
 use super::memory::pointer_attribute;
 use super::{allocation_range, buffer_id, cu, is_pool_memory, memory_location, CurrentContext, MemoryLocation};
@@ -74,7 +75,7 @@ pub fn backing(ptr: sys::CUdeviceptr) -> Backing {
 }
 
 /// One physical allocation mapped into a cuMem range.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmmChunk {
     /// Where the mapping starts and how long it is.
     pub base: u64,
@@ -88,7 +89,11 @@ pub struct VmmChunk {
     pub id: u64,
 }
 
-/// The chunk holding `addr` (query only).
+/// The chunk holding `addr` (query only). Query with a context of the
+/// chunk's own device current: from a context of a device the chunk is not
+/// mapped for, `cuMemGetAddressRange` does not find it (`CUDA_ERROR_NOT_FOUND`,
+/// seen on two H200s with one rank per GPU in one process), so a rank lists
+/// its own chunks and hands the list to peers (`comm/ipc.rs`).
 pub fn chunk_at(addr: sys::CUdeviceptr) -> Result<VmmChunk> {
     let (base, size) = allocation_range(addr)?;
     let handle = ChunkHandle::retain(addr)?;
@@ -153,6 +158,46 @@ pub fn walk_chunks(
         chunks.push(chunk);
     }
     Ok(chunks)
+}
+
+/// Most mappings [`mapped_end`] follows (128 GiB of 2 MiB chunks): a
+/// bound on the work of one call's argument check, far above any buffer.
+const MAX_MAPPINGS_FOLLOWED: usize = 1 << 16;
+
+/// Where cuMem memory mapped back to back from `end` (the end of a cuMem
+/// mapping) stops, looking no further than `target`: each following mapping
+/// must be cuMem memory and start where the previous one ended. Pointer
+/// queries only (legal during stream capture), three to five per mapping;
+/// call with a context of the memory's device current (see [`chunk_at`]).
+pub fn mapped_end(end: u64, target: u64) -> u64 {
+    continued_end(end, target, MAX_MAPPINGS_FOLLOWED, |addr| {
+        if backing(addr) != Backing::Vmm {
+            return None;
+        }
+        allocation_range(addr).ok().map(|(base, size)| (base, size as u64))
+    })
+}
+
+/// [`mapped_end`] over `mapping_at(addr)`, the (start, size) of the cuMem
+/// mapping holding `addr` (`None`: none, or not cuMem memory), following at
+/// most `max_mappings` of them. Pure.
+pub fn continued_end(
+    end: u64,
+    target: u64,
+    max_mappings: usize,
+    mut mapping_at: impl FnMut(u64) -> Option<(u64, u64)>,
+) -> u64 {
+    let mut end = end;
+    for _ in 0..max_mappings {
+        if end >= target {
+            break;
+        }
+        match mapping_at(end) {
+            Some((base, size)) if base == end && size > 0 => end = end.saturating_add(size),
+            _ => break,
+        }
+    }
+    end
 }
 
 /// The id that tells the allocation registered at `ptr` from a later one
@@ -370,6 +415,51 @@ mod tests {
         assert!(walk_chunks(0x1000_0000, 16, 16, elsewhere).is_err());
         let empty = |addr| Ok(VmmChunk { base: addr, size: 0, device: Some(0), exportable_as_fd: true, id: 0 });
         assert!(walk_chunks(0x1000_0000, 16, 16, empty).is_err());
+    }
+
+    /// `range(sizes)` as (start, size) of the mapping holding an address.
+    fn mappings(sizes: &[u64]) -> impl FnMut(u64) -> Option<(u64, u64)> {
+        let mut chunk_at = range(sizes);
+        move |addr| chunk_at(addr).ok().map(|c| (c.base, c.size))
+    }
+
+    #[test]
+    fn a_range_over_back_to_back_mappings_is_covered_to_its_end() {
+        // A call on 16 bytes of chunk 0, chunk 1 and 4 KiB of chunk 2: the
+        // driver reported chunk 0 (ending at 2 MiB); chunks 1 and 2 continue it.
+        let start = 0x1000_0000u64;
+        let target = start + 4 * MIB + 4096;
+        let end = continued_end(start + 2 * MIB, target, 16, mappings(&[2 * MIB, 2 * MIB, 2 * MIB]));
+        assert!(end >= target);
+        assert_eq!(end, start + 6 * MIB, "stops after the chunk that covers the target");
+        // Already covered: nothing is asked.
+        let asked = continued_end(start + 2 * MIB, start + MIB, 16, |_| panic!("asked about a covered range"));
+        assert_eq!(asked, start + 2 * MIB);
+    }
+
+    #[test]
+    fn a_range_running_past_the_mapped_memory_stops_where_it_ends() {
+        let start = 0x1000_0000u64;
+        // Past the last chunk: covered up to its end (what the error reports).
+        let end = continued_end(start + 2 * MIB, start + 5 * MIB, 16, mappings(&[2 * MIB, 2 * MIB]));
+        assert_eq!(end, start + 4 * MIB);
+        // A hole: chunk 1 unmapped.
+        let mut holed = mappings(&[2 * MIB, 2 * MIB, 2 * MIB]);
+        let with_hole = |addr: u64| holed(addr).filter(|&(base, _)| base != start + 2 * MIB);
+        assert_eq!(continued_end(start + 2 * MIB, start + 5 * MIB, 16, with_hole), start + 2 * MIB);
+        // A neighbour that is not cuMem memory (cuMemAlloc memory may lie
+        // right after a range) does not continue it.
+        assert_eq!(continued_end(start + 2 * MIB, start + 3 * MIB, 16, |_| None), start + 2 * MIB);
+        // A mapping that holds the address but starts before it, or is
+        // empty, does not continue it either.
+        let overlapping = |addr: u64| Some((addr - 4096, 2 * MIB));
+        assert_eq!(continued_end(start + 2 * MIB, start + 3 * MIB, 16, overlapping), start + 2 * MIB);
+        assert_eq!(continued_end(start + 2 * MIB, start + 3 * MIB, 16, |addr| Some((addr, 0))), start + 2 * MIB);
+        // At most `max_mappings` are followed.
+        let end = continued_end(start + 2 * MIB, start + 8 * MIB, 2, mappings(&[2 * MIB; 4]));
+        assert_eq!(end, start + 6 * MIB);
+        // No overflow at the top of the address space.
+        assert_eq!(continued_end(u64::MAX - 8, u64::MAX, 4, |addr| Some((addr, 64))), u64::MAX);
     }
 
     #[test]

@@ -128,3 +128,44 @@ pub fn affine(
         (i, o) => Err(mismatch("affine", i, o)),
     }
 }
+
+/// `$call` with `$i, $r, $w, $n` bound to four typed buffers of one element
+/// type (`Err` when the types differ).
+macro_rules! each4 {
+    ($what:expr, ($a:expr, $b:expr, $c:expr, $d:expr), ($i:ident, $r:ident, $w:ident, $n:ident) => $call:expr) => {
+        match ($a, $b, $c, $d) {
+            (AnyBuffer::F32($i), AnyBuffer::F32($r), AnyBuffer::F32($w), AnyBuffer::F32($n)) => $call,
+            (AnyBuffer::F16($i), AnyBuffer::F16($r), AnyBuffer::F16($w), AnyBuffer::F16($n)) => $call,
+            (AnyBuffer::Bf16($i), AnyBuffer::Bf16($r), AnyBuffer::Bf16($w), AnyBuffer::Bf16($n)) => $call,
+            (i, _, _, n) => Err(mismatch($what, i, n)),
+        }
+    };
+}
+
+/// [`Comm::all_reduce_add_rms_norm`] on buffers of one run-time dtype.
+pub fn all_reduce_add_rms_norm(
+    comm: &Comm,
+    input: &AnyBuffer,
+    residual: &mut AnyBuffer,
+    weight: &AnyBuffer,
+    eps: f32,
+    normed: &mut AnyBuffer,
+    opts: &crate::FusedOptions,
+) -> Result<()> {
+    each4!("all_reduce_add_rms_norm", (input, residual, weight, normed), (i, r, w, n) =>
+        comm.all_reduce_add_rms_norm(i, r, w, eps, n, opts))
+}
+
+/// [`Comm::add_rms_norm`] (the separate epilogue kernel) on buffers of one
+/// run-time dtype.
+pub fn add_rms_norm(
+    comm: &Comm,
+    sum: &AnyBuffer,
+    residual: &mut AnyBuffer,
+    weight: &AnyBuffer,
+    eps: f32,
+    normed: &mut AnyBuffer,
+    opts: &crate::FusedOptions,
+) -> Result<()> {
+    each4!("add_rms_norm", (sum, residual, weight, normed), (s, r, w, n) => comm.add_rms_norm(s, r, w, eps, n, opts))
+}

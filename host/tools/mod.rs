@@ -15,6 +15,7 @@
 pub mod any_buffer;
 pub mod bench;
 pub mod elementwise;
+pub mod fused_reference;
 pub mod inspect;
 pub mod launcher;
 pub mod plan;

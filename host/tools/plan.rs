@@ -10,8 +10,8 @@ use tp_allreduce_kernels::ids::DType;
 use tp_allreduce_kernels::layout::MAX_RANKS;
 
 use crate::algorithm::Algorithm;
-use crate::select::cost_model::{CostModel, Options};
-use crate::select::selection::{human_bytes, select_with, Constraints};
+use crate::select::cost_model::{CostModel, CostParams, Options};
+use crate::select::selection::{human_bytes, select_fused, select_with, Constraints};
 use crate::select::topology::{embedded, Topology};
 use crate::tools::bench::scenarios::{VERIFY_PASS_ALLREDUCES, VERIFY_PASS_BYTES};
 use crate::tools::{table, topology_view};
@@ -118,12 +118,13 @@ pub fn plan_report(req: &PlanRequest) -> Result<String, String> {
     let mode = if req.capturing { "CUDA-graph replay" } else { "eager calls" };
     let _ = writeln!(s, "tp-allreduce plan: {world} ranks on {}, {}, {mode}", view.name, req.dtype.name());
     s.push_str(&topology_view::render(&req.topology, &req.devices));
-    let islands = c.island_size.map_or("none".to_string(), |m| format!("{} x {m} consecutive ranks", world / m));
+    let islands = c.islands.map_or("none".to_string(), |i| format!("{i} (from the topology)"));
     let nccl = if c.nccl_available { "available" } else { "unavailable (ranks share a GPU): no NCCL column" };
     let _ = writeln!(s, "transport: {}; hierarchical islands: {islands}", c.transport);
     let _ = writeln!(s, "NCCL: {nccl}; baseline: tuned NCCL (best of ring/tree x LL/Simple)\n");
     s.push_str(&sizes_table(req, &view, &c));
     s.push_str(&verify_pass(req, &view, &c));
+    s.push_str(&fused_verify_pass(req, &view, &c));
     s.push_str(&assumptions(&CostModel::default()));
     Ok(s)
 }
@@ -168,8 +169,25 @@ fn verify_pass(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
             write!(s, "; tuned NCCL: {nccl_ms:.2} ms ({:.1}x, {:.2} ms saved)", nccl_ms / ours_ms, nccl_ms - ours_ms);
     }
     let _ = writeln!(s, "\n  why: {}", ch.reason);
+    if let Ok(p) = model.predict(
+        view,
+        ch.algorithm,
+        ch.transport,
+        bytes,
+        &Options { capturing: req.capturing, islands: c.islands, nccl: Default::default() },
+    ) {
+        let b = p.breakdown;
+        let _ = writeln!(
+            s,
+            "  where its {:.1} us go: launch {:.0}%, dependent hops {:.0}%, data {:.0}%",
+            b.total(),
+            100.0 * b.launch_us / b.total(),
+            100.0 * b.latency_us / b.total(),
+            100.0 * (b.wire_us + b.contention_us + b.local_us) / b.total()
+        );
+    }
     let _ = writeln!(s, "  every algorithm at {} (model, us):", human_bytes(bytes));
-    let opts = Options { capturing: req.capturing, island_size: c.island_size, nccl: Default::default() };
+    let opts = Options { capturing: req.capturing, islands: c.islands, nccl: Default::default() };
     let header = ["algorithm", "total", "launch", "latency", "wire", "contention", "local", "note"];
     let mut t = table::new(header, 1..7);
     for a in Algorithm::ALL {
@@ -194,23 +212,55 @@ fn verify_pass(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
     s
 }
 
+/// The verify pass with the layer epilogue (allreduce + residual add +
+/// RMSNorm, `Comm::all_reduce_add_rms_norm`): the fused selection's choice
+/// against our allreduce or NCCL followed by the separate kernel.
+fn fused_verify_pass(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
+    let model = CostModel::default();
+    let (world, bytes) = (req.world(), VERIFY_PASS_BYTES);
+    let per_pass = |us: f64| VERIFY_PASS_ALLREDUCES as f64 * us / 1e3;
+    let fused = select_fused(view, world, req.dtype, bytes, req.capturing, c);
+    let plain = select_with(&model, None, view, world, req.dtype, bytes, req.capturing, c);
+    let separate_us = model.separate_epilogue_us(bytes, req.capturing);
+    let separate = plain.predicted_us + separate_us;
+    let how = if crate::algorithm::fused::has_fused_kernel(fused.algorithm) { "fused" } else { "+ add_rms_norm" };
+    let mut s = format!(
+        "\nverify pass with the layer epilogue ({VERIFY_PASS_ALLREDUCES} x (allreduce + residual add + RMSNorm)):\n"
+    );
+    let _ = writeln!(s, "  fused call: {:.2} ms per pass ({} {how})", per_pass(fused.predicted_us), fused.algorithm);
+    let _ = writeln!(s, "  our allreduce + add_rms_norm: {:.2} ms ({})", per_pass(separate), plain.algorithm);
+    if c.nccl_available {
+        let nccl = per_pass(plain.nccl_predicted_us + separate_us);
+        let _ = writeln!(s, "  tuned NCCL + add_rms_norm: {nccl:.2} ms");
+    }
+    let _ = writeln!(s, "  why: {}", fused.reason);
+    s
+}
+
 fn assumptions(model: &CostModel) -> String {
     let p = &model.params;
     let mut s = String::from("\nmodel assumptions (docs/COST-MODEL.md has the parameter table and residuals):\n");
     let _ = writeln!(
         s,
-        "  - launch+poll {:.1} us per kernel in a graph; each dependent hop costs the link latency",
-        p.launch_graph_us
+        "  - launch+prologue+epilogue {:.2} us per kernel in a graph (+{:.1} us per extra rank on a GPU);",
+        p.launch_graph_us, p.shared_gpu_rank_us
     );
     let _ = writeln!(
         s,
-        "    ({:.2} us same switch, {:.2} us root complex, {:.2} us across sockets, {:.0} us through host memory)",
+        "    each dependent hop costs the link latency ({:.2} us NVSwitch, {:.2} us same switch, {:.2} us root complex,\n    \
+         {:.2} us across sockets, {:.0} us through host memory)",
+        p.latency_nvswitch_us,
         p.latency_pcie_switch_us,
         p.latency_pcie_root_complex_us,
         p.latency_pcie_cross_socket_us,
         p.latency_host_staged_us
     );
-    let _ = writeln!(s, "    + {:.2} us fence/flag/poll", p.hop_overhead_us);
+    let _ = writeln!(
+        s,
+        "    + {:.2} us to see it (push algorithms carry completion in their payload: one hop per phase);\n    \
+         flag kernels (pull, ring) add {:.2} us per flag, {:.2} us more when it publishes peer writes",
+        p.hop_overhead_us, p.flag_hop_us, p.flag_drain_us
+    );
     let _ = writeln!(
         s,
         "  - PCIe single-flow bandwidth {:.0}% of raw (Gen5 x16: {:.0} GB/s); all-to-all keeps {:.0}% (staggered writes),",
@@ -226,14 +276,21 @@ fn assumptions(model: &CostModel) -> String {
     );
     let _ = writeln!(
         s,
+        "  - copy-engine ring: copies keep {:.0}% of raw PCIe per hop (Gen5 x16: {:.0} GB/s); each of its 2(N-1) steps",
+        p.copy_engine_efficiency * 100.0,
+        CostParams::pcie_lane_gbps(5) * 16.0 * p.copy_engine_efficiency
+    );
+    let _ = writeln!(s, "    adds {:.1} us (copy, flag write, step kernel) + the link latency", p.copy_engine_step_us);
+    let _ = writeln!(
+        s,
         "  - the socket boundary carries {:.0} GB/s for one flow, {:.0} GB/s aggregate with many; reads get {:.0}% of it",
         p.socket_single_flow_gbps,
         p.socket_many_flows_gbps,
         p.socket_read_factor * 100.0
     );
     s.push_str(
-        "  - calibrated within +-25% on published PCIe figures (docs/COST-MODEL.md, sources in docs/SOURCES.md);\n    \
-         everything else, and every non-PCIe topology, is an uncalibrated assumption\n",
+        "  - calibrated within +-20% on our own 2-H200 and 1-H200 measurements (one-shot push, NCCL) and on NCCL's\n    \
+         published PCIe figures (docs/COST-MODEL.md); our kernels on PCIe and every unmeasured topology are predictions\n",
     );
     let _ = writeln!(
         s,
@@ -256,7 +313,7 @@ mod tests {
     fn report_for_every_embedded_topology_fits_120_columns() {
         for name in embedded::names() {
             let r = report(name, None, 1).unwrap();
-            for needle in ["42 KiB", "8 MiB", "verify pass", "model assumptions"] {
+            for needle in ["42 KiB", "8 MiB", "verify pass", "model assumptions", "residual add + RMSNorm"] {
                 assert!(r.contains(needle), "{name}: {needle}\n{r}");
             }
             assert!(!r.contains("NaN"), "{name}:\n{r}");
@@ -294,6 +351,21 @@ mod tests {
         let line = r.lines().find(|l| l.trim_start().starts_with("42 KiB")).unwrap();
         assert!(!line.contains("nccl"), "{line}");
         assert!(r.contains("tuned NCCL:"), "{r}");
+    }
+
+    /// Fusing never makes the modelled verify pass slower than our
+    /// allreduce followed by the separate kernel.
+    #[test]
+    fn the_fused_verify_pass_is_at_most_the_unfused_one() {
+        for name in embedded::names() {
+            let r = report(name, None, 1).unwrap();
+            let ms = |label: &str| -> f64 {
+                let line = r.lines().find(|l| l.trim_start().starts_with(label)).unwrap();
+                line.split(": ").nth(1).and_then(|v| v.split(" ms").next()).unwrap().trim().parse().unwrap()
+            };
+            let (fused, ours) = (ms("fused call:"), ms("our allreduce + add_rms_norm:"));
+            assert!(fused <= ours + 1e-9, "{name}: fused {fused} ms > unfused {ours} ms");
+        }
     }
 
     #[test]

@@ -60,16 +60,20 @@ pub enum AlgorithmId {
     Hierarchical = 6,
     /// Not an allreduce: the init-time transfer check of each peer pair.
     P2pCheck = 7,
+    /// Ring whose data moves with copy-engine peer copies; small kernels
+    /// wait for each piece's flag and reduce it.
+    CopyEngineRing = 8,
 }
 
 impl AlgorithmId {
-    pub const ALLREDUCE: [AlgorithmId; 6] = [
+    pub const ALLREDUCE: [AlgorithmId; 7] = [
         AlgorithmId::OneShotPull,
         AlgorithmId::TwoShotPull,
         AlgorithmId::OneShotPush,
         AlgorithmId::TwoShotPush,
         AlgorithmId::Ring,
         AlgorithmId::Hierarchical,
+        AlgorithmId::CopyEngineRing,
     ];
 
     /// snake_case name: the kernel entry prefix (`one_shot_pull_bf16`).
@@ -82,6 +86,7 @@ impl AlgorithmId {
             AlgorithmId::Ring => "ring",
             AlgorithmId::Hierarchical => "hierarchical",
             AlgorithmId::P2pCheck => "p2p_check",
+            AlgorithmId::CopyEngineRing => "copy_engine_ring",
         }
     }
 
@@ -94,6 +99,7 @@ impl AlgorithmId {
             5 => Some(AlgorithmId::Ring),
             6 => Some(AlgorithmId::Hierarchical),
             7 => Some(AlgorithmId::P2pCheck),
+            8 => Some(AlgorithmId::CopyEngineRing),
             _ => None,
         }
     }
@@ -111,15 +117,13 @@ pub enum Phase {
     Mid = 1,
     /// Pull algorithms: every rank finished reading its peers' buffers.
     End = 2,
-    /// TwoShotPush: slices of every rank's input arrived at their owner.
+    /// The flag phases of the former (barrier-based) TwoShotPush and
+    /// Hierarchical; kept so that the signal block's layout and old error
+    /// records stay decodable. No kernel uses them any more.
     PushScatter = 3,
-    /// TwoShotPush: every reduced slice arrived at every rank.
     PushGather = 4,
-    /// Hierarchical: island members' shares arrived.
     HierScatter = 5,
-    /// Hierarchical: the counterpart shares of the other islands arrived.
     HierCross = 6,
-    /// Hierarchical: the reduced shares of the island arrived.
     HierGather = 7,
     /// Ring: "message n is in your slot" (sender -> receiver).
     RingData = 8,
@@ -129,6 +133,21 @@ pub enum Phase {
     Payload = 10,
     /// Kernel start: the communicator was already aborted.
     Prologue = 11,
+    /// TwoShotPush / Hierarchical: polling the reduce-scatter payload (a
+    /// share's contributions from the other members).
+    RsPayload = 12,
+    /// TwoShotPush / Hierarchical: polling the all-gather payload (a
+    /// share's final sum from its owner).
+    AgPayload = 13,
+    /// Hierarchical: polling the cross-island payload (a share's partial
+    /// sums from the other islands' owners).
+    CrossPayload = 14,
+    /// CopyEngineRing: waiting for the flag of a staging slot the previous
+    /// rank's copy engine fills.
+    CeData = 15,
+    /// CopyEngineRing: waiting for the next rank's "staging consumed"
+    /// handshake of the previous call before copying into its staging.
+    CeHandshake = 16,
 }
 
 /// Number of phases that own a flag array in the signal block.
@@ -149,6 +168,11 @@ impl Phase {
             9 => Some(Phase::RingCredit),
             10 => Some(Phase::Payload),
             11 => Some(Phase::Prologue),
+            12 => Some(Phase::RsPayload),
+            13 => Some(Phase::AgPayload),
+            14 => Some(Phase::CrossPayload),
+            15 => Some(Phase::CeData),
+            16 => Some(Phase::CeHandshake),
             _ => None,
         }
     }
@@ -167,6 +191,11 @@ impl Phase {
             Phase::RingCredit => "ring credit",
             Phase::Payload => "payload arrival",
             Phase::Prologue => "kernel prologue",
+            Phase::RsPayload => "reduce-scatter payload arrival",
+            Phase::AgPayload => "all-gather payload arrival",
+            Phase::CrossPayload => "cross-island payload arrival",
+            Phase::CeData => "copy-engine ring data flag",
+            Phase::CeHandshake => "copy-engine ring staging handshake",
         }
     }
 }

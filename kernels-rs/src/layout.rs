@@ -64,9 +64,10 @@ pub struct LocalState {
     pub control: Control,
     /// Per-block epoch of the barrier-based (pull) kernels.
     pub barrier_epoch: [u32; MAX_BLOCKS],
-    /// Per-block epoch of TwoShotPush.
+    /// Unused since TwoShotPush and Hierarchical carry completion in the
+    /// payload (their generations are in [`Control`]); kept so that the
+    /// layout (and the counter seeding of the tests) stays as it was.
     pub two_shot_push_epoch: [u32; MAX_BLOCKS],
-    /// Per-block epoch of Hierarchical.
     pub hierarchical_epoch: [u32; MAX_BLOCKS],
     /// Per-block count of ring messages sent to the right neighbour.
     pub ring_sent: [u32; MAX_BLOCKS],
@@ -105,7 +106,8 @@ pub struct Control {
     pub abort: u32,
     pub generation: [u32; 3],
     /// Blocks of the running launch of region `r` that have read
-    /// `generation[r]` (reset to 0 by the last one). `[3]` is spare.
+    /// `generation[r]` (reset to 0 by the last one). `[3]`: blocks of the
+    /// running CopyEngineRing step kernel that have seen its flag.
     pub arrivals: [u32; 4],
     pub error_claim: u32,
     pub _pad: [u32; 23],
@@ -150,8 +152,10 @@ pub struct PeerPointers {
     pub ptrs: [u64; MAX_RANKS],
 }
 
-/// How island members are arranged for the Hierarchical algorithm.
-/// `island_count <= 1` means "no hierarchy configured".
+/// How island members are arranged (consecutive islands of equal size
+/// only; `island_count <= 1` otherwise). No kernel reads it any more: the
+/// Hierarchical kernel takes its island tables by value
+/// (`params::IslandPushParams`).
 #[repr(C, align(16))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IslandLayout {
@@ -173,13 +177,15 @@ pub struct ScratchConfig {
     pub max_packs: u64,
     /// Largest message (in packs) of OneShotPush (0 disables it).
     pub one_shot_push_max_packs: u64,
-    /// Largest grid of the push kernels (their scratch is striped per block).
-    pub push_blocks: u32,
     pub ring_blocks: u32,
     pub ring_slots: u32,
     pub ring_chunk_packs: u64,
-    /// Island size for Hierarchical (0 disables it).
-    pub island_size: u32,
+    /// Hierarchical: the size of each island (`island_count` of them; 0
+    /// disables it). Unequal islands are allowed (`crate::shares`).
+    pub island_sizes: [u32; MAX_RANKS],
+    pub island_count: u32,
+    /// CopyEngineRing: pieces per shard (0 disables it).
+    pub copy_engine_pieces: u32,
     pub enable_two_shot_pull: bool,
     pub enable_two_shot_push: bool,
     pub enable_ring: bool,
@@ -201,22 +207,33 @@ pub struct ScratchLayout {
     pub one_shot_push_max_packs: u64,
     /// Bytes from half 0 to half 1 (`(world - 1) * max_packs * 16`).
     pub one_shot_push_half_bytes: u64,
-    /// TwoShotPush: scatter `[2][push_blocks][world][stripe]`, then gather with
-    /// the same shape.
+    /// TwoShotPush (one island of every rank, `crate::shares`): per half,
+    /// `world - 1` reduce-scatter then `world - 1` all-gather slots of
+    /// `two_shot_push_share_packs` packs.
     pub two_shot_push_offset: u64,
-    pub two_shot_push_stripe_packs: u64,
-    /// Hierarchical: scatter `[2][B][island_size][s]`, cross
-    /// `[2][B][island_count][s]`, gather `[2][B][island_size][s]`.
+    pub two_shot_push_share_packs: u64,
+    pub two_shot_push_half_bytes: u64,
+    /// Hierarchical (`crate::shares`): per half, each rank's reduce-scatter,
+    /// cross and all-gather slots; the halves `hierarchical_half_bytes` apart.
     pub hierarchical_offset: u64,
-    pub hierarchical_stripe_packs: u64,
+    pub hierarchical_share_packs: u64,
+    pub hierarchical_half_bytes: u64,
     /// Ring: `[ring_blocks][ring_slots][ring_chunk_packs]`.
     pub ring_offset: u64,
     pub ring_chunk_packs: u64,
-    pub push_blocks: u32,
+    /// CopyEngineRing: staging `[2 (world - 1) steps][slot bytes]` (a slot
+    /// holds a shard), then one flag line (128 B) per (step, piece), then the
+    /// handshake line.
+    pub copy_engine_offset: u64,
+    pub copy_engine_slot_bytes: u64,
+    pub copy_engine_flags_offset: u64,
+    pub copy_engine_handshake_offset: u64,
     pub ring_blocks: u32,
     pub ring_slots: u32,
-    pub island_size: u32,
+    /// Hierarchical: shares per launch (the largest island) and islands.
+    pub island_shares: u32,
     pub island_count: u32,
+    pub copy_engine_pieces: u32,
     pub _pad: u32,
     pub total_bytes: u64,
 }
@@ -268,7 +285,6 @@ impl ScratchLayout {
     pub const fn new(config: &ScratchConfig) -> ScratchLayout {
         let world = config.world_size as u64;
         let pack = PACK_BYTES as u64;
-        let push_blocks = if config.push_blocks == 0 { 1 } else { config.push_blocks as u64 };
         let mut offset = 0u64;
 
         let two_shot_pull_packs = if config.enable_two_shot_pull { div_ceil(config.max_packs, world) } else { 0 };
@@ -279,29 +295,21 @@ impl ScratchLayout {
         let one_shot_push_offset = offset;
         offset = align_up(offset + 2 * one_shot_push_half_bytes, SCRATCH_REGION_ALIGN);
 
-        let two_shot_push_stripe_packs =
-            if config.enable_two_shot_push { div_ceil(div_ceil(config.max_packs, world), push_blocks) } else { 0 };
-        let two_shot_push_offset = offset;
-        offset =
-            align_up(offset + 2 * 2 * push_blocks * world * two_shot_push_stripe_packs * pack, SCRATCH_REGION_ALIGN);
-
-        let (island_size, island_count) = if config.island_size >= 2 && config.island_size < config.world_size {
-            if config.world_size.is_multiple_of(config.island_size) {
-                (config.island_size, config.world_size / config.island_size)
-            } else {
-                (0, 0)
-            }
+        // TwoShotPush: the island push with one island of every rank.
+        let (two_shot_push_share_packs, two_shot_push_half_bytes) = if config.enable_two_shot_push && world >= 2 {
+            let mut sizes = [0u32; MAX_RANKS];
+            sizes[0] = config.world_size;
+            let cap = div_ceil(config.max_packs, world);
+            (cap, crate::shares::half_bytes(&sizes, 1, cap))
         } else {
             (0, 0)
         };
-        let hierarchical_stripe_packs =
-            if island_size > 0 { div_ceil(div_ceil(config.max_packs, island_size as u64), push_blocks) } else { 0 };
+        let two_shot_push_offset = offset;
+        offset = align_up(offset + 2 * two_shot_push_half_bytes, SCRATCH_REGION_ALIGN);
+
+        let (island_shares, hierarchical_share_packs, hierarchical_half_bytes) = hierarchical_region(config);
         let hierarchical_offset = offset;
-        offset = align_up(
-            offset
-                + 2 * push_blocks * (2 * island_size as u64 + island_count as u64) * hierarchical_stripe_packs * pack,
-            SCRATCH_REGION_ALIGN,
-        );
+        offset = align_up(offset + 2 * hierarchical_half_bytes, SCRATCH_REGION_ALIGN);
 
         let (ring_blocks, ring_slots, ring_chunk_packs) = if config.enable_ring {
             (config.ring_blocks, config.ring_slots, config.ring_chunk_packs)
@@ -312,6 +320,22 @@ impl ScratchLayout {
         offset =
             align_up(offset + ring_blocks as u64 * ring_slots as u64 * ring_chunk_packs * pack, SCRATCH_REGION_ALIGN);
 
+        // CopyEngineRing: one slot per step holds the largest shard (its
+        // pieces at their offsets in the shard).
+        let pieces = if world >= 2 { config.copy_engine_pieces as u64 } else { 0 };
+        let steps = 2 * world.saturating_sub(1);
+        let copy_engine_slot_bytes =
+            if pieces > 0 { align_up(div_ceil(config.max_packs, world) * pack, 256) } else { 0 };
+        let copy_engine_offset = offset;
+        offset = align_up(offset + steps * copy_engine_slot_bytes, SCRATCH_REGION_ALIGN);
+        let copy_engine_flags_offset = offset;
+        offset += steps * pieces * COPY_ENGINE_FLAG_STRIDE;
+        let copy_engine_handshake_offset = offset;
+        if pieces > 0 {
+            offset += COPY_ENGINE_FLAG_STRIDE;
+        }
+        offset = align_up(offset, SCRATCH_REGION_ALIGN);
+
         ScratchLayout {
             max_packs: config.max_packs,
             two_shot_pull_offset,
@@ -320,16 +344,22 @@ impl ScratchLayout {
             one_shot_push_max_packs: config.one_shot_push_max_packs,
             one_shot_push_half_bytes,
             two_shot_push_offset,
-            two_shot_push_stripe_packs,
+            two_shot_push_share_packs,
+            two_shot_push_half_bytes,
             hierarchical_offset,
-            hierarchical_stripe_packs,
+            hierarchical_share_packs,
+            hierarchical_half_bytes,
             ring_offset,
             ring_chunk_packs,
-            push_blocks: push_blocks as u32,
+            copy_engine_offset,
+            copy_engine_slot_bytes,
+            copy_engine_flags_offset,
+            copy_engine_handshake_offset,
             ring_blocks,
             ring_slots,
-            island_size,
-            island_count,
+            island_shares,
+            island_count: if island_shares > 0 { config.island_count } else { 0 },
+            copy_engine_pieces: pieces as u32,
             _pad: 0,
             total_bytes: offset,
         }
@@ -341,50 +371,46 @@ impl ScratchLayout {
         self.one_shot_push_offset + slot as u64 * self.one_shot_push_max_packs * PACK_BYTES as u64
     }
 
-    /// Byte offset of TwoShotPush pack `pack` of (`gather`? gather : scatter)
-    /// region, generation `parity`, block `block`, source `src`.
-    pub const fn two_shot_push_pack_offset(
-        &self,
-        world: u32,
-        gather: bool,
-        parity: u32,
-        block: u32,
-        src: u32,
-        pack: u64,
-    ) -> u64 {
-        let stripe = self.two_shot_push_stripe_packs;
-        let blocks = self.push_blocks as u64;
-        let region =
-            self.two_shot_push_offset + if gather { 2 * blocks * world as u64 * stripe * PACK_BYTES as u64 } else { 0 };
-        region
-            + ((((parity as u64 * blocks + block as u64) * world as u64 + src as u64) * stripe) + pack)
-                * PACK_BYTES as u64
-    }
-
-    /// Byte offset of Hierarchical pack `pack` in `region` (0 scatter,
-    /// 1 cross, 2 gather), generation `parity`, block `block`, source index
-    /// `src` (island member index, or island index for the cross region).
-    pub const fn hierarchical_pack_offset(&self, region: u32, parity: u32, block: u32, src: u32, pack: u64) -> u64 {
-        let stripe = self.hierarchical_stripe_packs;
-        let blocks = self.push_blocks as u64;
-        let m = self.island_size as u64;
-        let i = self.island_count as u64;
-        let (base, sources) = match region {
-            0 => (0, m),
-            1 => (2 * blocks * m * stripe, i),
-            _ => (2 * blocks * (m + i) * stripe, m),
-        };
-        self.hierarchical_offset
-            + (base + (((parity as u64 * blocks + block as u64) * sources + src as u64) * stripe) + pack)
-                * PACK_BYTES as u64
-    }
-
     /// Byte offset of ring slot `slot` of block `block`.
     pub const fn ring_slot_offset(&self, block: u32, slot: u32) -> u64 {
         self.ring_offset
             + ((block as u64 * self.ring_slots as u64 + slot as u64) * self.ring_chunk_packs) * PACK_BYTES as u64
     }
+
+    /// Byte offset of the CopyEngineRing staging slot of `step`.
+    pub const fn copy_engine_slot_offset(&self, step: u32) -> u64 {
+        self.copy_engine_offset + step as u64 * self.copy_engine_slot_bytes
+    }
+
+    /// Byte offset of the CopyEngineRing flag of `step`, `piece` (one
+    /// 128-byte line each: lines written by a peer are never shared).
+    pub const fn copy_engine_flag_offset(&self, step: u32, piece: u32) -> u64 {
+        self.copy_engine_flags_offset
+            + (step as u64 * self.copy_engine_pieces as u64 + piece as u64) * COPY_ENGINE_FLAG_STRIDE
+    }
 }
+
+/// Hierarchical's `(shares, share_cap, half_bytes)` for `config`'s
+/// islands: all zero unless they are two or more of a supported shape.
+const fn hierarchical_region(config: &ScratchConfig) -> (u32, u64, u64) {
+    let islands = config.island_count as usize;
+    if islands < 2 || !crate::shares::shape_supported(&config.island_sizes, islands) {
+        return (0, 0, 0);
+    }
+    let mut shares = 0u32;
+    let mut g = 0;
+    while g < islands {
+        if config.island_sizes[g] > shares {
+            shares = config.island_sizes[g];
+        }
+        g += 1;
+    }
+    let cap = div_ceil(config.max_packs, shares as u64);
+    (shares, cap, crate::shares::half_bytes(&config.island_sizes, islands, cap))
+}
+
+/// Distance between two CopyEngineRing flags (a cache line).
+pub const COPY_ENGINE_FLAG_STRIDE: u64 = 128;
 
 // Layouts are pinned: a change here must be deliberate (and ARCHITECTURE.md
 // updated), because host and device must agree byte for byte.
@@ -404,13 +430,14 @@ const _: () = assert!(core::mem::offset_of!(Control, error_claim) == 32);
 const _: () = assert!(core::mem::size_of::<ErrorRecord>() == 64);
 const _: () = assert!(core::mem::size_of::<PeerPointers>() == 8 * MAX_RANKS);
 const _: () = assert!(core::mem::size_of::<IslandLayout>() == 16 + MAX_RANKS * MAX_RANKS);
-const _: () = assert!(core::mem::size_of::<ScratchLayout>() == 128);
+const _: () = assert!(core::mem::size_of::<ScratchLayout>() == 176);
 const _: () = assert!(
     core::mem::size_of::<DeviceHandle>()
-        == (32 + 16 * MAX_RANKS + 128 + 16 + MAX_RANKS * MAX_RANKS + 8).div_ceil(16) * 16
+        == (32 + 16 * MAX_RANKS + 176 + 16 + MAX_RANKS * MAX_RANKS + 8).div_ceil(16) * 16
 );
 const _: () = assert!(core::mem::offset_of!(DeviceHandle, scratch_layout) == 32 + 16 * MAX_RANKS);
 const _: () = assert!(MAX_RANKS <= 16, "the device-side rank unrolling covers at most 16 ranks");
+const _: () = assert!(crate::shares::shape_supported(&[MAX_RANKS as u32 / 2, MAX_RANKS as u32 / 2], 2));
 const _: () = assert!(MAX_BLOCKS as u32 * THREADS_PER_BLOCK <= 1 << 20);
 
 /// The value rank `src` releases into every rank's `p2p_flag[src]` in the

@@ -22,6 +22,7 @@ pub mod ids;
 pub mod layout;
 pub mod params;
 pub mod partition;
+pub mod shares;
 
 #[cfg(target_arch = "nvptx64")]
 pub mod device;

@@ -1,5 +1,6 @@
-//! Parameters of the sentinel kernels (OneShotPush), passed **by value**,
-//! and the rank-local control words those kernels read at entry.
+//! Parameters of the sentinel kernels (OneShotPush, TwoShotPush,
+//! Hierarchical) and of the copy-engine ring's kernels, passed **by
+//! value**, and the rank-local control words those kernels read at entry.
 //!
 //! Why by value: a `#[repr(C)]` struct parameter lives in the kernel's
 //! `.param` space, which the GPU reads from its constant bank — no global
@@ -20,6 +21,7 @@
 
 pub use crate::layout::Control;
 use crate::layout::MAX_RANKS;
+use crate::shares::{MAX_ISLANDS, MAX_OWNED};
 
 /// The sentinel regions, each with its own generation counter in
 /// [`Control::generation`] (re-exported from `layout`). A kernel's region
@@ -28,9 +30,7 @@ use crate::layout::MAX_RANKS;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RegionId {
     OneShotPush = 0,
-    /// Reserved for the sentinel TwoShotPush (not migrated yet).
     TwoShotPush = 1,
-    /// Reserved for the sentinel Hierarchical (not migrated yet).
     Hierarchical = 2,
 }
 
@@ -86,6 +86,110 @@ pub struct OneShotPushParams {
     /// `source_abort[k]`: the peer-visible abort word of the source of slot
     /// `k` (slow path only).
     pub source_abort: [u64; MAX_RANKS],
+}
+
+/// Parameters of `two_shot_push_<dtype>` and `hierarchical_<dtype>`: the
+/// island push with payload completion (`crate::shares` has the share and
+/// slot math; TwoShotPush is one island of every rank). Every address is
+/// resolved by the host at init for half 0 and owned position 0 of the
+/// share it names; the kernel adds the half, `16 * (e * share_cap + t)`
+/// where a slot holds several owned shares, and `16 * t`.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IslandPushParams {
+    pub h: SentinelHeader,
+    /// Packs between consecutive owned positions of a slot (fixed per
+    /// communicator: `ceil(max_packs / shares)`).
+    pub share_cap: u64,
+    /// Distance between the two halves of the cross slots: `h.half_bytes`
+    /// when they sit in the receive region, another stride when they live
+    /// in a host-memory region of their own (per-pair transport).
+    pub cross_half_bytes: u64,
+    /// Shares a launch is cut into (`S`, the largest island).
+    pub shares: u32,
+    /// Shares this rank sends in the reduce-scatter (`S` minus its own).
+    pub sends: u32,
+    /// Shares this rank owns (`e = 0..owned`: share `member_index + e * members`).
+    pub owned: u32,
+    /// Members of this rank's island and this rank's index in it.
+    pub members: u32,
+    pub member_index: u32,
+    /// Islands (1 for TwoShotPush) and this rank's.
+    pub islands: u32,
+    pub island: u32,
+    pub _pad0: u32,
+    /// `send_share[s]`: the share of the `s`-th reduce-scatter send (the
+    /// staggered order: shares of member `index + 1`, `index + 2`, ... first).
+    pub send_share: [u8; MAX_RANKS],
+    /// Rank of the source of reduce-scatter slot `q` (error records).
+    pub rs_peer: [u8; MAX_RANKS],
+    /// Rank that sends the all-gather value of send `s` (the share's owner).
+    pub ag_peer: [u8; MAX_RANKS],
+    /// `cross_peer[o][e]`: rank that sends cross slot `o` for owned share `e`.
+    pub cross_peer: [[u8; MAX_OWNED]; MAX_ISLANDS - 1],
+    pub _pad1: [u8; 4],
+    /// Phase A: where send `s` lands (the owner's reduce-scatter slot of
+    /// this rank, at the share's owned position).
+    pub rs_to: [u64; MAX_RANKS],
+    /// Phase B: reduce-scatter slot `q` of this rank.
+    pub rs_from: [u64; MAX_RANKS],
+    pub rs_abort: [u64; MAX_RANKS],
+    /// `cross_to[o][e]`: where the partial of owned share `e` lands at its
+    /// owner in the `o`-th other island (that owner's cross slot of this
+    /// island, at the share's owned position there).
+    pub cross_to: [[u64; MAX_OWNED]; MAX_ISLANDS - 1],
+    /// Cross slot `o` of this rank.
+    pub cross_from: [u64; MAX_ISLANDS],
+    pub cross_abort: [[u64; MAX_OWNED]; MAX_ISLANDS - 1],
+    /// All-gather slot of this rank at member `q` (the `q`-th other member).
+    pub ag_to: [u64; MAX_RANKS],
+    /// Phase D: the all-gather slot here that holds send `s`'s share, at
+    /// the share's owned position.
+    pub ag_from: [u64; MAX_RANKS],
+    pub ag_abort: [u64; MAX_RANKS],
+}
+
+/// [`CopyEngineParams::mode`]: reduce-scatter step (`out = in + staging`).
+pub const CE_MODE_REDUCE: u32 = 0;
+/// [`CopyEngineParams::mode`]: all-gather step (`out = staging`).
+pub const CE_MODE_COPY: u32 = 1;
+
+/// Parameters of the copy-engine ring's kernels: the step kernel
+/// `copy_engine_ring_<dtype>` (wait for the flag of one staging slot, reduce
+/// or copy one piece, clear the flag) and the one-thread
+/// `copy_engine_ring_handshake` (wait for "staging consumed" from the next
+/// rank, clear it) and `copy_engine_ring_publish` (raise a peer's flag when
+/// stream memory operations are unavailable).
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyEngineParams {
+    /// Step kernel: this piece of the input (reduce) and of the output.
+    pub input: u64,
+    pub output: u64,
+    /// Elements of the piece.
+    pub count: u64,
+    /// The staging slot the piece was copied into (this rank's memory).
+    pub staging: u64,
+    /// Step: this slot's flag (0 or 1) in this rank's memory. Handshake:
+    /// this rank's handshake flag. Publish: the peer's flag to raise.
+    pub flag: u64,
+    /// Step with `last`: the previous rank's handshake flag, raised once
+    /// this rank consumed every slot of the call.
+    pub handshake: u64,
+    /// This rank's [`Control`].
+    pub control: u64,
+    pub error_record: u64,
+    pub timeout_ns: u64,
+    /// This rank's peer-visible abort word, and the awaited peer's.
+    pub abort: u64,
+    pub peer_abort: u64,
+    pub rank: u32,
+    /// The rank awaited (error records).
+    pub peer: u32,
+    /// [`CE_MODE_REDUCE`] or [`CE_MODE_COPY`].
+    pub mode: u32,
+    /// Nonzero on the call's last step kernel.
+    pub last: u32,
 }
 
 /// Records kept in the trace ring (indexed by `generation % TRACE_RECORDS`).
@@ -152,5 +256,82 @@ const _: () = assert!(core::mem::offset_of!(TraceRecord, exit_ns) == 32);
 const _: () = assert!(core::mem::offset_of!(TraceRecord, generation) == 40);
 const _: () = assert!(core::mem::offset_of!(TraceRecord, shape) == 44);
 const _: () = assert!(core::mem::offset_of!(SentinelHeader, abort) == 80);
+const _: () = assert!(core::mem::offset_of!(IslandPushParams, share_cap) == 96);
+const _: () = assert!(core::mem::offset_of!(IslandPushParams, rs_to) == 184);
+const _: () = assert!(
+    core::mem::size_of::<IslandPushParams>()
+        == (184 + 8 * (6 * MAX_RANKS + 2 * (MAX_ISLANDS - 1) * MAX_OWNED + MAX_ISLANDS)).div_ceil(16) * 16
+);
+const _: () = assert!(core::mem::size_of::<CopyEngineParams>() == 112);
 // A kernel's RegionId indexes the three generation words.
 const _: () = assert!(RegionId::Hierarchical as usize + 1 == 3);
+
+// ---------------------------------------------------------------- fused epilogue
+
+/// [`FusedEpilogue::flags`] bit: normalise (RMSNorm) after the residual add;
+/// without it the epilogue only adds the residual (`all_reduce_add`).
+pub const EPILOGUE_NORM: u32 = 1;
+/// [`FusedEpilogue::flags`] bit: scale by `1 + weight` (Gemma) instead of
+/// `weight`.
+pub const EPILOGUE_WEIGHT_OFFSET: u32 = 2;
+
+/// Threads per block of the fused kernels at most (their register budget is
+/// that of every kernel but the plain sentinel ones: 65536 / 512).
+pub const FUSED_MAX_THREADS: u32 = 512;
+/// Packs of a row each thread of a fused kernel holds in registers between
+/// the residual add and the normalisation.
+pub const FUSED_PACKS_PER_THREAD: u32 = 4;
+/// Longest row (in 16-byte packs) a fused kernel normalises: hidden 16384
+/// in f16/bf16, 8192 in f32. Longer rows take the unfused path.
+pub const FUSED_MAX_ROW_PACKS: u32 = FUSED_MAX_THREADS * FUSED_PACKS_PER_THREAD;
+
+/// What the fused kernels do after the allreduce of a `rows x hidden`
+/// message, per row `r` and element `c` (f32 arithmetic, one rounding per
+/// output):
+///
+/// ```text
+///   y[r,c]         = sum over ranks of input[r,c] (rank order) + residual_in[r,c]
+///   residual_out[r,c] = round(y[r,c])
+///   normed[r,c]    = round(x[r,c] * inv_rms(r) * w[c]),   x = residual_out as f32,
+///   inv_rms(r)     = 1 / sqrt(sum_c x[r,c]^2 / hidden + eps),  w = weight or 1 + weight
+/// ```
+///
+/// The sum of squares is a block reduction with a fixed tree for a given
+/// block size, so every rank computes the same bits. Also the scalar
+/// arguments of `fused_one_shot_pull_<dt>` and `add_rms_norm_<dt>`.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct FusedEpilogue {
+    /// `rows x hidden` elements, read (may equal `residual_out`).
+    pub residual_in: u64,
+    /// `rows x hidden` elements, written.
+    pub residual_out: u64,
+    /// `hidden` elements (0 without [`EPILOGUE_NORM`]).
+    pub weight: u64,
+    /// `rows x hidden` elements, written (0 without [`EPILOGUE_NORM`]).
+    pub normed: u64,
+    pub rows: u32,
+    /// Elements per row.
+    pub hidden: u32,
+    pub eps: f32,
+    /// [`EPILOGUE_NORM`], [`EPILOGUE_WEIGHT_OFFSET`].
+    pub flags: u32,
+}
+
+/// Parameters of `fused_one_shot_push_<dtype>` and
+/// `fused_one_shot_push2_<dtype>`: the OneShotPush parameters (same
+/// receive region, same generation; `h.output` unused, `h.count` =
+/// `rows x hidden`) and the epilogue. A block owns whole rows.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct FusedOneShotPushParams {
+    pub push: OneShotPushParams,
+    pub epilogue: FusedEpilogue,
+}
+
+const _: () = assert!(core::mem::size_of::<FusedEpilogue>() == 48);
+const _: () = assert!(core::mem::size_of::<FusedOneShotPushParams>() == core::mem::size_of::<OneShotPushParams>() + 48);
+const _: () = assert!(core::mem::offset_of!(FusedOneShotPushParams, epilogue) == 96 + 3 * 8 * MAX_RANKS);
+const _: () = assert!(core::mem::align_of::<FusedOneShotPushParams>() == 16);
+// Every warp's partial of a block reduction fits the 16-slot scratch.
+const _: () = assert!(FUSED_MAX_THREADS / 32 <= 16);

@@ -26,7 +26,7 @@ use cudarc::driver::{sys, CudaContext};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tp_allreduce::rendezvous::Id;
-use tp_allreduce::{Algorithm, Comm, Config, DType, Error};
+use tp_allreduce::{Algorithm, Comm, Config, DType, Error, FusedOptions};
 
 use crate::device::{self, CurrentContext, DeviceBuffer};
 use crate::dtype::{check_call_args, dtype_from_code};
@@ -326,6 +326,101 @@ impl PyCommunicator {
             unsafe { inner.all_reduce(send_ptr, recv_ptr, count, dtype, stream_ptr as usize as sys::CUstream) }
         })
         .py(py)
+    }
+
+    /// Allreduce (sum) of `input_ptr` (`rows x hidden` elements of dtype
+    /// code `dtype`), plus the residual, then RMSNorm, on the stream
+    /// `stream_ptr`: `residual_ptr` becomes sum + residual, `normed_ptr`
+    /// its RMSNorm scaled by the weight (`hidden` elements at `weight_ptr`;
+    /// `1 + weight` with `weight_offset`, as Gemma). `normed_ptr` may equal
+    /// `input_ptr`. `unfused` runs our allreduce, then the separate kernel.
+    /// Collective, capturable; pointers as for `all_reduce`.
+    #[pyo3(signature = (input_ptr, residual_ptr, weight_ptr, normed_ptr, rows, hidden, eps, dtype, stream_ptr, *, weight_offset=false, unfused=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_add_rms_norm(
+        &self,
+        py: Python<'_>,
+        input_ptr: u64,
+        residual_ptr: u64,
+        weight_ptr: u64,
+        normed_ptr: u64,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+        dtype: u32,
+        stream_ptr: u64,
+        weight_offset: bool,
+        unfused: bool,
+    ) -> PyResult<()> {
+        let dtype = dtype_from_code(py, dtype)?;
+        let inner = self.live(py)?;
+        let opts = FusedOptions { weight_offset, unfused, ..FusedOptions::default() };
+        py.detach(move || {
+            let _restore = CurrentContext::save();
+            device::bind(&inner.ctx)?;
+            let stream = stream_ptr as usize as sys::CUstream;
+            // SAFETY: the raw API's contract (as `all_reduce`); the library
+            // checks the pointers' extents, alignment and overlaps.
+            unsafe {
+                inner.comm.all_reduce_add_rms_norm_raw(
+                    input_ptr,
+                    residual_ptr,
+                    weight_ptr,
+                    normed_ptr,
+                    rows,
+                    hidden,
+                    eps,
+                    dtype,
+                    &opts,
+                    stream,
+                )
+            }
+        })
+        .py(py)
+    }
+
+    /// Allreduce (sum) of `input_ptr` (`rows x hidden`) added into
+    /// `residual_ptr` (no normalisation). `input_ptr` is consumed (the
+    /// unfused path reduces it in place).
+    #[pyo3(signature = (input_ptr, residual_ptr, rows, hidden, dtype, stream_ptr))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_add(
+        &self,
+        py: Python<'_>,
+        input_ptr: u64,
+        residual_ptr: u64,
+        rows: usize,
+        hidden: usize,
+        dtype: u32,
+        stream_ptr: u64,
+    ) -> PyResult<()> {
+        let dtype = dtype_from_code(py, dtype)?;
+        let inner = self.live(py)?;
+        py.detach(move || {
+            let _restore = CurrentContext::save();
+            device::bind(&inner.ctx)?;
+            let stream = stream_ptr as usize as sys::CUstream;
+            let opts = FusedOptions::default();
+            // SAFETY: as `all_reduce_add_rms_norm`.
+            unsafe { inner.comm.all_reduce_add_raw(input_ptr, residual_ptr, rows, hidden, dtype, &opts, stream) }
+        })
+        .py(py)
+    }
+
+    /// What a fused call of `rows x hidden` would do:
+    /// `(algorithm, transport, fused, reason)`.
+    #[pyo3(signature = (rows, hidden, dtype, capturing=false))]
+    fn plan_fused(
+        &self,
+        py: Python<'_>,
+        rows: usize,
+        hidden: usize,
+        dtype: u32,
+        capturing: bool,
+    ) -> PyResult<(String, String, bool, String)> {
+        let dtype = dtype_from_code(py, dtype)?;
+        let p = self.live(py)?.comm.plan_fused(rows, hidden, dtype, capturing);
+        Ok((p.algorithm.to_string(), p.transport.to_string(), p.fused, p.reason))
     }
 
     /// Collective, after capturing the same graph on every rank: registers

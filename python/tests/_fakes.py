@@ -54,6 +54,19 @@ class FakeComm:
         out.values = sums
         return out
 
+    def all_reduce_add_rms_norm(self, input, residual, weight, eps):  # noqa: A002
+        assert not self.closed, "call on a closed communicator"
+        self.calls.append(("all_reduce_add_rms_norm", len(input.values)))
+        everyone = self.group.gather(self.rank, input.values)
+        residual.values = [sum(column) + r for column, r in zip(zip(*everyone), residual.values)]
+        hidden = len(weight.values)
+        normed = []
+        for start in range(0, len(residual.values), hidden):
+            row = residual.values[start : start + hidden]
+            inv = (sum(v * v for v in row) / hidden + eps) ** -0.5
+            normed += [v * inv * w for v, w in zip(row, weight.values)]
+        return FakeTensor(normed, input.dtype, input.device), residual
+
     def register_graph_buffers(self):
         self.calls.append(("register_graph_buffers",))
         self.group.gather(self.rank, "register")  # collective, like the real one
@@ -94,6 +107,14 @@ class FakeRuntime:
 
     def nbytes(self, t):
         return t.nbytes
+
+    def fused_ineligible(self, t, residual, weight):
+        if residual.dtype != t.dtype or weight.dtype != t.dtype:
+            return "dtypes differ"
+        hidden = len(weight.values)
+        if hidden == 0 or len(t.values) % hidden or len(residual.values) != len(t.values):
+            return "shapes"
+        return None
 
     def ineligible(self, t, device):
         if t.device != device:

@@ -171,6 +171,76 @@ def check_graph(comm, seed, rank, world):
     return f"5 captured calls, 3 replays + 1 after deregister; exportable={exportable} captured_copies={copies}"
 
 
+def fused_reference(seed, case, world, shape, dtype):
+    """(residual, normed) in f64 of the fused call of `case`: the residual
+    and weight are rank 1000's and 1001's inputs (the same on every rank)."""
+    residual = rank_input(seed, case, 1000, shape, dtype).double() + reference(seed, case, world, shape, dtype)
+    weight = rank_input(seed, case, 1001, shape[-1:], dtype).double()
+    inv = (residual.pow(2).mean(dim=-1, keepdim=True) + 1e-6).rsqrt()
+    return residual, residual * inv * weight
+
+
+def fused_mismatch(got, ref, dtype, what, scale=1.0):
+    """`mismatch` with the tolerance of a few roundings (sum, add, norm)."""
+    rel, absolute = TOL[dtype]
+    err = (got.detach().double().cpu() - ref).abs()
+    if torch.isnan(err).any():
+        return f"{what}: NaN in the output"
+    bad = err > 4 * rel * (ref.abs() + scale) + absolute
+    return f"{what}: {int(bad.sum())} of {ref.numel()} elements off" if bad.any() else None
+
+
+def check_fused(comm, seed, rank, world):
+    """`all_reduce_add_rms_norm` eagerly (out of place and in place) and
+    in a captured graph replayed with fresh inputs, against the f64
+    reference; the input stays unchanged out of place."""
+    device = comm.device
+    problems = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for shape in ((1, 128), (3, 7168), (7, 4096)):
+            case = next(_case)
+            x = rank_input(seed, case, rank, shape, dtype).to(device)
+            residual = rank_input(seed, case, 1000, shape, dtype).to(device)
+            weight = rank_input(seed, case, 1001, shape[-1:], dtype).to(device)
+            before = x.clone()
+            in_place_res = residual.clone()
+            normed, res = comm.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
+            x2 = x.clone()
+            comm.all_reduce_add_rms_norm(x2, in_place_res, weight, 1e-6, out=x2)
+            comm.synchronize()
+            want_res, want_normed = fused_reference(seed, case, world, shape, dtype)
+            what = f"{dtype} {shape}"
+            problems += [
+                fused_mismatch(res, want_res, dtype, f"{what} residual", world),
+                fused_mismatch(normed, want_normed, dtype, f"{what} normed", 1.0),
+                fused_mismatch(x2, want_normed, dtype, f"{what} normed in place", 1.0),
+                None if torch.equal(x, before) else f"{what}: the input changed",
+            ]
+    shape, dt = (3, 7168), torch.bfloat16
+    x, residual = torch.zeros(shape, dtype=dt, device=device), torch.zeros(shape, dtype=dt, device=device)
+    weight = torch.zeros(shape[-1:], dtype=dt, device=device)
+    comm.all_reduce_add_rms_norm(x, residual, weight, 1e-6)  # warm-up
+    comm.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with comm.capture():
+        with torch.cuda.graph(g):
+            normed, _ = comm.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
+    for replay in range(3):
+        case = next(_case)
+        x.copy_(rank_input(seed, case, rank, shape, dt))
+        residual.copy_(rank_input(seed, case, 1000, shape, dt))
+        weight.copy_(rank_input(seed, case, 1001, shape[-1:], dt))
+        normed.fill_(NAN)
+        g.replay()
+        comm.synchronize()
+        want_res, want_normed = fused_reference(seed, case, world, shape, dt)
+        problems.append(fused_mismatch(residual, want_res, dt, f"replay {replay} residual", world))
+        problems.append(fused_mismatch(normed, want_normed, dt, f"replay {replay} normed", 1.0))
+    raise_if(problems)
+    plan = comm.core.plan_fused(3, 7168, CODE[dt], True)
+    return f"3 dtypes x 3 shapes (out=, in place), 3 graph replays; plan {plan}"
+
+
 def check_bad_tensors(device, world):
     comm = Communicator.from_group(None, device)
     other = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
@@ -341,6 +411,7 @@ def suite(rank, world, result):
             continue
         rec.run(f"{algorithm}/eager", lambda comm=comm: check_eager(comm, seed, rank, world))
         rec.run(f"{algorithm}/graph", lambda comm=comm: check_graph(comm, seed, rank, world))
+        rec.run(f"{algorithm}/fused", lambda comm=comm: check_fused(comm, seed, rank, world))
         comm.close()
     rec.run("device_unchanged", lambda: check_device_unchanged(rank, world))
     rec.run("sglang_call_sequence", lambda: check_sglang_call_sequence(seed, rank, world))

@@ -169,9 +169,30 @@ def test_close_is_final_and_idempotent():
         assert ca.custom_all_reduce(FakeTensor([1.0], device=ca.device)) is None
 
 
-def test_fused_allreduce_rmsnorm_falls_back():
+def test_fused_allreduce_rmsnorm_returns_normed_and_the_updated_residual():
     _, cas = make(2)
-    assert cas[0].fused_allreduce_rmsnorm(FakeTensor([1.0]), FakeTensor([1.0]), FakeTensor([1.0]), 1e-6) is None
+
+    def body(rank):
+        ca = cas[rank]
+        dev = f"cuda:{rank}"
+        x = FakeTensor([1.0 + rank, 2.0, -3.0, 0.5], device=dev)
+        residual = FakeTensor([1.0, 0.0, 1.0, 0.5], device=dev)
+        weight = FakeTensor([1.0, 2.0], device=dev)
+        normed, res = ca.fused_allreduce_rmsnorm(x, residual, weight, 0.0)
+        assert res is residual, "the residual is updated in place"
+        # Not for us: another dtype, or rows that do not match the weight.
+        odd = FakeTensor([1.0, 2.0, 3.0], device=dev)
+        assert ca.fused_allreduce_rmsnorm(x, residual, FakeTensor([1.0, 1.0], "float32", dev), 0.0) is None
+        assert ca.fused_allreduce_rmsnorm(x, residual, odd, 0.0) is None
+        ca.disabled = True
+        assert ca.fused_allreduce_rmsnorm(x, residual, weight, 0.0) is None
+        return normed.values, res.values
+
+    for normed, residual in run_ranks(2, body):
+        assert residual == [4.0, 4.0, -5.0, 1.5]  # (1 + 2) + 1, 2 + 2 + 0, -6 + 1, 1 + 0.5
+        rms0 = ((16.0 + 16.0) / 2) ** 0.5
+        rms1 = ((25.0 + 2.25) / 2) ** 0.5
+        assert normed == pytest.approx([4.0 / rms0, 2 * 4.0 / rms0, -5.0 / rms1, 2 * 1.5 / rms1])
 
 
 # ------------------------------------------------------------------ the patch

@@ -72,6 +72,11 @@ def test_captured_graphs_replay_correctly(run, algorithm):
     assert_checks(run, [f"{algorithm}/init", f"{algorithm}/graph"])
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_fused_allreduce_rmsnorm_matches_the_f64_reference(run, algorithm):
+    assert_checks(run, [f"{algorithm}/init", f"{algorithm}/fused"])
+
+
 def test_bad_tensors_raise_clear_errors(run):
     assert_checks(run, ["bad_tensors"])
 

@@ -72,6 +72,23 @@ def test_bad_tensors_are_refused_before_the_core_is_called(torch, tpt):
     assert core.calls == []
 
 
+def test_bad_fused_tensors_are_refused_before_the_core_is_called(torch, tpt):
+    core = RecordingCore()
+    comm = tpt.Communicator(core, torch.device("cpu"))
+    x = torch.ones(3, 8)
+    with pytest.raises(errors.InvalidUsage, match="residual is torch.float16"):
+        comm.all_reduce_add_rms_norm(x, torch.ones(3, 8, dtype=torch.float16), torch.ones(8), 1e-6)
+    with pytest.raises(errors.InvalidUsage, match="not rows of weight.numel"):
+        comm.all_reduce_add_rms_norm(x, torch.ones(3, 8), torch.ones(5), 1e-6)
+    with pytest.raises(errors.InvalidUsage, match="residual has 16 elements"):
+        comm.all_reduce_add_rms_norm(x, torch.ones(2, 8), torch.ones(8), 1e-6)
+    with pytest.raises(errors.InvalidUsage, match="out must match"):
+        comm.all_reduce_add_rms_norm(x, torch.ones(3, 8), torch.ones(8), 1e-6, out=torch.empty(5))
+    with pytest.raises(errors.InvalidUsage, match="residual must match"):
+        comm.all_reduce_add_(x, torch.ones(3, 7))
+    assert core.calls == []
+
+
 def test_process_group_plumbing_without_a_gpu(torch):
     if tp_allreduce.driver_available():
         pytest.skip("a CUDA driver is present here (this test expects NoDriverError)")

@@ -6,6 +6,7 @@
     comm = Communicator.from_group(gloo_group, torch.device("cuda", local_rank))
     y = comm.all_reduce(x)            # out of place (or out=...)
     comm.all_reduce_(x)               # in place
+    normed, residual = comm.all_reduce_add_rms_norm(x, residual, weight, 1e-6)  # + residual, RMSNorm
     with comm.capture():              # registers graph inputs on exit
         with torch.cuda.graph(g):
             y = comm.all_reduce(x)
@@ -138,6 +139,75 @@ class Communicator:
         code = self._check(tensor, "tensor")
         self._launch(tensor, tensor, code)
         return tensor
+
+    def all_reduce_add_rms_norm(
+        self,
+        input: torch.Tensor,  # noqa: A002 (the engines' parameter name)
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        out: torch.Tensor = None,
+        weight_offset: bool = False,
+        unfused: bool = False,
+    ):
+        """The transformer layer's epilogue in one call: the sum of ``input``
+        over the ranks is added to ``residual`` (in place), then RMSNorm:
+        ``out = residual * rsqrt(mean(residual**2) + eps) * weight`` (``1 +
+        weight`` with ``weight_offset``, as Gemma). ``input`` holds rows of
+        ``weight.numel()`` elements; ``residual`` and ``weight`` have its
+        dtype and hold the same values on every rank. ``out`` may be
+        ``input`` (in place), else a new tensor. Returns ``(out, residual)``.
+        Fused into the allreduce kernel where the selection picks one-shot
+        push or pull; ``unfused`` forces the allreduce, then the separate
+        kernel."""
+        code = self._check(input, "input")
+        for t, what in ((residual, "residual"), (weight, "weight")):
+            self._check(t, what)
+            if t.dtype != input.dtype:
+                raise InvalidUsage(f"{what} is {t.dtype}, but the input is {input.dtype}")
+        hidden = weight.numel()
+        if hidden == 0 or input.numel() % hidden != 0:
+            raise InvalidUsage(f"the input's {input.numel()} elements are not rows of weight.numel() = {hidden}")
+        if residual.numel() != input.numel():
+            raise InvalidUsage(f"residual has {residual.numel()} elements, the input {input.numel()}")
+        if out is None:
+            out = torch.empty_like(input)
+        else:
+            self._check(out, "out")
+            if out.dtype != input.dtype or out.numel() != input.numel():
+                got, want = f"{out.dtype} x {out.numel()}", f"{input.dtype} x {input.numel()}"
+                raise InvalidUsage(f"out must match the input: got {got}, input {want}")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._core.all_reduce_add_rms_norm(
+            input.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            input.numel() // hidden,
+            hidden,
+            float(eps),
+            code,
+            stream,
+            weight_offset=weight_offset,
+            unfused=unfused,
+        )
+        return out, residual
+
+    def all_reduce_add_(self, input: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        """``residual += sum of input over the ranks`` (rows of the last
+        dimension); ``input`` is consumed (it may hold the sum afterwards).
+        Returns ``residual``."""
+        code = self._check(input, "input")
+        self._check(residual, "residual")
+        if residual.dtype != input.dtype or residual.numel() != input.numel():
+            raise InvalidUsage(f"residual must match the input: {residual.dtype} x {residual.numel()}")
+        hidden = input.shape[-1] if input.dim() > 0 else 1
+        if hidden == 0:
+            return residual
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._core.all_reduce_add(input.data_ptr(), residual.data_ptr(), input.numel() // hidden, hidden, code, stream)
+        return residual
 
     def _launch(self, src: torch.Tensor, dst: torch.Tensor, code: int) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream

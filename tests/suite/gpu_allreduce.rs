@@ -10,7 +10,7 @@ use tp_allreduce::{Algorithm, Comm, Config, DType, Transport, TransportPreferenc
 use crate::common::{self, Case, TestElem};
 
 fn test_config(island_size: Option<usize>) -> Config {
-    Config { timeout: Duration::from_secs(3), island_size, ..Config::default() }
+    Config { timeout: Duration::from_secs(3), launch_timeout: Duration::from_secs(3), island_size, ..Config::default() }
 }
 
 fn group(
@@ -101,7 +101,52 @@ fn one_shot_push_matrix() {
 
 #[test]
 fn two_shot_push_matrix() {
-    matrix("two_shot_push_matrix", Algorithm::TwoShotPush, FLAT_WORLDS, MIB8, test_config);
+    matrix("two_shot_push_matrix", Algorithm::TwoShotPush, EVERY_WORLD, MIB8, test_config);
+}
+
+/// Every world size 2..=8 (the island push with one island of every rank).
+const EVERY_WORLD: &[(usize, Option<usize>)] =
+    &[(2, None), (3, None), (4, None), (5, None), (6, None), (7, None), (8, None)];
+
+#[test]
+fn copy_engine_ring_matrix() {
+    let test = "copy_engine_ring_matrix";
+    let _lock = common::gpu_lock();
+    let Some(ctx) = common::gpu(test) else { return };
+    // Refused where ranks share a GPU: there the copies run on the SMs the
+    // waiting step kernels occupy (6 ranks on one H200 timed out).
+    let mut shared = Comm::from_streams(common::streams(&ctx, 2), test_config(None)).unwrap();
+    let refused = shared[0].set_algorithm(Some(Algorithm::CopyEngineRing)).expect_err("refused on a shared GPU");
+    assert!(refused.to_string().contains("one rank per GPU"), "{refused}");
+    drop(shared);
+    // One rank per GPU: every dtype, 1 element .. 8 MiB, misaligned, in place.
+    let Some(second) = crate::gpu_context::second_gpu(test) else { return };
+    let mut rng = common::rng(test);
+    let streams = vec![ctx.new_stream().unwrap(), second.new_stream().unwrap()];
+    let mut comms = Comm::from_streams(streams, test_config(None)).unwrap();
+    for c in comms.iter_mut() {
+        c.set_algorithm(Some(Algorithm::CopyEngineRing)).unwrap();
+    }
+    let mut failures = Vec::new();
+    let mut cases = 0;
+    for dtype in DType::ALL {
+        for count in common::sizes_for(dtype, MIB8) {
+            for (offset, in_place) in [(0, false), (1, false), (0, true)] {
+                let case = Case { algorithm: Algorithm::CopyEngineRing, count, offset, in_place };
+                cases += 1;
+                let r = match dtype {
+                    DType::F32 => common::run_case::<f32>(&comms, &mut rng, case),
+                    DType::F16 => common::run_case::<half::f16>(&comms, &mut rng, case),
+                    DType::Bf16 => common::run_case::<half::bf16>(&comms, &mut rng, case),
+                };
+                if let Err(e) = r {
+                    failures.push(format!("{} count={count} offset={offset} in_place={in_place}: {e}", dtype.name()));
+                }
+            }
+        }
+    }
+    eprintln!("{test}: {cases} cases over 2 GPUs, {} failures", failures.len());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]

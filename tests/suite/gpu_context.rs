@@ -197,8 +197,12 @@ fn public_calls_restore_the_callers_context() {
     eprintln!("{test}: ranks on GPUs {} and {}", ctx0.ordinal(), ctx1.ordinal());
 
     let streams = rank_ctx.iter().map(|c| c.new_stream().unwrap()).collect();
-    let config =
-        Config { timeout: Duration::from_secs(3), rendezvous_timeout: Duration::from_secs(30), ..Config::default() };
+    let config = Config {
+        timeout: Duration::from_secs(3),
+        launch_timeout: Duration::from_secs(3),
+        rendezvous_timeout: Duration::from_secs(30),
+        ..Config::default()
+    };
     make_current(foreign.cu_ctx() as usize);
     let comms = Comm::from_streams(streams, config).expect("init");
     assert_eq!(current(), foreign.cu_ctx() as usize, "from_streams changed the caller's context");

@@ -10,9 +10,11 @@ use crate::common;
 fn bad_input_is_rejected_with_clear_errors() {
     let _lock = common::gpu_lock();
     let Some(ctx) = common::gpu("bad_input_is_rejected_with_clear_errors") else { return };
-    let comms =
-        Comm::from_streams(common::streams(&ctx, 2), Config { timeout: Duration::from_secs(2), ..Config::default() })
-            .unwrap();
+    let comms = Comm::from_streams(
+        common::streams(&ctx, 2),
+        Config { timeout: Duration::from_secs(2), launch_timeout: Duration::from_secs(2), ..Config::default() },
+    )
+    .unwrap();
     let c = &comms[0];
     let s = c.stream();
     let a = s.alloc_zeros::<f32>(100).unwrap();

@@ -42,7 +42,10 @@ const TIMEOUT: Duration = Duration::from_secs(3);
 /// An in-process group of `world` ranks on `ctx`, with `algorithm` forced
 /// (`None`: the selection).
 fn group(ctx: &Arc<CudaContext>, world: usize, algorithm: Option<Algorithm>) -> Vec<Comm> {
-    let config = Config { timeout: TIMEOUT, ..Config::default() };
+    group_with(ctx, world, algorithm, Config { timeout: TIMEOUT, launch_timeout: TIMEOUT, ..Config::default() })
+}
+
+fn group_with(ctx: &Arc<CudaContext>, world: usize, algorithm: Option<Algorithm>, config: Config) -> Vec<Comm> {
     let mut comms = Comm::from_streams(common::streams(ctx, world), config).unwrap();
     for c in comms.iter_mut() {
         c.set_algorithm(algorithm).unwrap();
@@ -90,10 +93,67 @@ fn download(buf: &DeviceMemory, n: usize) -> Vec<f32> {
 }
 
 fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: usize, n: usize) {
+    graph_run_with(
+        test,
+        Config { timeout: TIMEOUT, launch_timeout: TIMEOUT, ..Config::default() },
+        world,
+        algorithm,
+        replays,
+        n,
+    )
+}
+
+/// `graph_run` with a configuration of its own (islands, transport).
+pub(crate) fn graph_run_with(
+    test: &str,
+    config: Config,
+    world: usize,
+    algorithm: Option<Algorithm>,
+    replays: usize,
+    n: usize,
+) {
     let _lock = common::gpu_lock();
+    graph_run_locked(test, config, world, algorithm, replays, n)
+}
+
+/// [`graph_run_with`] for a caller that holds the GPU lock (and, say, a
+/// test hook that must only see this group's init).
+pub(crate) fn graph_run_locked(
+    test: &str,
+    config: Config,
+    world: usize,
+    algorithm: Option<Algorithm>,
+    replays: usize,
+    n: usize,
+) {
     let Some(ctx) = common::gpu(test) else { return };
+    let comms = group_with(&ctx, world, algorithm, config);
+    graph_replays(test, comms, algorithm, replays, n);
+}
+
+/// [`graph_run_locked`] with rank r on `contexts[r]` (several GPUs); the
+/// caller holds the GPU lock.
+pub(crate) fn graph_run_with_contexts(
+    test: &str,
+    config: Config,
+    contexts: &[Arc<CudaContext>],
+    algorithm: Algorithm,
+    replays: usize,
+    n: usize,
+) {
+    let streams = contexts.iter().map(|c| c.new_stream().expect("stream")).collect();
+    let mut comms = Comm::from_streams(streams, config).unwrap();
+    for c in comms.iter_mut() {
+        c.set_algorithm(Some(algorithm)).unwrap();
+    }
+    graph_replays(test, comms, Some(algorithm), replays, n);
+}
+
+/// Captures the layer chain on every rank, registers, replays `replays`
+/// times with fresh inputs and checks every replay.
+fn graph_replays(test: &str, comms: Vec<Comm>, algorithm: Option<Algorithm>, replays: usize, n: usize) {
+    let world = comms.len();
     let mut rng = common::rng(test);
-    let comms = group(&ctx, world, algorithm);
     let mut bufs = rank_buffers(&comms, n);
     let graphs = capture(&comms, &mut bufs);
     let registered = Comm::register_graph_buffers_group(&comms).unwrap();
@@ -135,11 +195,13 @@ fn graph_run(test: &str, world: usize, algorithm: Option<Algorithm>, replays: us
         }
         // Every 100th replay: every layer exactly against its actual inputs.
         if rep % 100 == 0 {
+            let roundings = algorithm.map_or(1, |a| a.max_roundings(world));
             for l in 0..LAYERS {
                 let xs: Vec<Vec<f32>> = bufs.iter().map(|b| b.x[l].to_host().unwrap()).collect();
                 for (r, b) in bufs.iter().enumerate() {
                     let out = b.y[l].to_host().unwrap();
-                    common::check_sum(&xs, &out, 1).unwrap_or_else(|e| panic!("replay {rep} layer {l} rank {r}: {e}"));
+                    common::check_sum(&xs, &out, roundings)
+                        .unwrap_or_else(|e| panic!("replay {rep} layer {l} rank {r}: {e}"));
                 }
             }
         }
@@ -163,6 +225,8 @@ fn graph_replays_two_shot_pull_registered() {
 #[test]
 fn graph_replays_every_algorithm() {
     for algorithm in [Algorithm::OneShotPull, Algorithm::OneShotPush, Algorithm::TwoShotPush, Algorithm::Ring] {
+        // (The copy-engine ring needs one rank per GPU: its graphs replay in
+        // gpu_pcie_family over two GPUs.)
         graph_run("graph_replays_every_algorithm", 4, Some(algorithm), 200, 4_099);
     }
 }

@@ -15,7 +15,8 @@ use crate::common::{self, check_sum, random_vec, POISON};
 const TRIALS: usize = 20;
 
 fn group(ctx: &Arc<cudarc::driver::CudaContext>, world: usize) -> Vec<Comm> {
-    let config = Config { timeout: Duration::from_secs(2), ..Config::default() };
+    let config =
+        Config { timeout: Duration::from_secs(2), launch_timeout: Duration::from_secs(2), ..Config::default() };
     Comm::from_streams(common::streams(ctx, world), config).expect("group")
 }
 

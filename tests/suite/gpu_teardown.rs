@@ -24,6 +24,7 @@ const REPEATS: usize = 5;
 fn config() -> Config {
     Config {
         timeout: Duration::from_secs(2),
+        launch_timeout: Duration::from_secs(2),
         rendezvous_timeout: Duration::from_secs(30),
         // Many groups are created: skip NCCL's slow init (not under test).
         nccl_fallback: false,

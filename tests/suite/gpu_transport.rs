@@ -28,6 +28,7 @@ fn config(transport: TransportPreference) -> Config {
     Config {
         transport,
         timeout: Duration::from_secs(2),
+        launch_timeout: Duration::from_secs(2),
         rendezvous_timeout: Duration::from_secs(60),
         // Our transports only (NCCL would take the calls between two GPUs).
         nccl_fallback: false,

@@ -42,7 +42,12 @@ fn three_ranks_on_two_gpus_run_every_algorithm() {
     let mut cases = 0usize;
     for preference in [TransportPreference::Auto, TransportPreference::Force(Transport::HostStaged)] {
         let streams = vec![ctx0.new_stream().unwrap(), ctx0.new_stream().unwrap(), ctx1.new_stream().unwrap()];
-        let config = Config { timeout: Duration::from_secs(3), transport: preference, ..Config::default() };
+        let config = Config {
+            timeout: Duration::from_secs(3),
+            launch_timeout: Duration::from_secs(3),
+            transport: preference,
+            ..Config::default()
+        };
         let mut comms = Comm::from_streams(streams, config)
             .unwrap_or_else(|e| panic!("{test}: init of 3 ranks on GPUs 0, 0, 1 ({preference:?}): {e}"));
         let transport = comms[0].transport();

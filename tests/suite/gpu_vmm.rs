@@ -6,7 +6,8 @@
 //! * In one process: the driver facts the design rests on (a chunk walk
 //!   finds each mapping, what is exportable, remapping a range), and an
 //!   in-process group reading cuMem inputs in place (on two GPUs the peer
-//!   maps the chunks again for its own device).
+//!   maps the chunks again for its own device, from the chunk list its
+//!   owner found), and the call's argument check over chunk boundaries.
 //! * Across two processes: `gpu_vmm_processes.rs`.
 
 use std::sync::Arc;
@@ -81,13 +82,25 @@ impl VmmAlloc {
     pub fn chunk(&self) -> u64 {
         self.chunk as u64
     }
+
+    /// Unmaps and releases chunk `i`, leaving a hole in the range.
+    pub fn unmap(&mut self, i: usize) {
+        self.ctx.bind_to_thread().unwrap();
+        let handle = std::mem::replace(&mut self.handles[i], 0);
+        assert_ne!(handle, 0, "chunk {i} is mapped");
+        // SAFETY: mapped and created in `new`; `drop` skips it now.
+        unsafe {
+            check(sys::cuMemUnmap(self.base + (i * self.chunk) as u64, self.chunk), "cuMemUnmap");
+            check(sys::cuMemRelease(handle), "cuMemRelease");
+        }
+    }
 }
 
 impl Drop for VmmAlloc {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        for (i, &handle) in self.handles.iter().enumerate() {
-            // SAFETY: mapped and created in `new`, undone once.
+        for (i, &handle) in self.handles.iter().enumerate().filter(|(_, h)| **h != 0) {
+            // SAFETY: mapped and created in `new`, not unmapped yet, undone once.
             unsafe {
                 sys::cuMemUnmap(self.base + (i * self.chunk) as u64, self.chunk);
                 sys::cuMemRelease(handle);
@@ -189,7 +202,12 @@ fn in_process_pair(test: &str) -> Option<(Vec<Arc<CudaContext>>, Vec<Comm>)> {
         ctx0.clone()
     };
     let streams = vec![ctx0.new_stream().unwrap(), ctx1.new_stream().unwrap()];
-    let config = Config { timeout: Duration::from_secs(5), nccl_fallback: false, ..Config::default() };
+    let config = Config {
+        timeout: Duration::from_secs(5),
+        launch_timeout: Duration::from_secs(5),
+        nccl_fallback: false,
+        ..Config::default()
+    };
     let mut comms = Comm::from_streams(streams, config).unwrap();
     if comms[0].transport() != Transport::PeerToPeer {
         use std::io::Write;
@@ -266,4 +284,36 @@ fn vmm_inputs_in_one_process_are_read_in_place() {
     drop(graphs);
     assert_eq!(Comm::deregister_buffers_group(&comms).unwrap(), 2);
     eprintln!("{test}: 3 eager calls and 50 replays correct");
+}
+
+/// The argument check of a call on cuMem memory: the driver reports one
+/// chunk per address, so a range over several chunks is accepted only
+/// while the chunks after the first continue it (a range over an unmapped
+/// chunk is refused with the count it overran), checked on one rank
+/// (refused calls never reach the peer).
+#[test]
+fn vmm_inputs_running_into_unmapped_memory_are_refused() {
+    let test = "vmm_inputs_running_into_unmapped_memory_are_refused";
+    let _lock = common::gpu_lock();
+    let Some((ctxs, comms)) = in_process_pair(test) else { return };
+    let mut segment = VmmAlloc::new(&ctxs[0], 3, true);
+    let (base, c) = (segment.ptr(), segment.chunk());
+    segment.unmap(1);
+    let out = DeviceMemory::alloc(&ctxs[0], (c + 8_192) as usize).unwrap();
+    let call = |input: u64, n: usize| {
+        // SAFETY: refused before anything is queued, or the range is mapped.
+        unsafe { comms[0].all_reduce_raw(input, out.ptr(), n, DType::F32, comms[0].stream().cu_stream()) }
+    };
+    // The last 4 KiB of chunk 0 plus one element; then over the hole into chunk 2.
+    for (n, what) in [(1_025, "one element into the hole"), (((c + 8_192) / 4) as usize, "across the hole")] {
+        let e = call(base + c - 4_096, n).expect_err(what);
+        let text = e.to_string();
+        assert!(matches!(e, Error::InvalidUsage(_)), "{what}: {e}");
+        assert!(text.contains("send holds 4096 bytes") && text.contains("wrong count or dtype"), "{what}: {text}");
+    }
+    // Past the end of the last chunk of the range (also the reservation's).
+    let e = call(base + 3 * c - 4_096, 1_025).expect_err("past the last chunk");
+    assert!(e.to_string().contains("send holds 4096 bytes"), "{e}");
+    assert!(comms.iter().all(|comm| comm.synchronize().is_ok()), "a refused call broke nothing");
+    eprintln!("{test}: ranges over a hole and past the range refused with the count they overran");
 }

@@ -289,6 +289,7 @@ fn vmm_child() {
     unsafe { ctx.disable_event_tracking() };
     let config = Config {
         timeout: Duration::from_secs(5),
+        launch_timeout: Duration::from_secs(5),
         rendezvous_timeout: Duration::from_secs(60),
         nccl_fallback: false,
         ..Config::default()

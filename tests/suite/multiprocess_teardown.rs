@@ -95,6 +95,7 @@ fn check(seed: u64, case: usize, rank: usize, algorithm: Algorithm, out: &[f32])
 fn config() -> Config {
     Config {
         timeout: Duration::from_secs(2),
+        launch_timeout: Duration::from_secs(2),
         rendezvous_timeout: Duration::from_secs(30),
         nccl_fallback: false,
         ..Config::default()

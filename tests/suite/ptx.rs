@@ -130,14 +130,14 @@ fn hot_kernels_use_no_local_memory() {
     let mut failures = Vec::new();
 
     // Table: registers per kernel and arch; local memory as +stack/spill-st/spill-ld bytes.
-    let mut table = format!("{:<22}", "kernel (* = hot)");
+    let mut table = format!("{:<28}", "kernel (* = hot)");
     for arch in &archs {
         table += &format!(" {arch:>14}");
     }
     table.push('\n');
     for name in kernels::expected_entries() {
         let is_hot = hot.contains(&name);
-        table += &format!("{:<22}", format!("{name}{}", if is_hot { "*" } else { "" }));
+        table += &format!("{:<28}", format!("{name}{}", if is_hot { "*" } else { "" }));
         for arch in &archs {
             let cell = match &results[arch] {
                 Err(_) => {
@@ -200,11 +200,15 @@ fn struct_param_bytes(ptx: &str, entry: &str) -> Option<usize> {
 }
 
 #[test]
-fn sentinel_entries_take_the_parameter_struct_the_host_passes() {
-    let host_size = std::mem::size_of::<tp_allreduce_kernels::params::OneShotPushParams>();
-    let align = std::mem::align_of::<tp_allreduce_kernels::params::OneShotPushParams>();
-    let sentinel = kernels::sentinel_entries();
-    assert_eq!(sentinel.len(), 6, "{sentinel:?}");
+fn by_value_entries_take_the_parameter_struct_the_host_passes() {
+    let by_value: Vec<(String, usize, usize)> = kernels::expected_entries()
+        .into_iter()
+        .filter_map(|e| kernels::param_struct(&e).map(|(size, align)| (e, size, align)))
+        .collect();
+    // OneShotPush (two variants), TwoShotPush, Hierarchical, the copy-engine
+    // ring's step kernel per dtype, and its handshake kernel.
+    assert_eq!(by_value.len(), 5 * 3 + 1, "{by_value:?}");
+    assert!(kernels::sentinel_entries().iter().all(|e| kernels::param_struct(e).is_some()));
     let mut failures = Vec::new();
     let mut sources: Vec<(String, String)> =
         kernels::embedded().into_iter().map(|p| (format!("embedded {}", p.arch), p.text.to_string())).collect();
@@ -212,9 +216,9 @@ fn sentinel_entries_take_the_parameter_struct_the_host_passes() {
         sources.push((format!("committed {arch}"), fs::read_to_string(&file).unwrap_or_default()));
     }
     for (what, text) in &sources {
-        for entry in &sentinel {
+        for (entry, host_size, align) in &by_value {
             match struct_param_bytes(text, entry) {
-                Some(n) if n == host_size => {}
+                Some(n) if n == *host_size => {}
                 Some(n) => failures.push(format!("{what} {entry}: .param of {n} bytes, host passes {host_size}")),
                 None => failures.push(format!("{what} {entry}: not one by-value struct parameter")),
             }
@@ -224,9 +228,42 @@ fn sentinel_entries_take_the_parameter_struct_the_host_passes() {
             }
         }
         // The flag kernels keep their scalar/pointer parameters.
-        assert!(struct_param_bytes(text, "two_shot_push_bf16").is_none(), "{what}");
+        assert!(struct_param_bytes(text, "ring_bf16").is_none(), "{what}");
     }
     assert!(failures.is_empty(), "host and device disagree on the parameter struct:\n{}", failures.join("\n"));
+}
+
+/// The fused push entries take `FusedOneShotPushParams` by value, the
+/// fused pull and epilogue entries scalars.
+#[test]
+fn fused_entries_take_the_parameters_the_host_passes() {
+    use tp_allreduce::DType;
+    let host_size = std::mem::size_of::<tp_allreduce_kernels::params::FusedOneShotPushParams>();
+    let align = std::mem::align_of::<tp_allreduce_kernels::params::FusedOneShotPushParams>();
+    let mut failures = Vec::new();
+    let mut sources: Vec<(String, String)> =
+        kernels::embedded().into_iter().map(|p| (format!("embedded {}", p.arch), p.text.to_string())).collect();
+    for (arch, file) in committed_ptx_files() {
+        sources.push((format!("committed {arch}"), fs::read_to_string(&file).unwrap_or_default()));
+    }
+    for (what, text) in &sources {
+        for dtype in DType::ALL {
+            for entry in
+                [kernels::fused_one_shot_push_entry(dtype, false), kernels::fused_one_shot_push_entry(dtype, true)]
+            {
+                let needle = format!(".param .align {align} .b8 {entry}_param_0[{host_size}]");
+                if struct_param_bytes(text, &entry) != Some(host_size) || !text.contains(&needle) {
+                    failures.push(format!("{what} {entry}: no `{needle}`"));
+                }
+            }
+            for entry in [kernels::fused_one_shot_pull_entry(dtype), kernels::add_rms_norm_entry(dtype)] {
+                if struct_param_bytes(text, &entry).is_some() {
+                    failures.push(format!("{what} {entry}: takes a struct, the host passes scalars"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "host and device disagree on the fused parameters:\n{}", failures.join("\n"));
 }
 
 #[test]

@@ -43,7 +43,8 @@ pub(super) struct Placement {
     pub(super) ranks_on_device: usize,
     /// Every rank on its own GPU and asking for NCCL (same on every rank).
     pub(super) nccl_eligible: bool,
-    pub(super) push_blocks: u32,
+    /// No two ranks share a GPU (same on every rank).
+    pub(super) one_rank_per_gpu: bool,
     pub(super) pull_max_blocks: u32,
     pub(super) ring_blocks: u32,
     /// Rank 0's salt (P2P check patterns) and job id (shared-memory names).
@@ -112,12 +113,13 @@ impl Placement {
         // the decision must not depend on this rank's own GPU (with 3 ranks
         // on 2 GPUs the lone rank would enter NCCL's rounds alone).
         let nccl_eligible = hellos.len() > 1 && hellos.iter().all(|h| h.nccl_fallback && ranks_on(&h.device_uuid) == 1);
+        let one_rank_per_gpu = hellos.iter().all(|h| ranks_on(&h.device_uuid) == 1);
         let mine = &hellos[me];
         Placement {
             same_process: hellos.iter().map(|h| h.process == mine.process).collect(),
             ranks_on_device: ranks_on(&mine.device_uuid),
             nccl_eligible,
-            push_blocks: config.push_blocks.min(resident_limit),
+            one_rank_per_gpu,
             pull_max_blocks: config.pull_max_blocks.min(resident_limit),
             ring_blocks: config.ring_blocks.min(resident_limit),
             salt: hellos[0].salt,
@@ -167,8 +169,8 @@ mod tests {
         assert_eq!(seen.iter().map(|p| p.ranks_on_device).collect::<Vec<_>>(), [2, 2, 1]);
         for p in &seen {
             assert!(!p.nccl_eligible, "two ranks share gpu-a: NCCL cannot run on any rank");
-            let limits = (p.push_blocks, p.pull_max_blocks, p.ring_blocks, p.salt, &p.job);
-            assert_eq!(limits, (seen[0].push_blocks, seen[0].pull_max_blocks, seen[0].ring_blocks, 7, &seen[0].job));
+            let limits = (p.pull_max_blocks, p.ring_blocks, p.salt, &p.job);
+            assert_eq!(limits, (seen[0].pull_max_blocks, seen[0].ring_blocks, 7, &seen[0].job));
             assert_eq!(p.same_process, [true, true, true]);
         }
         // 132 SMs shared by two ranks: 66 blocks each, the smallest limit.

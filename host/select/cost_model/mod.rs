@@ -9,11 +9,18 @@
 //!
 //! ```text
 //!   hops x (link latency of the worst link used + hop overhead)      latency
+//! + flag hops x (flag + fence [+ drain of posted writes])            flag kernels only
 //! + max over shared resources (bytes through it / its capacity)      wire + contention
 //! ```
 //!
-//! plus one launch (and poll/epilogue) overhead per call and the local
-//! device-memory traffic (receive buffers, reductions, copies). Resources
+//! plus one launch (prologue, epilogue) per call, what ranks sharing a GPU
+//! add to it, and the local device-memory traffic (receive buffers,
+//! reductions, copies) at the GPU model's memory bandwidth. On GPUs of
+//! their own that traffic overlaps the link traffic (the larger counts);
+//! ranks sharing a GPU move their peer data through the same memory (the
+//! two add). Sentinel kernels (the payload is its own flag) pay no flags;
+//! flag kernels pay a flag per hop, and a flag that publishes posted peer
+//! writes waits for them (a system-scope release fence). Resources
 //! are each GPU's link in each direction (PCIe or NVLink), each PCIe
 //! switch's uplink in each direction, the socket boundary in each
 //! direction, device memory (ranks sharing a GPU) and host memory
@@ -29,8 +36,14 @@
 //! and concurrency add on top.
 //!
 //! Bytes per rank: one-shot `(N-1)·S`; two-shot `2(N-1)/N·S` in two phases;
-//! ring `2(N-1)/N·S` pipelined over `2(N-1)` dependent steps; hierarchical
-//! `(m-1)/m·S` inside the island twice and `(I-1)/m·S` across islands;
+//! ring `2(N-1)/N·S` pipelined over `2(N-1)` dependent steps (at most
+//! `ring_max_gbps` per rank; the
+//! copy-engine ring: the same bytes at the copy engines' rate, each step a
+//! copy, a flag write and a step kernel); hierarchical (islands of any
+//! shape, `S_h` = the largest island) each rank's non-owned shares inside
+//! the island, its owned shares' partials to every other island's owner, its
+//! owned finals to every member — `(m-1)/m·S`, `(I-1)/m·S`, `(m-1)/m·S`
+//! for equal islands of `m`;
 //! host-staged: every flow crosses PCIe twice (up into host memory, down
 //! into the receiver) with a ~14 us-class latency per hop.
 //!
@@ -38,14 +51,16 @@
 //! protocol, a per-step latency times the number of steps (`2(N-1)` for
 //! ring and for the intra-node tree, which is a chain), and the bytes over
 //! a protocol-limited bandwidth (LL sends a flag with every 4 data bytes:
-//! twice the bytes). The baseline "NCCL" is the best variant: tuned NCCL.
+//! twice the bytes, at most `nccl_ll_max_gbps`). The baseline "NCCL" is the
+//! best variant: tuned NCCL.
 //!
 //! Every parameter is a named field of [`CostParams`] with its source;
 //! docs/COST-MODEL.md has the table, the calibration residuals and the
 //! assumptions. [`calibration_points`] and [`residuals`] reproduce the
-//! residual table (a test asserts each point within ±25 %).
+//! residual table (a test holds every asserted point within [`TOLERANCE`]).
 
 mod calibration;
+mod fused;
 mod nccl;
 mod network;
 mod params;
@@ -56,11 +71,14 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::algorithm::{self, Capabilities, CostShape, LatencyOver};
+use crate::algorithm::{self, Capabilities, CostRecipe, CostShape, IslandSplit, LatencyOver, Op};
 use crate::algorithm::{Algorithm, Transport};
 use crate::select::topology::Topology;
 
-pub use calibration::{calibration_points, residual_table, residuals, CalibrationPoint, Residual, Subject, Target};
+pub use calibration::{
+    calibration_points, residual_table, residuals, CalibrationPoint, Residual, Role, Subject, Target, TOLERANCE,
+};
+pub use fused::{BLOCK_REDUCTION_US, SEPARATE_KERNEL_EAGER_US, SEPARATE_KERNEL_GRAPH_US};
 pub use nccl::{NcclAlgo, NcclProto, NcclVariant};
 pub use params::{CostParams, ParamRow};
 
@@ -94,7 +112,8 @@ impl fmt::Display for Method {
 /// Where the time goes (microseconds). `total()` is the prediction.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Breakdown {
-    /// Launch, poll and epilogue (NCCL: its base latency).
+    /// Launch, prologue and epilogue, and what ranks sharing a GPU add
+    /// (NCCL: its base latency).
     pub launch_us: f64,
     /// Dependent hops x (link latency + per-hop overhead).
     pub latency_us: f64,
@@ -104,7 +123,9 @@ pub struct Breakdown {
     /// What shared links, switch uplinks, the socket boundary and
     /// concurrency add on top of `wire_us`.
     pub contention_us: f64,
-    /// Device-memory traffic: receive buffers, reductions, copies.
+    /// Device-memory traffic (receive buffers, reductions, copies) beyond
+    /// what the link traffic hides: on GPUs of their own the two overlap;
+    /// ranks sharing a GPU add it to their peer traffic.
     pub local_us: f64,
 }
 
@@ -170,21 +191,16 @@ pub enum NcclTuning {
 pub struct Options {
     /// Replayed from a CUDA graph (else launched eagerly).
     pub capturing: bool,
-    /// Hierarchical: consecutive islands of this many ranks.
-    pub island_size: Option<usize>,
+    /// Hierarchical: the islands (two or more), if any.
+    pub islands: Option<IslandSplit>,
     /// The NCCL baseline.
     pub nccl: NcclTuning,
 }
 
 impl Options {
-    /// Graph replay, islands as the topology derives them (if
-    /// consecutive), tuned NCCL.
+    /// Graph replay, islands as the topology derives them, tuned NCCL.
     pub fn for_topology(view: &Topology) -> Options {
-        Options {
-            capturing: true,
-            island_size: view.islands().and_then(|i| i.consecutive_size()),
-            nccl: NcclTuning::Tuned,
-        }
+        Options { capturing: true, islands: view.island_split(), nccl: NcclTuning::Tuned }
     }
 }
 
@@ -224,49 +240,69 @@ impl CostModel {
         let caps = Capabilities {
             world: n,
             transport,
-            island_size: opts.island_size,
+            islands: opts.islands,
             one_shot_push_max_bytes: usize::MAX,
+            copy_engine: !view.has_shared_device(),
             nccl_available: true,
         };
         algorithm::availability(algorithm, &caps, None).map_err(NotApplicable)?;
         let Some(host) = algorithm::host(algorithm) else {
             return Err(NotApplicable(format!("{algorithm} has no kernel of ours")));
         };
-        let recipe = host.cost(&CostShape { world: n, island_size: opts.island_size });
+        let recipe = host.cost(&CostShape { world: n, islands: opts.islands });
         let net = Net::new(view, p, transport);
         let s = bytes as f64;
+        let shared = net.ranks_on_device.iter().copied().max().unwrap_or(1).saturating_sub(1) as f64;
         let mut b = Breakdown {
-            launch_us: if opts.capturing { p.launch_graph_us } else { p.launch_eager_us },
-            local_us: recipe.local_passes * s / (p.device_memory_gbps * 1e3),
+            launch_us: if opts.capturing { p.launch_graph_us } else { p.launch_eager_us }
+                + shared * p.shared_gpu_rank_us,
             ..Default::default()
         };
-        let phases: Vec<(Phase, bool)> = recipe
-            .phases
-            .iter()
-            .map(|spec| {
-                let phase = Phase {
-                    flows: flows(spec.flows, n, opts.island_size.unwrap_or(n), spec.share * s),
-                    op: spec.op,
-                    pattern: spec.pattern,
-                    hops: spec.hops + spec.read_hops * p.read_round_trip_factor,
-                    mean_latency: spec.latency_over == LatencyOver::MeanFlow,
-                    pipeline: if spec.ring_pipelined { p.ring_efficiency } else { 1.0 },
-                };
-                (phase, spec.latency_over == LatencyOver::WorstPair)
-            })
-            .collect();
-        if host.reads_peer_inputs() && !opts.capturing {
-            b.launch_us += p.eager_stage_us;
-            b.local_us += 2.0 * s / (p.device_memory_gbps * 1e3);
-        }
         if n > 1 {
-            for (phase, all_pairs) in &phases {
-                b.latency_us += self.phase_latency(&net, phase, *all_pairs);
-                let (ideal, actual) = self.data_time(&net, phase);
-                b.wire_us += ideal;
-                b.contention_us += (actual - ideal).max(0.0);
-            }
+            self.price_phases(&net, &recipe, !host.sentinel(), s, opts.islands, &mut b);
+        }
+        b.local_us = net.local_beyond(recipe.local_passes, s, b.wire_us + b.contention_us);
+        if host.reads_peer_inputs() && !opts.capturing {
+            // A copy kernel before the allreduce: nothing to overlap with.
+            b.launch_us += p.eager_stage_us;
+            b.local_us += net.local_time(2.0, s);
         }
         Ok(Prediction { method: Method::Ours(algorithm), transport, breakdown: b })
+    }
+
+    /// Adds the latency, wire and contention of `recipe`'s phases for a
+    /// message of `s` bytes (islands of `island`); `flags`: a flag kernel.
+    fn price_phases(
+        &self,
+        net: &Net,
+        recipe: &CostRecipe,
+        flags: bool,
+        s: f64,
+        islands: Option<IslandSplit>,
+        b: &mut Breakdown,
+    ) {
+        let p = &self.params;
+        for spec in &recipe.phases {
+            let phase = Phase {
+                flows: flows(spec.flows, net.n, islands, spec.share * s),
+                op: spec.op,
+                pattern: spec.pattern,
+                hops: spec.hops + spec.read_hops * p.read_round_trip_factor,
+                mean_latency: spec.latency_over == LatencyOver::MeanFlow,
+                pipeline: if spec.ring_pipelined { p.ring_efficiency } else { 1.0 },
+                max_gbps: if spec.ring_pipelined { p.ring_max_gbps } else { f64::INFINITY },
+                engine: spec.engine,
+            };
+            b.latency_us += self.phase_latency(net, &phase, spec.latency_over == LatencyOver::WorstPair);
+            if flags {
+                // Flag hops: the flag, its fence and its poll; a flag that
+                // publishes posted peer writes waits for them.
+                let drain = if spec.op == Op::Write { p.flag_drain_us } else { 0.0 };
+                b.latency_us += spec.hops * (p.flag_hop_us + drain);
+            }
+            let (ideal, actual) = self.data_time(net, &phase);
+            b.wire_us += ideal;
+            b.contention_us += (actual - ideal).max(0.0);
+        }
     }
 }

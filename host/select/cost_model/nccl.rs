@@ -4,10 +4,10 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::network::{Flow, Net, Phase};
+use super::network::{Class, Flow, Net, Phase};
 use super::{Breakdown, CostModel, Method, NcclTuning, Options, Prediction};
 use crate::algorithm::Transport;
-use crate::algorithm::{Op, Pattern};
+use crate::algorithm::{Engine, Op, Pattern};
 use crate::select::topology::Topology;
 
 /// NCCL's algorithms within one node.
@@ -95,17 +95,35 @@ impl CostModel {
                 NcclAlgo::Tree => 2.0 * s,
             } * wire_factor;
             let flows: Vec<Flow> = (0..n).map(|r| Flow { src: r, dst: (r + 1) % n, bytes: per_rank }).collect();
-            let edge = flows.iter().map(|f| self.latency(net.class[f.src][f.dst])).sum::<f64>() / nf;
+            // Per step: NCCL's NVLink step, else the link latency + NCCL's
+            // per-step overhead; the mean over the ring's edges.
+            let step_over = |c: Class| match c {
+                Class::NvLink(_) | Class::NvSwitch => p.nccl_step_nvlink_us,
+                c => self.latency(c) + step,
+            };
+            let edge = flows.iter().map(|f| step_over(net.class[f.src][f.dst])).sum::<f64>() / nf;
             let hops = 2.0 * (nf - 1.0);
-            b.latency_us = hops * (edge + step);
+            b.latency_us = hops * edge;
             let link_gbps =
                 flows.iter().map(|f| self.single_flow_gbps(&net, f.src, f.dst)).fold(f64::INFINITY, f64::min);
-            let phase =
-                Phase { flows, op: Op::Write, pattern: Pattern::Single, hops, mean_latency: true, pipeline: 1.0 };
+            let phase = Phase {
+                flows,
+                op: Op::Write,
+                pattern: Pattern::Single,
+                hops,
+                mean_latency: true,
+                pipeline: 1.0,
+                max_gbps: f64::INFINITY,
+                engine: Engine::Sm,
+            };
             let (_, actual) = self.data_time(&net, &phase);
-            b.wire_us = per_rank / (fraction * link_gbps * 1e3);
+            let mut throughput = fraction * link_gbps;
+            if variant.proto == NcclProto::Ll {
+                throughput = throughput.min(p.nccl_ll_max_gbps);
+            }
+            b.wire_us = per_rank / (throughput * 1e3);
             b.contention_us = (actual - per_rank / (link_gbps * 1e3)).max(0.0);
-            b.local_us = 2.0 * s / (p.device_memory_gbps * 1e3);
+            b.local_us = net.local_beyond(2.0, s, b.wire_us + b.contention_us);
         }
         Prediction { method: Method::Nccl(variant), transport, breakdown: b }
     }

@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 
 use super::{CostModel, CostParams};
-use crate::algorithm::Transport;
-use crate::algorithm::{FlowSet, Op, Pattern};
+use crate::algorithm::{Engine, FlowSet, IslandSplit, Op, Pattern, Transport};
 use crate::select::topology::{components, LinkKind, PcieRelation, Topology};
+use tp_allreduce_kernels::shares::{owned_count, owner_index};
 
 /// Link classes: one latency and one bandwidth rule each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -67,6 +67,11 @@ pub(super) struct Phase {
     /// Fraction of the bandwidth the kernel's own pipelining keeps (1.0
     /// but for our ring).
     pub pipeline: f64,
+    /// Most bytes per second one flow reaches whatever the link (GB/s;
+    /// infinite but for our ring).
+    pub max_gbps: f64,
+    /// SM stores or copy-engine copies (bandwidth and per-hop overhead).
+    pub engine: Engine,
 }
 
 /// The structure of a rank view the model needs, precomputed.
@@ -78,6 +83,10 @@ pub(super) struct Net {
     pub switch_size: Vec<usize>,
     pub socket: Vec<usize>,
     pub pcie_gbps: Vec<f64>,
+    /// Device-memory bandwidth of each rank's GPU (GB/s).
+    pub memory_gbps: Vec<f64>,
+    /// How many ranks share each rank's GPU (1: it has its own).
+    pub ranks_on_device: Vec<usize>,
 }
 
 impl Net {
@@ -119,22 +128,76 @@ impl Net {
             _ => true,
         });
         let pcie_gbps = view.gpus.iter().map(|g| params.pcie_gbps(g.pcie_gen, g.pcie_width)).collect();
-        Net { n, class, device, switch, switch_size, socket, pcie_gbps }
+        let memory_gbps = view.gpus.iter().map(|g| params.device_memory_of(&g.model)).collect();
+        let ranks_on_device = (0..n).map(|r| device.iter().filter(|&&d| d == device[r]).count()).collect();
+        Net { n, class, device, switch, switch_size, socket, pcie_gbps, memory_gbps, ranks_on_device }
+    }
+
+    /// Whether two or more ranks share a GPU (and so its memory).
+    pub(super) fn shares_a_device(&self) -> bool {
+        self.ranks_on_device.iter().any(|&k| k > 1)
+    }
+
+    /// Local device-memory traffic of `passes` x `bytes` per rank, as the
+    /// time it adds beyond `link_us` of link traffic: on GPUs of their own
+    /// the ranks' memory works while the links carry the data (the larger
+    /// of the two counts); ranks sharing a GPU move their peer data through
+    /// that same memory (the two add up).
+    pub(super) fn local_beyond(&self, passes: f64, bytes: f64, link_us: f64) -> f64 {
+        let local = self.local_time(passes, bytes);
+        if self.shares_a_device() {
+            local
+        } else {
+            (local - link_us).max(0.0)
+        }
+    }
+
+    /// Time (us) of `passes` x `bytes` of local device-memory traffic per
+    /// rank: every rank of a GPU adds to that GPU's memory; the busiest GPU.
+    pub(super) fn local_time(&self, passes: f64, bytes: f64) -> f64 {
+        (0..self.n)
+            .map(|r| self.ranks_on_device[r] as f64 * passes * bytes / (self.memory_gbps[r] * 1e3))
+            .fold(0.0, f64::max)
     }
 }
 
-/// The flows of `set` on `n` ranks (islands of `m` consecutive ranks),
-/// `bytes` each.
-pub(super) fn flows(set: FlowSet, n: usize, m: usize, bytes: f64) -> Vec<Flow> {
-    let m = m.max(1);
+/// The flows of `set` on `n` ranks, `share` bytes per share (or per flow
+/// for the flat sets). Island flows follow the ownership of
+/// `tp_allreduce_kernels::shares`: member `j` of an island of `n_g` owns
+/// shares `j, j + n_g, ...` of the `S` (largest island) shares.
+pub(super) fn flows(set: FlowSet, n: usize, islands: Option<IslandSplit>, share: f64) -> Vec<Flow> {
     let pairs = (0..n).flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)));
-    let wanted = |(i, j): &(usize, usize)| match set {
-        FlowSet::AllPairs => true,
-        FlowSet::RingNeighbours => *j == (*i + 1) % n,
-        FlowSet::WithinIslands => i / m == j / m,
-        FlowSet::AcrossIslands => i / m != j / m && i % m == j % m,
+    let flat = |keep: &dyn Fn(usize, usize) -> bool| -> Vec<Flow> {
+        pairs.clone().filter(|&(i, j)| keep(i, j)).map(|(src, dst)| Flow { src, dst, bytes: share }).collect()
     };
-    pairs.filter(wanted).map(|(src, dst)| Flow { src, dst, bytes }).collect()
+    let split = islands.unwrap_or_else(|| IslandSplit::whole(n));
+    let shares = split.shares() as u32;
+    let owned = |r: usize| owned_count(shares, split.size(split.island_of(r)) as u32, split.index_of(r) as u32) as f64;
+    match set {
+        FlowSet::AllPairs => flat(&|_, _| true),
+        FlowSet::RingNeighbours => flat(&|i, j| j == (i + 1) % n),
+        FlowSet::IslandScatter => pairs
+            .filter(|&(i, j)| split.together(i, j))
+            .map(|(src, dst)| Flow { src, dst, bytes: owned(dst) * share })
+            .collect(),
+        FlowSet::IslandGather => pairs
+            .filter(|&(i, j)| split.together(i, j))
+            .map(|(src, dst)| Flow { src, dst, bytes: owned(src) * share })
+            .collect(),
+        FlowSet::CrossOwners => {
+            let mut out = Vec::new();
+            for src in 0..n {
+                let (g, members) = (split.island_of(src), split.size(split.island_of(src)) as u32);
+                for k in (0..shares).filter(|&k| owner_index(k, members) as usize == split.index_of(src)) {
+                    for h in (0..split.count()).filter(|&h| h != g) {
+                        let dst = split.member(h, owner_index(k, split.size(h) as u32) as usize);
+                        out.push(Flow { src, dst, bytes: share });
+                    }
+                }
+            }
+            out
+        }
+    }
 }
 
 impl CostModel {
@@ -202,9 +265,9 @@ impl CostModel {
             let socket = Resource::Socket(net.socket[f.src], net.socket[f.dst]);
             match c {
                 Class::SameDevice => {
-                    // Read at the source and write at the destination.
-                    let both = Flow { src: f.src, dst: f.dst, bytes: 2.0 * f.bytes };
-                    add(&mut l.up, Resource::DeviceMemory(ds), &both);
+                    // One store (push) or one load (pull) of device memory;
+                    // the other end is in the recipe's local passes.
+                    add(&mut l.up, Resource::DeviceMemory(ds), f);
                 }
                 Class::NvLink(_) | Class::NvSwitch => {
                     l.nv_cap.insert(ds, self.nvlink_gbps(c));
@@ -259,12 +322,20 @@ impl CostModel {
         let uplink_of = |sw: usize| -> f64 {
             (0..net.n).find(|&r| net.switch[r] == sw).map_or(p.pcie_gbps(0, 0), |r| net.pcie_gbps[r])
         };
+        let memory_of = |dev: usize| -> f64 {
+            (0..net.n).find(|&r| net.device[r] == dev).map_or(p.device_memory_gbps, |r| net.memory_gbps[r])
+        };
         let mut ideal: f64 = 0.0;
         let mut actual: f64 = 0.0;
+        // Copy engines keep their own share of a PCIe link (docs/SOURCES.md [F9]).
+        let engine = match phase.engine {
+            Engine::Sm => 1.0,
+            Engine::CopyEngine => p.copy_engine_efficiency / p.pcie_efficiency,
+        };
         for (r, l) in map {
             let eff = self.efficiency(op, phase.pattern, l.flows);
             let (base, cap, counts_as_wire) = match *r {
-                Resource::PcieOut(d) | Resource::PcieIn(d) => (pcie_of(d), pcie_of(d) * eff, true),
+                Resource::PcieOut(d) | Resource::PcieIn(d) => (pcie_of(d) * engine, pcie_of(d) * engine * eff, true),
                 Resource::NvOut(d) | Resource::NvIn(d) => {
                     let b = nv_cap.get(&d).copied().unwrap_or(p.nvswitch_gpu_gbps);
                     (b, b * eff, true)
@@ -274,10 +345,12 @@ impl CostModel {
                     let cap = self.socket_gbps(phase, l, op);
                     (cap, cap, false)
                 }
-                Resource::DeviceMemory(_) => (p.device_memory_gbps, p.device_memory_gbps, true),
+                Resource::DeviceMemory(d) => (memory_of(d), memory_of(d), true),
                 Resource::HostMemory => (p.host_memory_gbps, p.host_memory_gbps, false),
             };
-            let (base, cap) = (base * phase.pipeline, cap * phase.pipeline);
+            // The per-flow ceiling of the kernel, for the flows sharing it.
+            let ceiling = phase.max_gbps * l.flows.max(1) as f64;
+            let (base, cap) = ((base * phase.pipeline).min(ceiling), (cap * phase.pipeline).min(ceiling));
             // bytes / (GB/s) = ns / 1000 -> us: bytes / (gbps * 1e3).
             if counts_as_wire {
                 ideal = ideal.max(l.bytes / (base * 1e3));
@@ -311,7 +384,7 @@ impl CostModel {
     pub(super) fn single_flow_gbps(&self, net: &Net, a: usize, b: usize) -> f64 {
         let p = &self.params;
         match net.class[a][b] {
-            Class::SameDevice => p.device_memory_gbps,
+            Class::SameDevice => net.memory_gbps[a],
             c @ (Class::NvLink(_) | Class::NvSwitch) => self.nvlink_gbps(c),
             Class::Host => p.nccl_host_gbps,
             _ => {
@@ -342,6 +415,10 @@ impl CostModel {
         } else {
             classes.iter().map(|&c| self.latency(c)).fold(0.0, f64::max)
         };
-        phase.hops * (lat + self.params.hop_overhead_us)
+        let overhead = match phase.engine {
+            Engine::Sm => self.params.hop_overhead_us,
+            Engine::CopyEngine => self.params.copy_engine_step_us,
+        };
+        phase.hops * (lat + overhead)
     }
 }

@@ -7,13 +7,24 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CostParams {
     /// Launch + prologue + epilogue of one of our kernels replayed in a CUDA
-    /// graph (us).
+    /// graph: previous kernel's exit to this one's first peer store, plus
+    /// the tail after its last poll (us).
     pub launch_graph_us: f64,
     /// The same, launched eagerly (us).
     pub launch_eager_us: f64,
-    /// Per dependent hop on top of the link latency: fence, flag store and
-    /// the poll that sees it (us).
+    /// Per dependent hop on top of the link latency: the poll that sees the
+    /// data (or flag) arrive (us).
     pub hop_overhead_us: f64,
+    /// Flag kernels (every kernel that is not a sentinel kernel): per flag
+    /// hop, the flag store, its system-scope fence and the flag poll, on
+    /// top of the hop (us).
+    pub flag_hop_us: f64,
+    /// Flag kernels: per flag hop that publishes posted peer writes, the
+    /// system-scope release fence waiting for them to complete (us).
+    pub flag_drain_us: f64,
+    /// Per additional rank (process) sharing a GPU: their kernels run
+    /// side by side under MPS (contended prologue, arrival skew) (us).
+    pub shared_gpu_rank_us: f64,
     /// Eager pull algorithms copy the input into the registered staging
     /// buffer first: launch of that copy (us).
     pub eager_stage_us: f64,
@@ -40,8 +51,8 @@ pub struct CostParams {
     pub nvlink_efficiency: f64,
     /// Per-GPU NVSwitch bandwidth per direction, achieved (GB/s).
     pub nvswitch_gpu_gbps: f64,
-    /// Device-memory bandwidth for local traffic and same-device peers
-    /// (GB/s, conservative: the slowest supported card's class).
+    /// Device-memory bandwidth of a GPU model missing from
+    /// [`DEVICE_MEMORY`] (GB/s, conservative: the slowest listed class).
     pub device_memory_gbps: f64,
     /// Host-memory bandwidth available to staged traffic (GB/s).
     pub host_memory_gbps: f64,
@@ -57,6 +68,15 @@ pub struct CostParams {
     /// Our ring: achieved / link bandwidth of its chunked FIFO pipeline
     /// (per-chunk flag and credit round trips).
     pub ring_efficiency: f64,
+    /// Our ring: most bytes per second one rank streams through its FIFOs,
+    /// whatever the link (GB/s; per-chunk flag and credit round trips).
+    pub ring_max_gbps: f64,
+    /// Copy-engine peer copies: achieved / raw PCIe bandwidth per hop of a
+    /// ring (the copy-engine ring).
+    pub copy_engine_efficiency: f64,
+    /// Per copy-engine ring step on top of the link latency: the copy node,
+    /// the flag write and the step kernel that waits for it (us).
+    pub copy_engine_step_us: f64,
     /// Socket boundary, one flow alone, per direction (GB/s).
     pub socket_single_flow_gbps: f64,
     /// Socket boundary, aggregate with many flows, per direction (GB/s).
@@ -67,10 +87,16 @@ pub struct CostParams {
     pub nccl_base_ll_us: f64,
     /// NCCL base latency, Simple protocol, including its launch (us).
     pub nccl_base_simple_us: f64,
-    /// NCCL per-step overhead on top of the link latency, LL (us).
+    /// NCCL per-step overhead on top of the link latency, LL, PCIe (us).
     pub nccl_step_ll_us: f64,
-    /// NCCL per-step overhead on top of the link latency, Simple (us).
+    /// NCCL per-step overhead on top of the link latency, Simple, PCIe (us).
     pub nccl_step_simple_us: f64,
+    /// NCCL per-step latency over an NVLink or NVSwitch edge, both
+    /// protocols (us; replaces link latency + per-step overhead there).
+    pub nccl_step_nvlink_us: f64,
+    /// NCCL LL: most LL-line bytes per second a rank moves, whatever the
+    /// link (GB/s; LL lines are half data).
+    pub nccl_ll_max_gbps: f64,
     /// Tuned NCCL (more channels): LL wire throughput as a fraction of the
     /// ring's single-flow link bandwidth (LL lines: half of it is data).
     pub nccl_ll_link_fraction: f64,
@@ -87,13 +113,16 @@ pub struct CostParams {
 impl Default for CostParams {
     fn default() -> Self {
         CostParams {
-            launch_graph_us: 5.0,
-            launch_eager_us: 7.0,
-            hop_overhead_us: 0.5,
+            launch_graph_us: 1.25,
+            launch_eager_us: 3.25,
+            hop_overhead_us: 0.3,
+            flag_hop_us: 0.4,
+            flag_drain_us: 3.2,
+            shared_gpu_rank_us: 0.5,
             eager_stage_us: 2.0,
             latency_same_device_us: 0.1,
-            latency_nvlink_us: 0.3,
-            latency_nvswitch_us: 0.35,
+            latency_nvlink_us: 0.75,
+            latency_nvswitch_us: 0.75,
             latency_pcie_switch_us: 0.45,
             latency_pcie_root_complex_us: 0.55,
             latency_pcie_cross_socket_us: 0.9,
@@ -102,22 +131,27 @@ impl Default for CostParams {
             pcie_efficiency: 0.84,
             pcie_default_gen: 4,
             nvlink_link_gbps: 25.0,
-            nvlink_efficiency: 0.8,
-            nvswitch_gpu_gbps: 360.0,
-            device_memory_gbps: 1500.0,
+            nvlink_efficiency: 0.73,
+            nvswitch_gpu_gbps: 330.0,
+            device_memory_gbps: 864.0,
             host_memory_gbps: 100.0,
             staggered_write_efficiency: 0.66,
             simultaneous_write_efficiency: 0.567,
             simultaneous_read_efficiency: 0.46,
             single_read_efficiency: 0.955,
             ring_efficiency: 0.66,
+            ring_max_gbps: 32.0,
+            copy_engine_efficiency: 0.79,
+            copy_engine_step_us: 2.3,
             socket_single_flow_gbps: 53.0,
             socket_many_flows_gbps: 24.0,
             socket_read_factor: 0.81,
-            nccl_base_ll_us: 6.6,
-            nccl_base_simple_us: 8.4,
-            nccl_step_ll_us: 0.5,
-            nccl_step_simple_us: 5.0,
+            nccl_base_ll_us: 5.0,
+            nccl_base_simple_us: 6.1,
+            nccl_step_ll_us: 0.7,
+            nccl_step_simple_us: 5.4,
+            nccl_step_nvlink_us: 0.6,
+            nccl_ll_max_gbps: 66.0,
             nccl_ll_link_fraction: 1.0,
             nccl_ll_stock_link_fraction: 0.57,
             nccl_simple_link_fraction: 0.66,
@@ -127,13 +161,22 @@ impl Default for CostParams {
     }
 }
 
+/// Where the 2-H200 measurements of this model are (docs/results/...).
+const H200X2: &str = "docs/results/h200-x2/speed-exp-1";
+
+/// Device-memory bandwidth per GPU model (GB/s, the vendor's figure):
+/// (case-insensitive part of the model name, GB/s). Models not listed use
+/// [`CostParams::device_memory_gbps`]. docs/SOURCES.md [F39].
+pub const DEVICE_MEMORY: [(&str, f64); 4] =
+    [("H200", 4800.0), ("RTX PRO 6000", 1792.0), ("L40S", 864.0), ("RTX 4090", 1008.0)];
+
 /// One row of the parameter table.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamRow {
     pub name: &'static str,
     pub value: f64,
     pub unit: &'static str,
-    pub source: &'static str,
+    pub source: String,
 }
 
 impl CostParams {
@@ -141,15 +184,18 @@ impl CostParams {
     /// docs/COST-MODEL.md tabulates (a test checks the doc names them all).
     #[rustfmt::skip]
     pub fn table(&self) -> Vec<ParamRow> {
-        let r = |name, value, unit, source| ParamRow { name, value, unit, source };
+        let r = |name, value, unit, source: &str| ParamRow { name, value, unit, source: source.replace("{H200X2}", H200X2) };
         vec![
-            r("launch_graph_us", self.launch_graph_us, "us", "calibrated: published one-shot push, 1 KB on 4 GPUs = 6.1 us in CUDA graphs"),
-            r("launch_eager_us", self.launch_eager_us, "us", "assumption: graph launch + ~2 us host launch"),
-            r("hop_overhead_us", self.hop_overhead_us, "us", "calibrated with launch_graph_us (1 KB one-shot); fence + flag + poll"),
+            r("launch_graph_us", self.launch_graph_us, "us", "measured here: one-shot-push at 4 KB on 2 H200, gap 0.74-0.77 + entry to first store 0.38 + tail 0.10 ({H200X2}/summary.txt)"),
+            r("launch_eager_us", self.launch_eager_us, "us", "assumption: launch_graph_us + ~2 us host launch"),
+            r("hop_overhead_us", self.hop_overhead_us, "us", "measured here: one poll round trip, entry to loads back 0.29 us at 4 KB ({H200X2}/summary.txt)"),
+            r("flag_hop_us", self.flag_hop_us, "us", "measured here: one-shot-pull 6.3 us, two-shot-pull 10.3 us at 4 KB on 2 H200 ({H200X2}/tuning.toml)"),
+            r("flag_drain_us", self.flag_drain_us, "us", "measured here: two-shot-push 10.2 us ({H200X2}/new.json), ring 10.9 us ({H200X2}/tuning.toml) at 4 KB on 2 H200"),
+            r("shared_gpu_rank_us", self.shared_gpu_rank_us, "us", "measured here: 8 ranks on one H200 under MPS, one-shot-push 4-64 KB ({H200X2}/mps8-new.json)"),
             r("eager_stage_us", self.eager_stage_us, "us", "assumption: one extra copy launch (the vLLM eager path)"),
             r("latency_same_device_us", self.latency_same_device_us, "us", "assumption: L2/HBM visibility"),
-            r("latency_nvlink_us", self.latency_nvlink_us, "us", "assumption (NCCL tuning.cc: NVLink LL step 0.6 us incl. overhead)"),
-            r("latency_nvswitch_us", self.latency_nvswitch_us, "us", "assumption (NVLink plus a switch traversal)"),
+            r("latency_nvlink_us", self.latency_nvlink_us, "us", "assumption: as latency_nvswitch_us (no machine with direct NVLink measured)"),
+            r("latency_nvswitch_us", self.latency_nvswitch_us, "us", "measured here: first peer store to last poll 0.70-1.18 us at 4 KB on 2 H200 ({H200X2}/summary.txt), less hop_overhead_us"),
             r("latency_pcie_switch_us", self.latency_pcie_switch_us, "us", "SOURCES.md [F8]: Gen5 P2P write latency 0.36-0.45 us"),
             r("latency_pcie_root_complex_us", self.latency_pcie_root_complex_us, "us", "assumption: switch figure + root-complex routing"),
             r("latency_pcie_cross_socket_us", self.latency_pcie_cross_socket_us, "us", "assumption: two root complexes + the socket link"),
@@ -158,28 +204,52 @@ impl CostParams {
             r("pcie_efficiency", self.pcie_efficiency, "x", "SOURCES.md [F7]: 52-56 of 63 GB/s raw, Gen5 x16 P2P write"),
             r("pcie_default_gen", f64::from(self.pcie_default_gen), "gen", "assumption for GPUs whose link could not be read"),
             r("nvlink_link_gbps", self.nvlink_link_gbps, "GB/s", "NVLink 4: 50 GB/s per link, both directions"),
-            r("nvlink_efficiency", self.nvlink_efficiency, "x", "assumption"),
-            r("nvswitch_gpu_gbps", self.nvswitch_gpu_gbps, "GB/s", "H200 datasheet: 450 GB/s per direction x nvlink_efficiency"),
-            r("device_memory_gbps", self.device_memory_gbps, "GB/s", "assumption: below RTX PRO 6000's 1.8 TB/s GDDR7 (conservative)"),
+            r("nvlink_efficiency", self.nvlink_efficiency, "x", "measured here on NVSwitch: nvswitch_gpu_gbps / 450 GB/s per direction (SOURCES.md [F39])"),
+            r("nvswitch_gpu_gbps", self.nvswitch_gpu_gbps, "GB/s", "measured here: one-shot-push 1 MB to 8 MB on 2 H200, 331 GB/s per direction ({H200X2}/tuned.json)"),
+            r("device_memory_gbps", self.device_memory_gbps, "GB/s", "assumption for GPU models missing from DEVICE_MEMORY: its slowest entry (SOURCES.md [F39])"),
             r("host_memory_gbps", self.host_memory_gbps, "GB/s", "assumption: one socket's DDR5 share for staging"),
             r("staggered_write_efficiency", self.staggered_write_efficiency, "x", "calibrated: published one-shot push 128 KB-1 MB on 4 GPUs (~35 GB/s per GPU)"),
             r("simultaneous_write_efficiency", self.simultaneous_write_efficiency, "x", "SOURCES.md [F6]: 25.4 / 44.8 GB/s per link, all peers at once"),
             r("simultaneous_read_efficiency", self.simultaneous_read_efficiency, "x", "SOURCES.md [F6]: 20.6 / 44.8 GB/s per link, all peers at once"),
             r("single_read_efficiency", self.single_read_efficiency, "x", "SOURCES.md [F6]: load 42.8 vs store 44.8 GB/s alone"),
             r("ring_efficiency", self.ring_efficiency, "x", "assumption: streams no better than NCCL's Simple ring (= nccl_simple_link_fraction)"),
+            r("ring_max_gbps", self.ring_max_gbps, "GB/s", "measured here: ring 256 KB-8 MB on 2 H200 streams 30-44 GB/s ({H200X2}/tuning.toml)"),
+            r("copy_engine_efficiency", self.copy_engine_efficiency, "x", "SOURCES.md [F9]: copy-engine flat ring of 8 ranks, 49.64 GB/s per link / 63 raw"),
+            r("copy_engine_step_us", self.copy_engine_step_us, "us", "assumption: 2 dependent graph nodes (copy, flag write) per step at the measured graph launch floor, 1.15 us per dependent node (RESULTS.md, H200)"),
             r("socket_single_flow_gbps", self.socket_single_flow_gbps, "GB/s", "SOURCES.md [F9]: ~53 GB/s for a single hop alone"),
             r("socket_many_flows_gbps", self.socket_many_flows_gbps, "GB/s", "SOURCES.md [F9]: ~24 GB/s aggregate, all flows crossing"),
             r("socket_read_factor", self.socket_read_factor, "x", "SOURCES.md [F6]: read/write ratio under concurrency (20.6 / 25.4)"),
-            r("nccl_base_ll_us", self.nccl_base_ll_us, "us", "NCCL tuning.cc: ring LL base latency"),
-            r("nccl_base_simple_us", self.nccl_base_simple_us, "us", "NCCL tuning.cc: ring Simple base latency"),
+            r("nccl_base_ll_us", self.nccl_base_ll_us, "us", "measured here: NCCL in graphs on 2 H200, 4-42 KB, less 2 NVLink steps ({H200X2}/new.json); tuning.cc: 6.6"),
+            r("nccl_base_simple_us", self.nccl_base_simple_us, "us", "measured here: NCCL in graphs on 2 H200, 64 KB-8 MB, less 2 NVLink steps ({H200X2}/new.json); tuning.cc: 8.4"),
             r("nccl_step_ll_us", self.nccl_step_ll_us, "us", "calibrated: NCCL's model ~20 us ring LL small on 8 PCIe GPUs; 13.5 us at 1 KB on 4"),
             r("nccl_step_simple_us", self.nccl_step_simple_us, "us", "calibrated: stock NCCL 512 KB and 1 MB on 4 GPUs (tuning.cc PCI: 5.7)"),
+            r("nccl_step_nvlink_us", self.nccl_step_nvlink_us, "us", "SOURCES.md [F12]: NCCL tuning.cc, NVLink ring LL step 0.6 us"),
+            r("nccl_ll_max_gbps", self.nccl_ll_max_gbps, "GB/s", "measured here: NCCL LL 16-42 KB on 2 H200 moves ~33 GB/s of data ({H200X2}/new.json)"),
             r("nccl_ll_link_fraction", self.nccl_ll_link_fraction, "x", "calibrated: tuned NCCL 32 and 256 KB on 8 PCIe GPUs"),
             r("nccl_ll_stock_link_fraction", self.nccl_ll_stock_link_fraction, "x", "calibrated: stock NCCL 16-512 KB on 4 GPUs (published comparison)"),
-            r("nccl_simple_link_fraction", self.nccl_simple_link_fraction, "x", "calibrated: stock NCCL 1 MB on 4 GPUs"),
+            r("nccl_simple_link_fraction", self.nccl_simple_link_fraction, "x", "calibrated: stock NCCL 1 MB on 4 PCIe GPUs; NCCL 8 MB on 2 H200 ({H200X2}/new.json)"),
             r("nccl_host_gbps", self.nccl_host_gbps, "GB/s", "assumption: NCCL's SHM transport through host memory"),
             r("nccl_eager_extra_us", self.nccl_eager_extra_us, "us", "assumption: host launch of an eager NCCL call"),
         ]
+    }
+
+    /// Device-memory bandwidth of a GPU model (GB/s): its [`DEVICE_MEMORY`]
+    /// entry, else [`CostParams::device_memory_gbps`].
+    pub fn device_memory_of(&self, model: &str) -> f64 {
+        let model = model.to_ascii_lowercase();
+        DEVICE_MEMORY
+            .iter()
+            .find(|(part, _)| model.contains(&part.to_ascii_lowercase()))
+            .map_or(self.device_memory_gbps, |&(_, gbps)| gbps)
+    }
+
+    /// [`DEVICE_MEMORY`] as markdown (what docs/COST-MODEL.md shows).
+    pub fn device_memory_markdown() -> String {
+        let mut s = String::from("| GPU model (name contains) | device memory |\n|---|---|\n");
+        for (part, gbps) in DEVICE_MEMORY {
+            s.push_str(&format!("| {part} | {gbps} GB/s |\n"));
+        }
+        s
     }
 
     /// [`CostParams::table`] as markdown (what docs/COST-MODEL.md shows).

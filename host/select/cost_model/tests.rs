@@ -1,6 +1,9 @@
 //! Tests of the cost model.
 
+use tp_allreduce_kernels::ids::DType;
+
 use super::*;
+use crate::select::selection::{select, Constraints};
 use crate::select::topology::embedded;
 
 fn sizes() -> Vec<usize> {
@@ -12,21 +15,116 @@ fn sizes() -> Vec<usize> {
 }
 
 #[test]
-fn calibration_within_25_percent() {
+fn asserted_calibration_points_within_tolerance() {
     let model = CostModel::default();
     let table = residual_table(&model);
     for r in residuals(&model) {
-        assert!(
-            r.relative.abs() <= 0.25,
-            "{} {:?} {} B: model {:.2} vs target {:.2} ({:+.1} %)\n{table}",
-            r.point.topology,
-            r.point.subject,
-            r.point.bytes,
-            r.predicted,
-            r.target,
-            100.0 * r.relative
-        );
+        assert!(r.predicted.is_finite(), "{:?}: no prediction\n{table}", r.point);
+        if r.point.role == Role::Asserted {
+            assert!(
+                r.relative.abs() <= TOLERANCE,
+                "{} {:?} {} B: model {:.2} vs target {:.2} ({:+.1} %)\n{table}",
+                r.point.topology,
+                r.point.subject,
+                r.point.bytes,
+                r.predicted,
+                r.target,
+                100.0 * r.relative
+            );
+        }
     }
+}
+
+#[test]
+fn what_is_asserted_follows_whose_figure_it_is() {
+    // NCCL's figures are NCCL's wherever they were taken: asserted. The
+    // published one-shot push (docs/SOURCES.md [F16]) is another
+    // implementation: reference only. Our kernels on our machine: asserted.
+    let points = calibration_points();
+    let mut ours_measured = 0;
+    for p in points {
+        let nccl = matches!(p.subject, Subject::NcclBest | Subject::Nccl(_));
+        let published_kernel = !nccl && p.source.contains("[F16]");
+        if nccl || (p.source.contains("measured here") && p.subject == Subject::Ours(Algorithm::OneShotPush)) {
+            assert_eq!(p.role, Role::Asserted, "{p:?}");
+        }
+        if published_kernel {
+            assert_eq!(p.role, Role::Reference, "{p:?}");
+        }
+        ours_measured += usize::from(p.role == Role::Asserted && !nccl);
+    }
+    assert!(ours_measured >= 17, "2 H200 (tuned and default shapes) and 8 ranks on one H200");
+    // Every asserted figure of ours is from our measurements.
+    for p in points.iter().filter(|p| p.role == Role::Asserted && matches!(p.subject, Subject::Ours(_))) {
+        assert!(p.source.starts_with("measured here: docs/results/"), "{p:?}");
+    }
+}
+
+#[test]
+fn untuned_selection_picks_one_shot_push_on_two_h200() {
+    // Measured fastest at every size (docs/results/h200-x2/speed-exp-1).
+    let view = embedded::by_name("h200-8x-nvswitch").unwrap().for_world(2).unwrap();
+    let c = Constraints::for_topology(&view);
+    for kb in [4, 16, 42, 64, 256, 1024, 8192] {
+        let ch = select(&view, 2, DType::Bf16, kb << 10, true, &c);
+        assert_eq!(ch.algorithm, Algorithm::OneShotPush, "{kb} KB: {ch}");
+    }
+}
+
+#[test]
+fn untuned_selection_picks_a_payload_completion_push_on_eight_ranks_sharing_one_h200() {
+    // Measured: the flag kernels lost badly at 4-64 KB (the old flag-based
+    // two-shot push: 19.7 us at 42 KB, one-shot push 6.45 us;
+    // docs/results/h200-x2/speed-exp-1/mps8-new.json). Which of the two
+    // payload-completion pushes wins here is for measurements to say
+    // (`tune`); the model must not pick a flag kernel.
+    let view = embedded::by_name("h200-8x-nvswitch").unwrap().for_ranks(&[0; 8]).unwrap();
+    let c = Constraints::for_topology(&view);
+    assert!(!c.nccl_available);
+    for kb in [4, 16, 42, 64] {
+        let ch = select(&view, 8, DType::Bf16, kb << 10, true, &c);
+        assert!(matches!(ch.algorithm, Algorithm::OneShotPush | Algorithm::TwoShotPush), "{kb} KB: {ch}");
+    }
+}
+
+#[test]
+fn local_traffic_overlaps_the_links_only_on_gpus_of_their_own() {
+    let model = CostModel::default();
+    let h200 = embedded::by_name("h200-8x-nvswitch").unwrap();
+    let s = 8 << 20;
+    // 2 GPUs: 5 passes of 8 MB at 4.8 TB/s (8.7 us) hide behind 25 us of NVLink.
+    let two = h200.for_world(2).unwrap();
+    let p =
+        model.predict(&two, Algorithm::OneShotPush, Transport::PeerToPeer, s, &Options::for_topology(&two)).unwrap();
+    assert_eq!(p.breakdown.local_us, 0.0, "{}", p.breakdown);
+    // Ranks sharing a GPU: every rank's local traffic adds to the peer traffic.
+    let one = h200.for_ranks(&[0; 4]).unwrap();
+    let p =
+        model.predict(&one, Algorithm::OneShotPush, Transport::PeerToPeer, s, &Options::for_topology(&one)).unwrap();
+    let passes = 2.0 * 3.0 + 3.0;
+    let expected = 4.0 * passes * s as f64 / (4800.0 * 1e3);
+    assert!((p.breakdown.local_us - expected).abs() < 1e-9, "{} vs {expected}", p.breakdown);
+    // The GPU model sets the device memory; unknown models get the fallback.
+    assert_eq!(model.params.device_memory_of("NVIDIA H200"), 4800.0);
+    assert_eq!(model.params.device_memory_of("NVIDIA RTX PRO 6000 Blackwell Server Edition"), 1792.0);
+    assert_eq!(model.params.device_memory_of("Some Future GPU"), model.params.device_memory_gbps);
+}
+
+#[test]
+fn flag_kernels_pay_for_their_flags_and_sentinel_kernels_do_not() {
+    let model = CostModel::default();
+    let p = &model.params;
+    let view = embedded::by_name("h200-8x-nvswitch").unwrap().for_world(2).unwrap();
+    let opts = Options::for_topology(&view);
+    let latency = |a| model.predict(&view, a, Transport::PeerToPeer, 4096, &opts).unwrap().breakdown.latency_us;
+    let hop = p.latency_nvswitch_us + p.hop_overhead_us;
+    // One-shot push: one payload hop, no flag.
+    assert!((latency(Algorithm::OneShotPush) - hop).abs() < 1e-9);
+    // Two-shot push (payload completion in both phases): two payload hops.
+    assert!((latency(Algorithm::TwoShotPush) - 2.0 * hop).abs() < 1e-9);
+    // One-shot pull: two barrier flags (nothing to drain) and a read round trip.
+    let pull = 2.0 * (hop + p.flag_hop_us) + p.read_round_trip_factor * hop;
+    assert!((latency(Algorithm::OneShotPull) - pull).abs() < 1e-9);
 }
 
 #[test]
@@ -95,9 +193,11 @@ fn bytes_moved_follow_the_algorithms() {
     let two = model.predict(&view, Algorithm::TwoShotPush, Transport::PeerToPeer, s, &opts).unwrap().breakdown.wire_us;
     assert!((one / two - 2.0).abs() < 1e-9, "{one} {two}");
     let ring = model.predict(&view, Algorithm::Ring, Transport::PeerToPeer, s, &opts).unwrap().breakdown.wire_us;
-    // Same bytes as two-shot, at the ring pipeline's efficiency.
-    let eff = model.params.ring_efficiency;
-    assert!((ring * eff - two).abs() < 1e-9, "{ring} {two}");
+    // Same bytes as two-shot, at the ring pipeline's efficiency or its
+    // ceiling, whichever is lower.
+    let link = model.params.pcie_gbps(5, 16);
+    let ring_gbps = (link * model.params.ring_efficiency).min(model.params.ring_max_gbps);
+    assert!((ring * ring_gbps - two * link).abs() < 1e-6, "{ring} {two}");
 }
 
 #[test]
@@ -140,10 +240,72 @@ fn parameter_table_is_complete_and_documented() {
         "docs/COST-MODEL.md: parameter table out of date:\n{}",
         p.markdown_table()
     );
+    let memory = CostParams::device_memory_markdown();
+    assert!(doc.contains(&memory), "docs/COST-MODEL.md: device-memory table out of date:\n{memory}");
     let residuals = residual_table(&CostModel::default());
     assert!(doc.contains(&residuals), "docs/COST-MODEL.md: residual table out of date:\n{residuals}");
     for r in &rows {
         assert!(fields.contains_key(r.name), "{} is not a field", r.name);
         assert!(doc.contains(&format!("`{}`", r.name)), "docs/COST-MODEL.md does not list `{}`", r.name);
     }
+}
+
+/// Issue 15: the new recipes on the 8x RTX PRO 6000 (4+4 islands from the
+/// topology): payload completion costs one hop per phase (two-shot push 2,
+/// hierarchical 3: switch, socket, switch); the copy-engine ring pays its
+/// step per hop and moves the ring's bytes at the copy engines' rate; with
+/// the per-pair transport the cross-island hop goes through host memory.
+#[test]
+fn island_push_and_copy_engine_ring_recipes() {
+    let model = CostModel::default();
+    let p = &model.params;
+    let view = embedded::default_topology();
+    let opts = Options::for_topology(&view);
+    assert_eq!(opts.islands.map(|i| i.groups()), Some(vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]));
+    let predict = |a: Algorithm, t: Transport, view: &Topology, bytes: usize| {
+        model.predict(view, a, t, bytes, &Options::for_topology(view)).unwrap().breakdown
+    };
+    let switch = p.latency_pcie_switch_us + p.hop_overhead_us;
+    let socket = p.latency_pcie_cross_socket_us + p.hop_overhead_us;
+    let two = predict(Algorithm::TwoShotPush, Transport::PeerToPeer, &view, 43008);
+    assert!((two.latency_us - 2.0 * socket).abs() < 1e-9, "{two}");
+    let hier = predict(Algorithm::Hierarchical, Transport::PeerToPeer, &view, 43008);
+    assert!((hier.latency_us - (2.0 * switch + socket)).abs() < 1e-9, "{hier}");
+    assert!(hier.total() < two.total(), "hierarchical {hier} vs two-shot {two}");
+    // Copy-engine ring: 14 steps, each its step overhead + a mean edge
+    // latency; at 8 MiB its data time follows copy_engine_efficiency.
+    let ce = predict(Algorithm::CopyEngineRing, Transport::PeerToPeer, &view, 8 << 20);
+    let ring = predict(Algorithm::Ring, Transport::PeerToPeer, &view, 8 << 20);
+    assert!(ce.latency_us > 14.0 * p.copy_engine_step_us, "{ce}");
+    let wire =
+        2.0 * 7.0 / 8.0 * (8 << 20) as f64 / (CostParams::pcie_lane_gbps(5) * 16.0 * p.copy_engine_efficiency * 1e3);
+    assert!((ce.wire_us - wire).abs() / wire < 1e-6, "{ce} vs {wire}");
+    assert!(ce.total() < ring.total(), "copy-engine ring {ce} vs SM ring {ring} at 8 MiB");
+    // Per pair: no P2P across the sockets; hierarchical still runs, its
+    // cross hop through host memory, and nothing else of ours does.
+    let mut split = view.clone();
+    for a in 0..8 {
+        for b in 0..8 {
+            if a / 4 != b / 4 {
+                split.pairs[a][b].p2p_supported = false;
+            }
+        }
+    }
+    let c = crate::select::selection::Constraints::for_topology(&split);
+    assert_eq!(c.transport, Transport::PerPair);
+    let per_pair = predict(Algorithm::Hierarchical, Transport::PerPair, &split, 43008);
+    let host = p.latency_host_staged_us + p.hop_overhead_us;
+    assert!((per_pair.latency_us - (2.0 * switch + host)).abs() < 1e-9, "{per_pair}");
+    for a in [Algorithm::OneShotPush, Algorithm::TwoShotPush, Algorithm::CopyEngineRing] {
+        assert!(c.available(a, 8, 43008).is_err(), "{a}");
+    }
+    assert!(c.available(Algorithm::Hierarchical, 8, 43008).is_ok());
+}
+
+#[test]
+#[ignore = "prints the tables docs/COST-MODEL.md shows"]
+fn print_doc_tables() {
+    let model = CostModel::default();
+    println!("@@PARAMS\n{}@@END", model.params.markdown_table());
+    println!("@@RESIDUALS\n{}@@END", residual_table(&model));
 }

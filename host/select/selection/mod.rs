@@ -34,7 +34,7 @@ use std::fmt;
 
 use tp_allreduce_kernels::ids::DType;
 
-use crate::algorithm::{self, Capabilities};
+use crate::algorithm::{self, Capabilities, IslandSplit};
 use crate::algorithm::{Algorithm, Transport};
 use crate::env;
 use crate::error::Result;
@@ -56,10 +56,12 @@ pub struct Constraints {
     pub transport: Transport,
     /// An NCCL communicator exists (NCCL loaded, ranks on distinct GPUs).
     pub nccl_available: bool,
-    /// Hierarchical: consecutive islands of this many ranks.
-    pub island_size: Option<usize>,
+    /// Hierarchical: the islands (two or more), if any.
+    pub islands: Option<IslandSplit>,
     /// One-shot push handles messages up to this size.
     pub one_shot_push_max_bytes: usize,
+    /// The copy-engine ring has staging.
+    pub copy_engine: bool,
     /// Algorithms the caller rules out.
     pub disabled: Vec<Algorithm>,
     /// `Comm::set_algorithm` / `Config::algorithm`.
@@ -71,16 +73,31 @@ pub struct Constraints {
 impl Constraints {
     /// Defaults for a rank view: P2P when every pair has usable P2P, else
     /// host-staged; NCCL available unless ranks share a GPU; islands as the
-    /// topology derives them when they are consecutive; no overrides.
+    /// topology derives them; the copy-engine ring available with P2P; no
+    /// overrides.
     pub fn for_topology(view: &Topology) -> Constraints {
+        let islands = view.island_split();
+        // Per pair: only pairs across islands lack P2P (as init decides).
+        let n = view.len();
+        let inside_usable = islands.is_some_and(|s| {
+            (0..n).all(|a| (0..n).all(|b| a == b || !s.together(a, b) || view.pair(a, b).p2p_usable()))
+        });
+        let transport = if view.all_p2p_usable() {
+            Transport::PeerToPeer
+        } else if inside_usable {
+            Transport::PerPair
+        } else {
+            Transport::HostStaged
+        };
         Constraints {
-            transport: if view.all_p2p_usable() { Transport::PeerToPeer } else { Transport::HostStaged },
+            transport,
             nccl_available: !view.has_shared_device(),
-            island_size: view.islands().and_then(|i| i.consecutive_size()),
+            islands,
             one_shot_push_max_bytes: crate::config::resolve_one_shot_push_max_bytes(
                 crate::config::Config::ONE_SHOT_PUSH_AUTO,
                 view.len(),
             ),
+            copy_engine: !view.has_shared_device(),
             disabled: Vec::new(),
             communicator_override: None,
             env_override: None,
@@ -102,8 +119,9 @@ impl Constraints {
         let caps = Capabilities {
             world,
             transport: self.transport,
-            island_size: self.island_size,
+            islands: self.islands,
             one_shot_push_max_bytes: self.one_shot_push_max_bytes,
+            copy_engine: self.copy_engine,
             nccl_available: self.nccl_available,
         };
         algorithm::availability(algorithm, &caps, Some(bytes))
@@ -160,6 +178,30 @@ pub fn select(
     select_with(&CostModel::default(), None, topology, world_size, dtype, bytes, capturing, constraints)
 }
 
+/// [`select`] for a fused call (`Comm::all_reduce_add_rms_norm`): every
+/// candidate's time includes its epilogue (fused into OneShotPush and
+/// OneShotPull, the separate `add_rms_norm` kernel after every other
+/// algorithm and NCCL; [`CostModel::epilogue_us`]).
+pub fn select_fused(
+    topology: &Topology,
+    world_size: usize,
+    dtype: DType,
+    bytes: usize,
+    capturing: bool,
+    constraints: &Constraints,
+) -> Choice {
+    let view: Cow<'_, Topology> = if topology.len() == world_size {
+        Cow::Borrowed(topology)
+    } else {
+        match topology.for_world(world_size) {
+            Ok(v) => Cow::Owned(v),
+            // No rank view: the plain selection says why (NCCL fallback).
+            Err(_) => return select(topology, world_size, dtype, bytes, capturing, constraints),
+        }
+    };
+    select_view(&CostModel::default(), None, &view, dtype, bytes, capturing, constraints, true)
+}
+
 /// [`select`] with an explicit model and an optional tuning table (which
 /// the caller has checked applies: [`TuningTable::applicability`]).
 #[allow(clippy::too_many_arguments)]
@@ -191,7 +233,7 @@ pub fn select_with(
             }
         }
     };
-    select_view(model, tuning, &view, dtype, bytes, capturing, constraints)
+    select_view(model, tuning, &view, dtype, bytes, capturing, constraints, false)
 }
 
 /// A time and where it came from.
@@ -213,15 +255,19 @@ struct Selecting<'a> {
     /// The tuning table's last entry for this dtype when `bytes` lies past
     /// it (no entry covers the size).
     past_table: Option<&'a TuningEntry>,
+    /// A fused call: every time includes the epilogue.
+    fused: bool,
 }
 
 impl Selecting<'_> {
     fn time_of(&self, a: Algorithm) -> Option<Timed> {
+        let epilogue =
+            if self.fused { self.model.epilogue_us(a, self.c.transport, self.bytes, self.opts.capturing) } else { 0.0 };
         if let Some(us) = self.entry.and_then(|e| e.median_us(a, self.c.transport)) {
-            return Some(Timed { us, source: Source::Tuning });
+            return Some(Timed { us: us + epilogue, source: Source::Tuning });
         }
         let p = self.model.predict(self.view, a, self.c.transport, self.bytes, &self.opts).ok()?;
-        Some(Timed { us: p.total_us(), source: Source::Model })
+        Some(Timed { us: p.total_us() + epilogue, source: Source::Model })
     }
 
     fn choice(&self, algorithm: Algorithm, t: Option<Timed>, nccl: Timed, source: Source, reason: String) -> Choice {
@@ -292,6 +338,7 @@ impl Selecting<'_> {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn select_view(
     model: &CostModel,
     tuning: Option<&TuningTable>,
@@ -300,6 +347,7 @@ fn select_view(
     bytes: usize,
     capturing: bool,
     c: &Constraints,
+    fused: bool,
 ) -> Choice {
     let entry = tuning.and_then(|t| t.lookup(dtype, bytes));
     let past_table = if entry.is_none() { tuning.and_then(|t| t.last(dtype)) } else { None };
@@ -307,10 +355,11 @@ fn select_view(
         model,
         view,
         bytes,
-        opts: Options { capturing, island_size: c.island_size, nccl: NcclTuning::Tuned },
+        opts: Options { capturing, islands: c.islands, nccl: NcclTuning::Tuned },
         c,
         entry,
         past_table,
+        fused,
     };
     let nccl = s.time_of(Algorithm::Nccl).unwrap_or(Timed { us: f64::NAN, source: Source::Model });
     let (forced, notes) = s.overridden();
@@ -386,6 +435,29 @@ impl SelectionTable {
         view: &Topology,
         constraints: &Constraints,
     ) -> SelectionTable {
+        Self::build_for(model, tuning, view, constraints, false)
+    }
+
+    /// [`build`](Self::build) for fused calls (`Comm::all_reduce_add_rms_norm`):
+    /// every candidate's time includes its epilogue (see [`select_fused`]).
+    /// Built from the same inputs as the plain table, so ranks that agree
+    /// on that one agree on this one.
+    pub fn build_fused(
+        model: &CostModel,
+        tuning: Option<&TuningTable>,
+        view: &Topology,
+        constraints: &Constraints,
+    ) -> SelectionTable {
+        Self::build_for(model, tuning, view, constraints, true)
+    }
+
+    fn build_for(
+        model: &CostModel,
+        tuning: Option<&TuningTable>,
+        view: &Topology,
+        constraints: &Constraints,
+        fused: bool,
+    ) -> SelectionTable {
         let bounds = bucket_bounds();
         let at = |i: usize| {
             if bounds[i] == usize::MAX {
@@ -400,7 +472,7 @@ impl SelectionTable {
         let model_only: Vec<Choice> = [false, true]
             .into_iter()
             .flat_map(|capturing| (0..bounds.len()).map(move |i| (capturing, i)))
-            .map(|(capturing, i)| select_view(model, None, view, DType::F32, at(i), capturing, constraints))
+            .map(|(capturing, i)| select_view(model, None, view, DType::F32, at(i), capturing, constraints, fused))
             .collect();
         let mut choices = Vec::with_capacity(DType::ALL.len() * model_only.len());
         for dtype in DType::ALL {
@@ -410,7 +482,7 @@ impl SelectionTable {
                     // (where the "NCCL won there" rule applies).
                     let tuned = tuning.is_some_and(|t| t.lookup(dtype, at(i)).is_some() || t.last(dtype).is_some());
                     choices.push(if tuned {
-                        select_view(model, tuning, view, dtype, at(i), capturing, constraints)
+                        select_view(model, tuning, view, dtype, at(i), capturing, constraints, fused)
                     } else {
                         model_only[usize::from(capturing) * bounds.len() + i].clone()
                     });

@@ -36,14 +36,17 @@
 
 pub mod discover;
 pub mod embedded;
+pub mod islands;
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::algorithm::IslandSplit;
 use crate::error::{Error, Result};
 
 pub use discover::discover;
+pub use islands::islands_from_topology;
 
 /// Where two GPUs attached over PCIe meet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -170,7 +173,7 @@ impl PairInfo {
     }
 }
 
-/// A partition of ranks (or devices) into islands of equal size.
+/// A partition of ranks (or devices) into islands (sizes may differ).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct Islands {
@@ -182,7 +185,7 @@ impl Islands {
         self.groups.len()
     }
 
-    /// Members per island.
+    /// Members of the first island.
     pub fn size(&self) -> usize {
         self.groups.first().map_or(0, Vec::len)
     }
@@ -313,14 +316,10 @@ impl Topology {
             }
         }
         if let Some(islands) = &self.islands {
-            let m = islands.size();
             let mut seen = vec![false; n];
             for g in &islands.groups {
-                if g.len() != m || m == 0 {
-                    return Err(Error::Config(format!(
-                        "topology `{}`: islands must have equal, non-zero sizes",
-                        self.name
-                    )));
+                if g.is_empty() {
+                    return Err(Error::Config(format!("topology `{}`: an island is empty", self.name)));
                 }
                 for &r in g {
                     if r >= n || seen[r] {
@@ -413,44 +412,27 @@ impl Topology {
         self.islands.clone().or_else(|| self.derive_islands())
     }
 
-    /// Derives islands from the link matrix: groups of equal size (at least
-    /// two groups of at least two) in which every intra-island link is better
-    /// than every inter-island link. Where several levels qualify (pairs on
-    /// switches inside sockets), the coarsest wins: the split at the weakest
-    /// boundary is the one a two-level algorithm should avoid crossing.
+    /// Derives islands from the link matrix ([`islands_from_topology`]):
+    /// the coarsest boundary (socket, root complex, PCIe switch) that cuts
+    /// the ranks into two or more groups of two or more; ranks sharing a GPU
+    /// or connected by NVLink are never split; sizes may differ.
     pub fn derive_islands(&self) -> Option<Islands> {
-        let n = self.len();
-        if n < 4 {
-            return None;
-        }
-        let q = |i: usize, j: usize| self.pairs[i][j].link.quality().min(self.pairs[j][i].link.quality());
-        let mut levels: Vec<u32> =
-            (0..n).flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j))).map(|(i, j)| q(i, j)).collect();
-        levels.sort_unstable();
-        levels.dedup();
-        // Ascending: the first qualifying threshold is the coarsest split.
-        for &t in &levels {
-            let id = components(n, |a, b| q(a, b) >= t);
-            let count = id.iter().max().map_or(0, |m| m + 1);
-            let mut groups: Vec<Vec<usize>> = vec![Vec::new(); count];
-            for (r, &g) in id.iter().enumerate() {
-                groups[g].push(r);
-            }
-            let m = groups[0].len();
-            let equal = groups.iter().all(|g| g.len() == m);
-            let cliques = groups.iter().all(|g| g.iter().all(|&a| g.iter().all(|&b| a == b || q(a, b) >= t)));
-            if groups.len() >= 2 && m >= 2 && equal && cliques {
-                return Some(Islands { groups });
-            }
-        }
-        None
+        islands_from_topology(self).map(|(groups, _)| Islands { groups })
+    }
+
+    /// [`Topology::islands`] as the algorithms use them: `Some` when they
+    /// split the ranks into two or more islands of a shape the Hierarchical
+    /// kernel runs.
+    pub fn island_split(&self) -> Option<IslandSplit> {
+        let islands = self.islands()?;
+        IslandSplit::from_groups(&islands.groups, self.len()).ok().filter(IslandSplit::splits)
     }
 
     /// The rank view of a communicator: rank `r` runs on device
     /// `devices[r]` of this (machine) topology. Pairs of ranks on one device
-    /// become [`LinkKind::SameDevice`]. Islands: the machine's partition
-    /// mapped to ranks, kept when it is still a partition into equal groups
-    /// of at least two.
+    /// become [`LinkKind::SameDevice`]. Islands: the machine's explicit
+    /// partition mapped to ranks, kept when it still splits them into two or
+    /// more groups of at least two (else derived from the view's links).
     pub fn for_ranks(&self, devices: &[usize]) -> Result<Topology> {
         if devices.is_empty() {
             return Err(Error::invalid("a rank view needs at least one rank"));
@@ -467,15 +449,14 @@ impl Topology {
             .iter()
             .map(|&a| devices.iter().map(|&b| if a == b { PairInfo::SAME_DEVICE } else { self.pairs[a][b] }).collect())
             .collect();
-        let islands = self.islands().and_then(|machine| {
+        let islands = self.islands.as_ref().and_then(|machine| {
             let of = machine.island_of(self.len());
             let mut groups: Vec<Vec<usize>> = vec![Vec::new(); machine.count()];
             for (r, &d) in devices.iter().enumerate() {
                 groups[of[d]?].push(r);
             }
             groups.retain(|g| !g.is_empty());
-            let m = groups.first()?.len();
-            (groups.len() >= 2 && m >= 2 && groups.iter().all(|g| g.len() == m)).then_some(Islands { groups })
+            (groups.len() >= 2 && groups.iter().all(|g| g.len() >= 2)).then_some(Islands { groups })
         });
         let distinct = {
             let mut d = devices.to_vec();

@@ -70,6 +70,16 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
             }
         }
     }
+    let mut fused = Vec::new();
+    if let Some(shape) = scenarios.fused {
+        notes.push(format!("fused calls select (graph): {}", comms[0].fused_selection().describe(opts.dtype, true)));
+        let f = super::fused_runs::in_process(&ranks, &comms, opts, shape, scenarios.verify_pass, &progress)?;
+        fused = f.rows;
+        verify.extend(f.verify_pass);
+        if opts.include_nccl {
+            notes.push("fused scenario: nccl+separate runs with one process per rank (--processes)".into());
+        }
+    }
     drop(comms);
     let launch_floor_us = if scenarios.launch_floor {
         progress.step("launch floor");
@@ -93,6 +103,7 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
         efficiency,
         launch_floor_us,
         trace,
+        fused,
         ..Report::for_run("tp-allreduce bench", command_line, &ranks.contexts[0])
     })
 }

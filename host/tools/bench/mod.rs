@@ -14,6 +14,7 @@
 //! | `timing.rs` | capture, replay, CUDA-event timing |
 //! | `in_process.rs` | `bench` in one process |
 //! | `scenarios.rs` | verify pass, launch floor, large-message efficiency |
+//! | `fused.rs`, `fused_runs.rs` | `--fused`: the layer epilogue (allreduce + residual add + RMSNorm) and its verify pass |
 //! | `tune.rs` | `tune` (with the launch-shape sweep) |
 //! | `trace.rs` | `--trace`: per-launch timestamps of one-shot-push, medians |
 //! | `processes.rs` | `bench --processes`: one process per rank |
@@ -22,6 +23,8 @@
 #![forbid(unsafe_code)]
 
 pub mod collective;
+pub mod fused;
+pub mod fused_runs;
 pub mod in_process;
 pub mod options;
 pub mod plot;
@@ -147,6 +150,11 @@ pub struct Scenarios {
     pub efficiency: bool,
     /// Time of one tiny kernel per rank per graph step (launch floor).
     pub launch_floor: bool,
+    /// `--fused`: the layer epilogue (allreduce + residual add + RMSNorm)
+    /// over `(rows, hidden)`, fused / ours + separate kernel / NCCL +
+    /// separate kernel / allreduce alone, and (with `verify_pass`) its
+    /// verify passes.
+    pub fused: Option<(usize, usize)>,
 }
 
 /// 1 KB .. 64 MB doubling, plus the 42 KB verify-pass message.

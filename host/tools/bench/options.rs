@@ -79,6 +79,28 @@ pub struct BenchArgs {
     /// breakdown per size and rank (launch gap, prologue, wait, tail).
     #[arg(long)]
     pub trace: bool,
+    /// Also time the layer epilogue, allreduce + residual add + RMSNorm
+    /// over `--fused-shape`: fused, ours + separate kernel, NCCL + separate
+    /// kernel (with --processes), allreduce alone; and, with the verify
+    /// pass, 122 fused layers in one graph.
+    #[arg(long)]
+    pub fused: bool,
+    /// `ROWSxHIDDEN` of the --fused scenario (3x7168: the verify pass's
+    /// 42 KB in bf16).
+    #[arg(long, default_value = "3x7168", value_parser = parse_fused_shape)]
+    pub fused_shape: (usize, usize),
+}
+
+/// `3x7168`: rows x hidden, both at least 1.
+pub fn parse_fused_shape(s: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("bad shape `{s}`: ROWSxHIDDEN, e.g. 3x7168");
+    let (rows, hidden) = s.trim().split_once('x').ok_or_else(bad)?;
+    let rows: usize = rows.trim().parse().map_err(|_| bad())?;
+    let hidden: usize = hidden.trim().parse().map_err(|_| bad())?;
+    if rows == 0 || hidden == 0 {
+        return Err(bad());
+    }
+    Ok((rows, hidden))
 }
 
 /// `64x512` (see [`crate::env::parse_launch_shape`]).
@@ -177,6 +199,7 @@ impl BenchArgs {
             verify_pass: !self.no_verify_pass,
             efficiency: self.efficiency && !self.processes,
             launch_floor: !self.processes,
+            fused: self.fused.then_some(self.fused_shape),
         };
         Ok((opts, scenarios))
     }

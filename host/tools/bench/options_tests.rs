@@ -71,7 +71,7 @@ fn defaults_and_options() {
     let (opts, scenarios) = a.options(2, Config::default()).unwrap();
     assert_eq!(opts.gpus, [0, 1]);
     assert!(opts.include_nccl);
-    assert_eq!(scenarios, Scenarios { verify_pass: true, efficiency: false, launch_floor: true });
+    assert_eq!(scenarios, Scenarios { verify_pass: true, efficiency: false, launch_floor: true, fused: None });
 
     let a =
         parse(&["--sizes", "42K", "--dtype", "f16", "--mode", "eager", "--gpus", "1", "--ranks-per-gpu", "4"]).unwrap();
@@ -83,6 +83,14 @@ fn defaults_and_options() {
     let (opts, scenarios) = a.options(1, Config::default()).unwrap();
     assert_eq!(scenarios, Scenarios::default());
     assert_eq!(opts.config.island_size, Some(2));
+
+    let a = parse(&["--fused"]).unwrap();
+    assert_eq!(a.options(1, Config::default()).unwrap().1.fused, Some((3, 7168)));
+    let a = parse(&["--fused", "--fused-shape", "7x5120"]).unwrap();
+    assert_eq!(a.options(1, Config::default()).unwrap().1.fused, Some((7, 5120)));
+    for bad in ["7", "0x5120", "3x0", "ax2", "3x7168x2"] {
+        assert!(parse(&["--fused-shape", bad]).is_err(), "{bad}");
+    }
 }
 
 #[test]

@@ -89,7 +89,12 @@ impl RankBuffers {
 
 /// Times `warmup + repeats` calls of `launch` on this rank, each aligned by
 /// a rendezvous barrier; returns the slowest rank's time per sample (us).
-fn timed(comm: &Comm, warmup: usize, repeats: usize, mut launch: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+pub(super) fn timed(
+    comm: &Comm,
+    warmup: usize,
+    repeats: usize,
+    mut launch: impl FnMut() -> Result<()>,
+) -> Result<Vec<f64>> {
     let stream = comm.stream();
     let (start, end) = (event(comm.context())?, event(comm.context())?);
     let mut mine = Vec::with_capacity(repeats);
@@ -120,7 +125,7 @@ fn slowest_per_sample(all: &[Vec<u8>], repeats: usize) -> Vec<f64> {
     worst
 }
 
-fn capture(comm: &Comm, mut body: impl FnMut() -> Result<()>) -> Result<CudaGraph> {
+pub(super) fn capture(comm: &Comm, mut body: impl FnMut() -> Result<()>) -> Result<CudaGraph> {
     driver::capture(&comm.stream(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, &mut body)
 }
 
@@ -270,6 +275,13 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
             verify.push(verify_pass(&comm, Runner::Nccl(n), env, "nccl")?);
         }
     }
+    let mut fused = Vec::new();
+    if let Some(shape) = scenarios.fused {
+        notes.push(format!("fused calls select (graph): {}", comm.fused_selection().describe(opts.dtype, true)));
+        let f = super::fused_runs::per_rank(&comm, env, opts, shape, scenarios.verify_pass)?;
+        fused = f.rows;
+        verify.extend(f.verify_pass);
+    }
     if env.rank != 0 {
         return Ok(None);
     }
@@ -284,6 +296,7 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
         measurements,
         verify_pass: verify,
         trace,
+        fused,
         ..Report::for_run("tp-allreduce bench --processes", command_line, &ctx)
     }))
 }

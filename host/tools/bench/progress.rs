@@ -57,6 +57,8 @@ pub fn total_steps(sizes: usize, selections: usize, nccl: bool, scenarios: &supe
         + if scenarios.verify_pass { 1 + nccl as usize } else { 0 }
         + if scenarios.efficiency { 3 } else { 0 }
         + scenarios.launch_floor as usize
+        // In one process: fused, ours + separate, allreduce; their verify passes.
+        + if scenarios.fused.is_some() { 3 + 2 * scenarios.verify_pass as usize } else { 0 }
 }
 
 #[cfg(test)]
@@ -78,8 +80,8 @@ mod tests {
         let none = Scenarios::default();
         assert_eq!(total_steps(18, 2, true, &none), 54);
         assert_eq!(total_steps(18, 2, false, &none), 36);
-        let all = Scenarios { verify_pass: true, efficiency: true, launch_floor: true };
-        assert_eq!(total_steps(1, 1, true, &all), 2 + 2 + 3 + 1);
-        assert_eq!(total_steps(1, 1, false, &all), 1 + 1 + 3 + 1);
+        let all = Scenarios { verify_pass: true, efficiency: true, launch_floor: true, fused: Some((3, 7168)) };
+        assert_eq!(total_steps(1, 1, true, &all), 2 + 2 + 3 + 1 + 5);
+        assert_eq!(total_steps(1, 1, false, &all), 1 + 1 + 3 + 1 + 5);
     }
 }

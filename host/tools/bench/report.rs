@@ -44,6 +44,9 @@ pub struct Report {
     /// `--trace`: where each sentinel row's time goes, per rank.
     #[serde(default)]
     pub trace: Vec<super::trace::TraceSummary>,
+    /// `--fused`: the layer epilogue's variants (per layer).
+    #[serde(default)]
+    pub fused: Vec<super::fused::FusedRow>,
 }
 
 impl Report {
@@ -132,6 +135,7 @@ pub fn render_table(r: &Report) -> String {
     }
     out.push_str(&table::render(&t));
     out.push_str(&super::trace::render(&r.trace));
+    out.push_str(&super::fused::render(&r.fused));
     render_scenarios(r, &mut out);
     for n in &r.notes {
         let _ = writeln!(out, "note: {n}");

@@ -152,6 +152,8 @@ pub fn local_traffic_bytes(algorithm: Algorithm, world: usize, bytes: usize) -> 
         Algorithm::OneShotPush => 2.0 * s + 3.0 * n * s,
         // scatter r/w S; reduce read S, write S; gather read/write (N-1)/N S
         Algorithm::TwoShotPush | Algorithm::Hierarchical | Algorithm::Ring | Algorithm::Nccl => 6.0 * s,
+        // copy the shard to staging (read + write), read staging and input, write output, per step
+        Algorithm::CopyEngineRing => 6.0 * s,
     };
     per_rank * n
 }

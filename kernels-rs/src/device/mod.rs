@@ -8,10 +8,15 @@
 //!   bounded slot wait, give-up path and trace.
 //! * one file per kernel family: [`elementwise`], [`one_shot_pull`],
 //!   [`two_shot_pull`], [`one_shot_push`], [`two_shot_push`], [`ring`],
-//!   [`hierarchical`], [`p2p_check`].
+//!   [`hierarchical`], [`copy_engine_ring`], [`p2p_check`];
+//!   [`island_push`] is the body TwoShotPush and Hierarchical share.
+//! * the fused epilogue (allreduce + residual add + RMSNorm): [`epilogue`]
+//!   (shared pieces and the separate `add_rms_norm` kernel),
+//!   [`fused_one_shot_push`], [`fused_one_shot_pull`].
 //!
 //! Entry points are `#[no_mangle] extern "ptx-kernel"` functions named
-//! `<algorithm>_<dtype>`. Sentinel kernels (OneShotPush) take one
+//! `<algorithm>_<dtype>`. Sentinel kernels (OneShotPush, TwoShotPush,
+//! Hierarchical) and the copy-engine ring's kernels take one
 //! `#[repr(C)]` parameter struct by value (`crate::params`); the others take
 //! scalars and raw pointers (a `DeviceHandle` pointer first).
 
@@ -21,8 +26,13 @@ pub mod ptx;
 pub mod sentinel;
 pub mod sync;
 
+pub mod copy_engine_ring;
 pub mod elementwise;
+pub mod epilogue;
+pub mod fused_one_shot_pull;
+pub mod fused_one_shot_push;
 pub mod hierarchical;
+pub mod island_push;
 pub mod one_shot_pull;
 pub mod one_shot_push;
 pub mod p2p_check;

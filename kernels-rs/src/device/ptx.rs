@@ -419,6 +419,60 @@ pub fn add_rn_bf16x2(a: u32, b: u32) -> u32 {
     r
 }
 
+/// `sqrt.rn.f32 %f, x;` (IEEE square root, round to nearest even).
+#[inline(always)]
+pub fn sqrt_rn_f32(x: f32) -> f32 {
+    let r: f32;
+    // SAFETY: register-only arithmetic.
+    unsafe { asm!("sqrt.rn.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(pure, nomem, nostack)) };
+    r
+}
+
+// ---------------------------------------------------------------- block reductions (fused epilogue)
+
+/// `shfl.sync.bfly.b32 %r, v, lane_mask, 0x1f, 0xffffffff;` — `v` of lane
+/// `laneid ^ lane_mask`. Every lane of the warp must execute it together
+/// (block-uniform control flow, full warps).
+#[inline(always)]
+pub fn shfl_sync_bfly_f32(v: f32, lane_mask: u32) -> f32 {
+    let r: f32;
+    // SAFETY: a warp-synchronous register exchange, no memory access; the
+    // callers run it with every lane of the warp converged.
+    unsafe {
+        asm!("shfl.sync.bfly.b32 {r}, {v}, {m}, 0x1f, 0xffffffff;", r = out(reg32) r, v = in(reg32) v, m = in(reg32) lane_mask, options(nomem, nostack))
+    };
+    r
+}
+
+/// Shared-window address of the block-reduction scratch: 32 f32 (two
+/// buffers of 16 warp partials), declared by this asm block as
+/// `.shared .align 16 .b8 [128]` (ptxas allocates one per kernel that
+/// uses it). Call it once at kernel entry and pass the address on.
+#[inline(always)]
+pub fn reduction_scratch() -> u32 {
+    let a: u32;
+    // SAFETY: declares a block-scoped shared array and takes its address.
+    unsafe {
+        asm!("{{ .shared .align 16 .b8 tp_reduction_scratch[128];", "mov.u32 {a}, tp_reduction_scratch; }}", a = out(reg32) a, options(pure, nomem, nostack))
+    };
+    a
+}
+
+/// `st.shared.f32 [addr], v;` (`addr`: a shared-window address)
+#[inline(always)]
+pub unsafe fn st_shared_f32(addr: u32, v: f32) {
+    asm!("st.shared.f32 [{a}], {v};", a = in(reg32) addr, v = in(reg32) v, options(nostack));
+}
+
+/// `ld.shared.v4.f32 {a,b,c,d}, [addr];` (`addr` 16-byte aligned, shared
+/// window; `readonly`, ordered after `bar.sync` by the barrier's clobber)
+#[inline(always)]
+pub unsafe fn ld_shared_v4_f32(addr: u32) -> [f32; 4] {
+    let (a, b, c, d): (f32, f32, f32, f32);
+    asm!("ld.shared.v4.f32 {{{a}, {b}, {c}, {d}}}, [{p}];", p = in(reg32) addr, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, options(nostack, readonly));
+    [a, b, c, d]
+}
+
 /// `nanosleep.u32 ns;` — back off inside a long spin (sm_70+).
 #[inline(always)]
 pub fn nanosleep(ns: u32) {

@@ -130,15 +130,48 @@ pub unsafe fn give_up(
     generation: u32,
     stall: Stall,
 ) {
+    let peer = one_shot_push_source(stall.slot, rank);
     give_up_cold(
         control,
         own_abort,
         record,
         algorithm as u32,
+        Phase::Payload as u32,
         rank,
+        peer,
         generation,
         stall.code as u32,
-        stall.slot,
+        stall.observed,
+        stall.waited_ns,
+    )
+}
+
+/// [`give_up`] for a wait of `phase` on rank `peer` (the island push
+/// kernels and the copy-engine ring name the phase and the peer themselves;
+/// `stall.slot` is not used).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn give_up_at(
+    control: *mut Control,
+    own_abort: *mut u32,
+    record: *mut ErrorRecord,
+    algorithm: AlgorithmId,
+    phase: Phase,
+    rank: u32,
+    peer: u32,
+    generation: u32,
+    stall: Stall,
+) {
+    give_up_cold(
+        control,
+        own_abort,
+        record,
+        algorithm as u32,
+        phase as u32,
+        rank,
+        peer,
+        generation,
+        stall.code as u32,
         stall.observed,
         stall.waited_ns,
     )
@@ -152,19 +185,20 @@ unsafe fn give_up_cold(
     own_abort: *mut u32,
     record: *mut ErrorRecord,
     algorithm: u32,
+    phase: u32,
     rank: u32,
+    peer: u32,
     generation: u32,
     code: u32,
-    slot: u32,
     observed: u32,
     waited_ns: u64,
 ) {
     if ptx::atom_cas_relaxed_gpu_u32(&mut (*control).error_claim, 0, 1) == 0 && !record.is_null() {
         (*record).code = code;
         (*record).algorithm = algorithm;
-        (*record).phase = Phase::Payload as u32;
+        (*record).phase = phase;
         (*record).rank = rank;
-        (*record).peer = one_shot_push_source(slot, rank);
+        (*record).peer = peer;
         (*record).block = ptx::block_idx_x();
         (*record).epoch = generation;
         (*record).expected = generation;

@@ -68,10 +68,12 @@ pub struct Ctx<'a> {
     pub block: u32,
     pub tid: u32,
     pub epoch: u32,
-    /// Whether a wait of this call succeeded on this thread: every peer it
-    /// waited for has started the call, so later waits are bounded by
+    /// Whether this block passed a barrier of the call with every rank:
+    /// every rank has started the call, so later waits are bounded by
     /// `timeout_ns` (a stall), earlier ones by `launch_timeout_ns` (a peer
-    /// may not have launched the call yet).
+    /// may not have launched the call yet). Waits that do not follow a
+    /// barrier of all ranks (the ring: a chunk's progress depends on every
+    /// rank upstream) keep the launch bound.
     pub started: core::cell::Cell<bool>,
 }
 
@@ -155,7 +157,6 @@ impl<'a> Ctx<'a> {
         // OneShotPull with 8 ranks on one H200; docs/RESULTS.md.)
         let mut v = ptx::ld_acquire_sys_u32(flag);
         if seq_geq(v, target) {
-            self.started.set(true);
             return true;
         }
         let start = ptx::globaltimer_ns();
@@ -163,7 +164,6 @@ impl<'a> Ctx<'a> {
         loop {
             v = ptx::ld_acquire_sys_u32(flag);
             if seq_geq(v, target) {
-                self.started.set(true);
                 return true;
             }
             spins = spins.wrapping_add(1);
@@ -255,7 +255,11 @@ impl<'a> Ctx<'a> {
             failed = !self.wait_flag(phase, peer, self.epoch);
         }
         // (4) Spread the acquires (and any failure) to the whole block.
-        !ptx::bar_red_or(failed)
+        let passed = !ptx::bar_red_or(failed);
+        // Every rank reached this barrier of the call: later waits are on
+        // ranks known to run it.
+        self.started.set(passed);
+        passed
     }
 
     /// [`barrier`](Self::barrier) restricted to a group of ranks: thread

@@ -73,6 +73,23 @@ class TorchRuntime:
     def nbytes(self, inp):
         return inp.numel() * inp.element_size()
 
+    def fused_ineligible(self, inp, residual, weight):
+        """Why ``(inp, residual, weight)`` cannot take the fused call, or
+        ``None`` (``inp`` already passed ``ineligible``)."""
+        torch = self.torch
+        if not isinstance(residual, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            return "residual or weight is not a tensor"
+        if residual.dtype != inp.dtype or weight.dtype != inp.dtype:
+            return f"dtypes differ: input {inp.dtype}, residual {residual.dtype}, weight {weight.dtype}"
+        if residual.device != inp.device or weight.device != inp.device:
+            return "residual or weight on another device"
+        if not residual.is_contiguous() or not weight.is_contiguous():
+            return "residual or weight not contiguous"
+        hidden = weight.numel()
+        if weight.dim() != 1 or hidden == 0 or inp.numel() % hidden != 0 or residual.numel() != inp.numel():
+            return "shapes do not match rows x weight.numel()"
+        return None
+
     def ineligible(self, inp, device):
         """Why ``inp`` cannot go through tp-allreduce, or ``None``."""
         from .. import dtypes
@@ -188,9 +205,20 @@ class CustomAllreduceAdapter:
         return self.comm.all_reduce(inp, out=out)
 
     def fused_allreduce_rmsnorm(self, input, residual, weight, eps):  # noqa: A002
-        """Not fused yet: ``None`` tells the engine to run allreduce and
-        RMSNorm separately."""
-        return None
+        """The engine's fused hook: the sum of ``input`` over the group plus
+        ``residual``, then RMSNorm with ``weight``, in one call (fused into
+        the allreduce kernel where tp-allreduce picks one-shot push or pull,
+        else the allreduce followed by a separate kernel). Returns
+        ``(normed, residual)``: ``residual`` updated in place to sum +
+        residual, ``normed`` a new tensor. ``None`` when this call is not for
+        us (disabled, too large, other dtypes or shapes): the engine then
+        runs its allreduce and RMSNorm itself. The decision depends only on
+        shapes and dtypes, so it is the same on every rank."""
+        if self.disabled or not self.should_custom_ar(input):
+            return None
+        if self._runtime.fused_ineligible(input, residual, weight) is not None:
+            return None
+        return self.comm.all_reduce_add_rms_norm(input, residual, weight, eps)
 
     # ------------------------------------------------------------ graphs
     @contextlib.contextmanager

@@ -6,8 +6,10 @@
 
 #![allow(unsafe_code)]
 
+pub(super) mod fused;
+
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
-use tp_allreduce_kernels::ids::DType;
+use tp_allreduce_kernels::ids::{AlgorithmId, DType};
 use tp_allreduce_kernels::layout::ErrorRecord;
 use tp_allreduce_kernels::layout::{PACK_BYTES, THREADS_PER_BLOCK};
 use tp_allreduce_kernels::partition::packs_for;
@@ -25,7 +27,7 @@ use crate::error::{Error, Result};
 /// measured for it (sentinel algorithms): the forced algorithm (no tuned
 /// shape), else the selection table's choice for this size bucket (no
 /// allocation).
-fn choose(comm: &Comm, bytes: usize, dtype: DType, capturing: bool) -> (Algorithm, Option<(u32, u32)>) {
+pub(super) fn choose(comm: &Comm, bytes: usize, dtype: DType, capturing: bool) -> (Algorithm, Option<(u32, u32)>) {
     match comm.config.algorithm {
         Some(forced) => (forced, None),
         None => {
@@ -51,7 +53,7 @@ pub(super) fn plan(comm: &Comm, bytes: usize, dtype: DType, capturing: bool, in_
 
 /// Splits `count` elements into launches of at most `cap_packs` packs each
 /// (chunk boundaries on pack boundaries keep 16-byte alignment).
-fn chunks(count: usize, dtype: DType, cap_packs: u64) -> impl Iterator<Item = (usize, usize)> {
+pub(super) fn chunks(count: usize, dtype: DType, cap_packs: u64) -> impl Iterator<Item = (usize, usize)> {
     let per_pack = tp_allreduce_kernels::partition::elems_per_pack(dtype);
     let cap_elems = (cap_packs.min((usize::MAX / PACK_BYTES) as u64) as usize).saturating_mul(per_pack).max(per_pack);
     (0..count).step_by(cap_elems).map(move |start| (start, cap_elems.min(count - start)))
@@ -133,13 +135,15 @@ impl Comm {
         }
         let bytes =
             count.checked_mul(dtype.size_bytes()).ok_or_else(|| Error::invalid("all_reduce: count overflows"))?;
+        let _context = driver::CurrentContext::bind(&self.ctx)?;
+        // Ranges first: an overrun (wrong count or dtype) is the root cause
+        // of an overlap with a neighbouring allocation and says so.
+        for (what, ptr) in [("send", send), ("recv", recv)] {
+            self.validate_device_range(what, ptr, bytes, count, dtype)?;
+        }
         let overlap = send != recv && ranges_overlap(send, recv, bytes as u64);
         if overlap {
             return Err(Error::invalid("all_reduce: send and recv overlap without being equal"));
-        }
-        let _context = driver::CurrentContext::bind(&self.ctx)?;
-        for (what, ptr) in [("send", send), ("recv", recv)] {
-            self.validate_device_range(what, ptr, bytes, count, dtype)?;
         }
         // SAFETY: the caller guarantees `stream` is a live stream (contract of this fn).
         let stream_ctx = unsafe { driver::stream_context(stream)? };
@@ -152,15 +156,31 @@ impl Comm {
     }
 
     /// Checks that `ptr..ptr+bytes` is device memory of this context (a
-    /// wrong count or dtype in the raw API shows up as an overrun).
-    fn validate_device_range(&self, what: &str, ptr: u64, bytes: usize, count: usize, dtype: DType) -> Result<()> {
+    /// wrong count or dtype in the raw API shows up as an overrun). One
+    /// range query for `cuMemAlloc` memory. For cuMem memory the driver
+    /// reports only the physical chunk holding `ptr`, so a range running
+    /// past it is accepted when the chunks mapped after it continue it up
+    /// to its end (a few pointer queries per chunk).
+    pub(super) fn validate_device_range(
+        &self,
+        what: &str,
+        ptr: u64,
+        bytes: usize,
+        count: usize,
+        dtype: DType,
+    ) -> Result<()> {
         match driver::allocation_range(ptr) {
             Ok((base, size)) => {
-                if ptr + bytes as u64 > base + size as u64 {
+                let end = ptr.saturating_add(bytes as u64);
+                let mut mapped_end = base.saturating_add(size as u64);
+                if end > mapped_end && driver::vmm::backing(ptr) == driver::vmm::Backing::Vmm {
+                    mapped_end = driver::vmm::mapped_end(mapped_end, end);
+                }
+                if end > mapped_end {
                     return Err(Error::invalid(format!(
                         "all_reduce: {what} holds {} bytes from {ptr:#x}, but {count} x {} needs {bytes} \
                          (wrong count or dtype?)",
-                        base + size as u64 - ptr,
+                        mapped_end.saturating_sub(ptr),
                         dtype.name()
                     )));
                 }
@@ -175,6 +195,41 @@ impl Comm {
                 ))),
             },
         }
+    }
+
+    /// Allreduce (sum) of `count` elements of `send` from element
+    /// `send_start` (`None`: in place) into `recv` from element
+    /// `recv_start`, queued on `stream`: a stream of the communicator's
+    /// context that need not be its own (an engine's stream, e.g. candle's).
+    /// Both ranges are checked against the slices.
+    pub fn all_reduce_slices_on<T: Element>(
+        &self,
+        send: Option<(&cudarc::driver::CudaSlice<T>, usize)>,
+        recv: (&mut cudarc::driver::CudaSlice<T>, usize),
+        count: usize,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<()> {
+        let (dst, dst_start) = recv;
+        let fits = |len: usize, start: usize| start.checked_add(count).is_some_and(|end| end <= len);
+        if !fits(dst.len(), dst_start) || send.is_some_and(|(src, start)| !fits(src.len(), start)) {
+            return Err(Error::invalid("all_reduce: the range reaches past the end of a buffer"));
+        }
+        let elem = T::DTYPE.size_bytes() as u64;
+        // The guards record the use on `stream` and live until the call is
+        // queued.
+        let (recv_ptr, _dst_guard) = dst.device_ptr_mut(stream);
+        let recv_ptr = recv_ptr + dst_start as u64 * elem;
+        let (send_ptr, _src_guard) = match send {
+            Some((src, start)) => {
+                let (p, g) = src.device_ptr(stream);
+                (p + start as u64 * elem, Some(g))
+            }
+            None => (recv_ptr, None),
+        };
+        // SAFETY: both ranges lie inside live buffers borrowed for the call
+        // (checked above), `stream` is a live stream (its context is checked
+        // by `all_reduce_raw`).
+        unsafe { self.all_reduce_raw(send_ptr, recv_ptr, count, T::DTYPE, stream.cu_stream()) }
     }
 
     pub(super) fn read_error_record(&self) -> Option<DeviceFailure> {
@@ -221,19 +276,40 @@ impl Comm {
         unsafe { self.order_after_previous_call(stream, capture)? };
         let capturing = capture.is_some();
         let (algorithm, tuned_shape) = choose(self, bytes, dtype, capturing);
+        // SAFETY: as above.
+        unsafe { self.dispatch(algorithm, tuned_shape, send, recv, count, dtype, stream, capturing) }.inspect_err(|e| {
+            if e.breaks_communicator() {
+                self.mark_broken(e.to_string());
+            }
+        })
+    }
+
+    /// Runs `algorithm` (chosen, ordered) on a validated call: NCCL, a pull
+    /// or a push kernel. Also the allreduce of the fused calls' unfused path.
+    ///
+    /// # Safety
+    /// As `Comm::all_reduce_raw`, with the arguments already validated.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn dispatch(
+        &self,
+        algorithm: Algorithm,
+        tuned_shape: Option<(u32, u32)>,
+        send: sys::CUdeviceptr,
+        recv: sys::CUdeviceptr,
+        count: usize,
+        dtype: DType,
+        stream: sys::CUstream,
+        capturing: bool,
+    ) -> Result<()> {
         match algorithm {
             Algorithm::Nccl => match &self.nccl {
                 Some(nccl) => nccl.all_reduce(send, recv, count, dtype, stream),
                 None => Err(Error::Nccl("the NCCL algorithm was selected but no NCCL communicator exists".into())),
             },
             a if a.reads_peer_inputs() => self.run_pull(a, send, recv, count, dtype, stream, capturing),
+            Algorithm::CopyEngineRing => self.run_copy_engine(send, recv, count, dtype, stream),
             a => self.run_push(a, send, recv, count, dtype, stream, tuned_shape),
         }
-        .inspect_err(|e| {
-            if e.breaks_communicator() {
-                self.mark_broken(e.to_string());
-            }
-        })
     }
 
     /// Calls on one rank must not overlap: kernels keep per-block state
@@ -248,7 +324,7 @@ impl Comm {
     ///
     /// # Safety
     /// `stream` is a live stream of the communicator's context.
-    unsafe fn order_after_previous_call(&self, stream: sys::CUstream, capture: Option<u64>) -> Result<()> {
+    pub(super) unsafe fn order_after_previous_call(&self, stream: sys::CUstream, capture: Option<u64>) -> Result<()> {
         let mut order = self.order.lock().map_err(|_| Error::Broken("call-order lock poisoned".into()))?;
         let this = PreviousCall { stream: stream as usize, capture };
         let Some(prev) = order.last.filter(|p| p.stream != this.stream) else {
@@ -285,7 +361,11 @@ impl Comm {
 
     /// The host side and kernel of `algorithm` for `dtype`, once the one
     /// availability rule allows it here.
-    fn prepare(&self, algorithm: Algorithm, dtype: DType) -> Result<(&'static dyn AlgorithmHost, sys::CUfunction)> {
+    pub(super) fn prepare(
+        &self,
+        algorithm: Algorithm,
+        dtype: DType,
+    ) -> Result<(&'static dyn AlgorithmHost, sys::CUfunction)> {
         algorithm::availability(algorithm, &self.capabilities(), None).map_err(Error::Unsupported)?;
         let host = algorithm::host(algorithm).ok_or_else(|| Error::invalid("NCCL has no kernel of ours"))?;
         Ok((host, self.module.function(&crate::kernels::entry_name(host.kernel(), dtype))?))
@@ -324,11 +404,11 @@ impl Comm {
         Ok(())
     }
 
-    /// A sentinel algorithm (OneShotPush): parameters by value from the
-    /// rank's template, a launch shape per launch (configured, tuned or the
-    /// default rule, within residency). The host validates what the kernel
-    /// does not: each launch fits the receive region (`chunks`) and its
-    /// shape stays resident.
+    /// A sentinel algorithm (OneShotPush, TwoShotPush, Hierarchical):
+    /// parameters by value from the rank's template, a launch shape per
+    /// launch (configured, tuned or the default rule, within residency). The
+    /// host validates what the kernel does not: each launch fits the receive
+    /// region (`chunks`) and its shape stays resident.
     #[allow(clippy::too_many_arguments)]
     fn run_sentinel(
         &self,
@@ -342,10 +422,11 @@ impl Comm {
     ) -> Result<()> {
         let geometry = self.setup.geometry();
         let capacity = host.launch_capacity_packs(&geometry);
-        let name = if self.world == 2 && self.config.one_shot_push_tp2 {
+        let kernel = host.kernel();
+        let name = if kernel == AlgorithmId::OneShotPush && self.world == 2 && self.config.one_shot_push_tp2 {
             crate::kernels::one_shot_push2_entry(dtype)
         } else {
-            crate::kernels::entry_name(host.kernel(), dtype)
+            crate::kernels::entry_name(kernel, dtype)
         };
         let f = self.module.function(&name)?;
         let elem = dtype.size_bytes() as u64;
@@ -360,15 +441,56 @@ impl Comm {
             let default = host.launch_shape(&geometry, packs);
             let (blocks, threads) =
                 params::choose_shape(self.config.launch_shape, tuned_shape, default, &geometry.sentinel_resident)?;
-            let off = start as u64 * elem;
-            let p = self.sentinel.one_shot_push(send + off, recv + off, n as u64);
-            // SAFETY: the sentinel entries take one OneShotPushParams by value
-            // (sizes pinned on both sides, checked against the PTX by the
-            // tests); the template's addresses are this communicator's mapped
-            // regions, alive as long as it is; input and output are valid for
-            // `n` elements (checked by the caller); the shape is within the
-            // resident cap and the block limit (choose_shape, Config::validate).
-            unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
+            let (input, output) = (send + start as u64 * elem, recv + start as u64 * elem);
+            // SAFETY (both launches): each entry takes its parameter struct by
+            // value (sizes pinned on both sides, checked against the PTX by
+            // the tests: `kernels::param_struct`); the template's addresses
+            // are this communicator's mapped regions, alive as long as it is;
+            // input and output are valid for `n` elements (checked by the
+            // caller); the shape is within the resident cap and the block
+            // limit (choose_shape, Config::validate).
+            if kernel == AlgorithmId::OneShotPush {
+                let p = self.sentinel.one_shot_push(input, output, n as u64);
+                unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
+            } else {
+                let hierarchical = kernel == AlgorithmId::Hierarchical;
+                let p = self
+                    .sentinel
+                    .island_push(hierarchical, input, output, n as u64)
+                    .ok_or_else(|| Error::Unsupported("hierarchical: this communicator has no islands".into()))?;
+                unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
+            }
+        }
+        Ok(())
+    }
+
+    /// The copy-engine ring: per launch (at most the staging's capacity),
+    /// the program of `comm/copy_engine.rs` on the caller's stream and the
+    /// rank's helper stream.
+    fn run_copy_engine(
+        &self,
+        send: sys::CUdeviceptr,
+        recv: sys::CUdeviceptr,
+        count: usize,
+        dtype: DType,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let (host, step) = self.prepare(Algorithm::CopyEngineRing, dtype)?;
+        let Some((template, runtime)) = &self.sentinel.copy_engine else {
+            return Err(Error::Unsupported("copy-engine-ring: no staging on this communicator".into()));
+        };
+        let geometry = self.setup.geometry();
+        let elem = dtype.size_bytes() as u64;
+        for (start, n) in chunks(count, dtype, host.launch_capacity_packs(&geometry)) {
+            let (input, output) = (send + start as u64 * elem, recv + start as u64 * elem);
+            let pieces = super::copy_engine::pieces(n as u64, dtype, self.world);
+            let shape = |packs| host.launch_shape(&geometry, packs);
+            let ops = template.program((input, output, n as u64), dtype, pieces, shape);
+            // SAFETY: `stream` is a live stream of this context (validated by
+            // the caller); the program's addresses are this communicator's
+            // mapped regions and the caller's buffers, valid for `n`
+            // elements; the program is built by `CopyEngineTemplate::program`.
+            unsafe { driver::copy_engine::run(runtime, &ops, step, stream)? };
         }
         Ok(())
     }

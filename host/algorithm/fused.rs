@@ -1,0 +1,360 @@
+//! The fused epilogue's host rules (allreduce + residual add + RMSNorm,
+//! `Comm::all_reduce_add_rms_norm`): the options, which path a call takes,
+//! the launch shapes, and the checks of a call's shape. Pure: tested on
+//! the CPU. Kernels: `kernels-rs/src/device/{fused_one_shot_push,
+//! fused_one_shot_pull, epilogue}.rs`.
+//!
+//! # Paths
+//! * **Fused one-shot push / pull**: when the call's algorithm is
+//!   OneShotPush or OneShotPull and every row is whole packs
+//!   (`hidden x element size` a multiple of 16 bytes) of at most
+//!   `FUSED_MAX_ROW_PACKS` packs (hidden 16384 in f16/bf16, 8192 in f32).
+//!   A block owns whole rows; launches carry whole rows.
+//! * **Unfused**: every other algorithm (two-shot, ring, hierarchical,
+//!   NCCL) and every shape the fused kernels do not take: the allreduce
+//!   (into `normed`, or in place into `input` for `all_reduce_add`), then
+//!   the separate `add_rms_norm` kernel. Always correct. The owner of a
+//!   slice normalising whole rows inside two-shot and hierarchical (the
+//!   all-gather then carries normalised output and new residual) is the
+//!   planned follow-up.
+//!
+//! The path depends only on what every rank shares (the algorithm, rows,
+//! hidden, dtype, capacities), never on one rank's pointers, so all ranks
+//! run the same kernels (the pull kernel's barriers pair blocks across
+//! ranks) with the same reduction tree: the fused kernels take views of any
+//! alignment, going element by element through a misaligned one.
+
+#![forbid(unsafe_code)]
+
+use tp_allreduce_kernels::params::{FUSED_MAX_ROW_PACKS, FUSED_MAX_THREADS, FUSED_PACKS_PER_THREAD};
+use tp_allreduce_kernels::partition::PACK_BYTES;
+
+use crate::algorithm::Algorithm;
+use crate::DType;
+
+/// Options of the fused calls.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct FusedOptions {
+    /// Scale by `1 + weight` (Gemma's RMSNorm) instead of `weight`.
+    pub weight_offset: bool,
+    /// Threads per block of the fused kernels (a multiple of 32, at most
+    /// 512, at least a quarter of a row's 16-byte packs); `None`: the
+    /// default rule ([`default_threads`]). The row's sum of squares is
+    /// reduced in a tree that depends on it, so every rank must use the
+    /// same value for the outputs to be bitwise equal across ranks.
+    pub threads: Option<u32>,
+    /// Take the unfused path whatever the algorithm: the allreduce the
+    /// plain selection picks, then the separate `add_rms_norm` kernel (the
+    /// reference the benchmark compares the fused kernels with).
+    pub unfused: bool,
+}
+
+/// What a fused call computes, as every rank sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpilogueShape {
+    pub rows: usize,
+    pub hidden: usize,
+    pub dtype: DType,
+    /// RMSNorm after the add (`all_reduce_add_rms_norm`), or the add only
+    /// (`all_reduce_add`).
+    pub norm: bool,
+}
+
+impl EpilogueShape {
+    pub fn count(&self) -> usize {
+        self.rows * self.hidden
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.count() * self.dtype.size_bytes()
+    }
+
+    /// 16-byte packs per row when rows are whole packs.
+    pub fn row_packs(&self) -> Option<u64> {
+        let row_bytes = self.hidden * self.dtype.size_bytes();
+        (row_bytes % PACK_BYTES == 0).then_some((row_bytes / PACK_BYTES) as u64)
+    }
+}
+
+/// The kernels a fused call runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FusedPath {
+    /// `fused_one_shot_push_<dt>`, launches of `rows_per_launch` rows.
+    Push { rows_per_launch: u64 },
+    /// `fused_one_shot_pull_<dt>`, launches of `rows_per_launch` rows.
+    Pull { rows_per_launch: u64 },
+    /// The allreduce, then `add_rms_norm_<dt>`; why it is not fused.
+    Unfused(String),
+}
+
+/// The device pointers of one fused call (weight and normed 0 without
+/// RMSNorm).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpiloguePointers {
+    pub input: u64,
+    pub residual: u64,
+    pub weight: u64,
+    pub normed: u64,
+}
+
+/// `a..a+a_len` and `b..b+b_len` share a byte.
+fn overlap(a: u64, a_len: u64, b: u64, b_len: u64) -> bool {
+    a < b.saturating_add(b_len) && b < a.saturating_add(a_len)
+}
+
+/// Checks a fused call's arguments that need no driver: sizes, eps,
+/// pointers (null, element alignment, overlaps) and the thread override.
+/// `Err` is the message of an `Error::InvalidUsage`, naming `what`.
+pub fn check_call(
+    what: &str,
+    p: &EpiloguePointers,
+    shape: &EpilogueShape,
+    eps: f32,
+    opts: &FusedOptions,
+) -> Result<(), String> {
+    let elem = shape.dtype.size_bytes() as u64;
+    if shape.hidden == 0 {
+        return Err(format!("{what}: hidden must be at least 1"));
+    }
+    if shape.rows > u32::MAX as usize || shape.hidden > u32::MAX as usize {
+        return Err(format!("{what}: {} rows of {} elements: each must fit in 32 bits", shape.rows, shape.hidden));
+    }
+    let bytes = (shape.rows as u64)
+        .checked_mul(shape.hidden as u64)
+        .and_then(|c| c.checked_mul(elem))
+        .ok_or_else(|| format!("{what}: rows x hidden overflows"))?;
+    if shape.norm && !(eps.is_finite() && eps >= 0.0) {
+        return Err(format!("{what}: eps must be finite and >= 0, got {eps}"));
+    }
+    let mut named = vec![("input", p.input, bytes), ("residual", p.residual, bytes)];
+    if shape.norm {
+        named.push(("weight", p.weight, shape.hidden as u64 * elem));
+        named.push(("normed", p.normed, bytes));
+    }
+    for &(name, ptr, _) in &named {
+        if ptr == 0 {
+            return Err(format!("{what}: {name} is a null device pointer"));
+        }
+        if ptr % elem != 0 {
+            return Err(format!("{what}: {name} ({ptr:#x}) is not aligned to the {elem}-byte element size"));
+        }
+    }
+    for (i, &(a, pa, la)) in named.iter().enumerate() {
+        for &(b, pb, lb) in &named[i + 1..] {
+            // The one overlap allowed: normed written over input, exactly.
+            let in_place = a == "input" && b == "normed" && pa == pb;
+            if !in_place && overlap(pa, la, pb, lb) {
+                return Err(format!(
+                    "{what}: {a} and {b} overlap (only normed may equal input, for the in-place form)"
+                ));
+            }
+        }
+    }
+    if let (Some(threads), Some(row_packs)) = (opts.threads, shape.row_packs()) {
+        check_threads(threads, row_packs).map_err(|e| format!("{what}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Whether `algorithm` has a kernel with the epilogue fused.
+pub fn has_fused_kernel(algorithm: Algorithm) -> bool {
+    matches!(algorithm, Algorithm::OneShotPush | Algorithm::OneShotPull)
+}
+
+/// The path of a call of `shape` whose allreduce algorithm is `algorithm`.
+/// `push_capacity_packs`: packs of one OneShotPush launch (its receive
+/// region); `pull_capacity_packs`: packs of one pull launch (staging).
+pub fn fused_path(
+    algorithm: Algorithm,
+    shape: &EpilogueShape,
+    push_capacity_packs: u64,
+    pull_capacity_packs: u64,
+) -> FusedPath {
+    let capacity = match algorithm {
+        Algorithm::OneShotPush => push_capacity_packs,
+        Algorithm::OneShotPull => pull_capacity_packs,
+        other => return FusedPath::Unfused(format!("{other} has no fused kernel yet")),
+    };
+    let Some(row_packs) = shape.row_packs() else {
+        return FusedPath::Unfused(format!(
+            "a row of {} x {} is not a whole number of 16-byte packs",
+            shape.hidden,
+            shape.dtype.name()
+        ));
+    };
+    if row_packs > FUSED_MAX_ROW_PACKS as u64 {
+        return FusedPath::Unfused(format!(
+            "rows of {} {} elements exceed the fused kernels' {} ({} packs)",
+            shape.hidden,
+            shape.dtype.name(),
+            FUSED_MAX_ROW_PACKS as usize * PACK_BYTES / shape.dtype.size_bytes(),
+            FUSED_MAX_ROW_PACKS
+        ));
+    }
+    let rows_per_launch = capacity.checked_div(row_packs).unwrap_or(0);
+    if rows_per_launch == 0 {
+        return FusedPath::Unfused(format!(
+            "one row ({row_packs} packs) exceeds a {algorithm} launch ({capacity} packs)"
+        ));
+    }
+    match algorithm {
+        Algorithm::OneShotPush => FusedPath::Push { rows_per_launch },
+        _ => FusedPath::Pull { rows_per_launch },
+    }
+}
+
+/// Default threads per block of a fused kernel for rows of `row_packs`
+/// packs: as few packs per thread as 512 threads allow, spread evenly,
+/// rounded up to whole warps (896 packs: 448 threads of 2 packs).
+pub fn default_threads(row_packs: u64) -> u32 {
+    let per_thread = row_packs.div_ceil(FUSED_MAX_THREADS as u64).max(1);
+    let threads = row_packs.div_ceil(per_thread).max(1);
+    (threads.div_ceil(32) * 32).min(FUSED_MAX_THREADS as u64) as u32
+}
+
+/// `Ok` when `threads` can run a fused kernel over rows of `row_packs`.
+pub fn check_threads(threads: u32, row_packs: u64) -> Result<(), String> {
+    if threads == 0 || threads % 32 != 0 || threads > FUSED_MAX_THREADS {
+        return Err(format!("fused threads {threads}: a multiple of 32 in 32..={FUSED_MAX_THREADS}"));
+    }
+    if row_packs > threads as u64 * FUSED_PACKS_PER_THREAD as u64 {
+        return Err(format!(
+            "fused threads {threads}: rows of {row_packs} packs need at least {} threads ({} packs each)",
+            row_packs.div_ceil(FUSED_PACKS_PER_THREAD as u64).div_ceil(32) * 32,
+            FUSED_PACKS_PER_THREAD
+        ));
+    }
+    Ok(())
+}
+
+/// Threads per block of the separate `add_rms_norm` kernel for rows of
+/// `hidden` elements of `dtype`: one pack per thread up to 512 threads.
+/// The same on every rank (it fixes the reduction tree).
+pub fn epilogue_threads(hidden: usize, dtype: DType) -> u32 {
+    let packs = (hidden as u64).div_ceil(PACK_BYTES as u64 / dtype.size_bytes() as u64);
+    (packs.div_ceil(32) * 32).clamp(32, FUSED_MAX_THREADS as u64) as u32
+}
+
+/// Blocks of a launch over `rows` rows with at most `cap` resident.
+pub fn row_blocks(rows: u64, cap: u32) -> u32 {
+    rows.clamp(1, cap.max(1) as u64) as u32
+}
+
+/// Most blocks of a launch of the separate kernel (rows beyond it are
+/// looped over by the blocks).
+pub const EPILOGUE_MAX_BLOCKS: u32 = 65_535;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(rows: usize, hidden: usize, dtype: DType) -> EpilogueShape {
+        EpilogueShape { rows, hidden, dtype, norm: true }
+    }
+
+    #[test]
+    fn one_shot_algorithms_fuse_whole_pack_rows_up_to_the_limit() {
+        let s = shape(3, 7168, DType::Bf16);
+        assert_eq!(s.row_packs(), Some(896));
+        assert_eq!(s.bytes(), 43_008);
+        assert_eq!(fused_path(Algorithm::OneShotPush, &s, 1000, 500_000), FusedPath::Push { rows_per_launch: 1 });
+        assert_eq!(fused_path(Algorithm::OneShotPull, &s, 1000, 500_000), FusedPath::Pull { rows_per_launch: 558 });
+        // hidden 16384 in bf16 is the largest fused row; f32 stops at 8192.
+        assert!(matches!(
+            fused_path(Algorithm::OneShotPush, &shape(1, 16384, DType::Bf16), 1 << 20, 0),
+            FusedPath::Push { .. }
+        ));
+        assert!(matches!(
+            fused_path(Algorithm::OneShotPush, &shape(1, 8192, DType::F32), 1 << 20, 0),
+            FusedPath::Push { .. }
+        ));
+        let long = fused_path(Algorithm::OneShotPush, &shape(1, 16384, DType::F32), 1 << 20, 0);
+        assert!(matches!(&long, FusedPath::Unfused(why) if why.contains("8192")), "{long:?}");
+    }
+
+    #[test]
+    fn other_algorithms_and_odd_rows_take_the_unfused_path() {
+        let s = shape(7, 4096, DType::F16);
+        for a in
+            [Algorithm::TwoShotPush, Algorithm::TwoShotPull, Algorithm::Ring, Algorithm::Hierarchical, Algorithm::Nccl]
+        {
+            assert!(
+                matches!(fused_path(a, &s, 1 << 20, 1 << 20), FusedPath::Unfused(why) if why.contains("no fused kernel"))
+            );
+        }
+        // 13 bf16 elements per row: 26 bytes, not whole packs.
+        let odd = fused_path(Algorithm::OneShotPush, &shape(2, 13, DType::Bf16), 1 << 20, 1 << 20);
+        assert!(matches!(&odd, FusedPath::Unfused(why) if why.contains("16-byte")), "{odd:?}");
+        // A receive region smaller than a row.
+        let small = fused_path(Algorithm::OneShotPush, &shape(2, 4096, DType::Bf16), 100, 1 << 20);
+        assert!(matches!(&small, FusedPath::Unfused(why) if why.contains("exceeds")), "{small:?}");
+    }
+
+    #[test]
+    fn default_threads_spread_packs_evenly_in_whole_warps() {
+        assert_eq!(default_threads(896), 448); // hidden 7168 bf16
+        assert_eq!(default_threads(640), 320); // 5120 bf16
+        assert_eq!(default_threads(2048), 512); // 16384 bf16: 4 packs each
+        assert_eq!(default_threads(16), 32); // 128 bf16
+        assert_eq!(default_threads(1), 32);
+        assert_eq!(default_threads(513), 288);
+        for packs in 1..=FUSED_MAX_ROW_PACKS as u64 {
+            let t = default_threads(packs);
+            check_threads(t, packs).unwrap_or_else(|e| panic!("{packs} packs: {e}"));
+        }
+    }
+
+    #[test]
+    fn thread_overrides_are_checked() {
+        assert!(check_threads(256, 896).is_ok());
+        assert!(check_threads(224, 896).is_ok());
+        let few = check_threads(192, 896).unwrap_err();
+        assert!(few.contains("at least 224"), "{few}");
+        assert!(check_threads(100, 16).unwrap_err().contains("multiple of 32"));
+        assert!(check_threads(1024, 16).is_err());
+        assert!(check_threads(0, 16).is_err());
+    }
+
+    #[test]
+    fn calls_are_checked_before_any_device_work() {
+        let s = shape(3, 7168, DType::Bf16);
+        let bytes = 43_008u64;
+        let p = EpiloguePointers { input: 0x10_0000, residual: 0x20_0000, weight: 0x30_0000, normed: 0x40_0000 };
+        let o = FusedOptions::default();
+        assert_eq!(check_call("f", &p, &s, 1e-6, &o), Ok(()));
+        // In place: normed == input.
+        assert_eq!(check_call("f", &EpiloguePointers { normed: p.input, ..p }, &s, 1e-6, &o), Ok(()));
+        let err = |p: EpiloguePointers, s: EpilogueShape, eps: f32, o: FusedOptions| {
+            check_call("f", &p, &s, eps, &o).unwrap_err()
+        };
+        assert!(err(EpiloguePointers { normed: p.input + 2, ..p }, s, 1e-6, o).contains("input and normed overlap"));
+        assert!(err(EpiloguePointers { residual: p.input + bytes - 2, ..p }, s, 1e-6, o)
+            .contains("input and residual overlap"));
+        assert!(
+            err(EpiloguePointers { weight: p.residual + 64, ..p }, s, 1e-6, o).contains("residual and weight overlap")
+        );
+        assert!(err(EpiloguePointers { residual: 0, ..p }, s, 1e-6, o).contains("residual is a null"));
+        assert!(err(EpiloguePointers { weight: p.weight + 1, ..p }, s, 1e-6, o).contains("not aligned to the 2-byte"));
+        assert!(err(p, s, f32::NAN, o).contains("eps"));
+        assert!(err(p, s, -1.0, o).contains("eps"));
+        assert!(err(p, EpilogueShape { hidden: 0, ..s }, 1e-6, o).contains("hidden must be at least 1"));
+        assert!(err(p, EpilogueShape { rows: usize::MAX / 2, ..s }, 1e-6, o).contains("32 bits"));
+        assert!(err(p, s, 1e-6, FusedOptions { threads: Some(96), ..o }).contains("at least 224"));
+        // Without RMSNorm, weight and normed are not looked at (eps neither).
+        let add = EpilogueShape { norm: false, ..s };
+        assert_eq!(check_call("f", &EpiloguePointers { weight: 0, normed: 0, ..p }, &add, f32::NAN, &o), Ok(()));
+        // Buffers that only touch end to end do not overlap.
+        assert_eq!(check_call("f", &EpiloguePointers { residual: p.input + bytes, ..p }, &s, 1e-6, &o), Ok(()));
+    }
+
+    #[test]
+    fn the_separate_kernel_takes_one_pack_per_thread_up_to_512() {
+        assert_eq!(epilogue_threads(7168, DType::Bf16), 512);
+        assert_eq!(epilogue_threads(128, DType::Bf16), 32);
+        assert_eq!(epilogue_threads(100, DType::F32), 32);
+        assert_eq!(epilogue_threads(1000, DType::F32), 256);
+        assert_eq!(row_blocks(3, 36), 3);
+        assert_eq!(row_blocks(64, 36), 36);
+        assert_eq!(row_blocks(0, 36), 1);
+    }
+}

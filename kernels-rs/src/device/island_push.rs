@@ -1,0 +1,369 @@
+//! The island push with payload completion: the body of TwoShotPush (one
+//! island of every rank, two hops) and Hierarchical (islands of any shape,
+//! three hops). No flag, no barrier between ranks: every receive slot holds
+//! EMPTY until its payload lands (the OneShotPush sentinel protocol, applied
+//! to each phase), and the reader resets it right after reading.
+//!
+//! ```text
+//!   launch n on rank r = member j of island g (n_g members, m islands);
+//!   S shares of sh = ceil(packs / S) packs; r owns k = j + e n_g, e < owned
+//!   entry: {abort, generation} (one v4 load); half = generation & 1
+//!   A  reduce-scatter: for each send s (share k_s, owner staggered from
+//!      member j+1), t grid-stride < sh: canonical(in[k_s sh + t])
+//!      -> rs_to[s] + half + 16 t                     (n_g-1)/S of S posted
+//!   advance_generation (block barrier; the last block stores gen + 1)
+//!   B  partial: owned (e, t): poll the n_g-1 reduce-scatter slots, reset
+//!      them, v = round(sum in member order, own term canonical(in));
+//!      out[i] = v;  Hierarchical: v -> cross_to[o][e] + 16 t of every
+//!      other island's owner of k;  TwoShotPush: v -> ag_to[q] of every member
+//!   C  (Hierarchical) final: owned (e, t): poll the m-1 cross slots, reset,
+//!      f = round(sum in island order, own term out[i]); out[i] = f;
+//!      f -> ag_to[q] + half + 16 (e cap + t) of every other member
+//!   D  all-gather: each send s, t: poll ag_from[s] + half + 16 t, reset,
+//!      out[k_s sh + t] = value
+//! ```
+//!
+//! Phasing rule: a wait in phase X only needs data other ranks push in
+//! phases before X, and phase A never waits, so every phase ends (by
+//! induction over the phases) and the call costs one hop per phase, whatever
+//! the number of packs per thread. Writer and reader of a slot agree on
+//! every pack from `count` alone: any launch shape works on every rank.
+//!
+//! Ordering: every slot (a reduce-scatter, cross or all-gather slot of one
+//! source at one receiver, in one half) is written only by its source and
+//! read and reset only by its receiver, once per launch of the region. The
+//! OneShotPush argument (ARCHITECTURE.md, payload as completion) carries
+//! over slot by slot: the receiver resets it in launch n, in the thread that
+//! read it; the source writes it again in launch n+2 only after finishing
+//! n+1, which (every output of an allreduce needs every rank's input of the
+//! launch) follows the receiver finishing n. In place is safe: a pack's
+//! phase-D store causally follows this rank's phase-A read of it (the value
+//! travelled to its owner and back), and phases B and C read and write
+//! their packs in one thread. Ranks agree bitwise: each share is finished by
+//! its owner (Hierarchical: identically by every island's owner, the same
+//! partials summed in island order) and copied elsewhere; outputs are
+//! canonicalised like every payload.
+
+use super::pack::{aligned16, any_word_empty, load_pack, store_pack, Acc, Element, Pack, ZERO_PACK};
+use super::ptx;
+use super::sentinel::{self, Stall, Trace};
+use crate::for_each_rank;
+use crate::ids::{AlgorithmId, Phase};
+use crate::layout::{ErrorRecord, SENTINEL_EMPTY_WORD};
+use crate::params::{Control, IslandPushParams, RegionId, FLAG_TRACE};
+use crate::partition::{div_ceil, elems_in_pack};
+use crate::shares::{MAX_ISLANDS, MAX_OWNED};
+
+/// Packs loaded (or polled) back to back before any is used: bounds the
+/// packs held in registers (1024-thread blocks have 64 registers a thread;
+/// groups of 4 spilled on every architecture, groups of 2 do not).
+const GROUP: usize = 2;
+
+/// -0.0: the identity of IEEE addition (see `one_shot_push.rs`).
+const NEG_ZERO_ACC: Acc = [-0.0; 8];
+
+/// Pack `pack` of the message at `base` (`count` elements): one vector
+/// access when full and `vector`, element-wise otherwise (tails,
+/// misaligned user pointers; missing lanes read as zero).
+#[inline(always)]
+pub(super) unsafe fn load_message_pack<E: Element>(base: *const u8, count: u64, pack: u64, vector: bool) -> Pack {
+    let lanes = E::LANES as u64;
+    if vector && (pack + 1) * lanes <= count {
+        ptx::ld_global_v4_u32(base.add(16 * pack as usize) as *const u32)
+    } else {
+        load_pack::<E>(base, pack, elems_in_pack(count, lanes, pack), false)
+    }
+}
+
+/// Stores pack `pack` of the message at `base` (see [`load_message_pack`]).
+#[inline(always)]
+pub(super) unsafe fn store_message_pack<E: Element>(base: *mut u8, count: u64, pack: u64, vector: bool, v: &Pack) {
+    let lanes = E::LANES as u64;
+    if vector && (pack + 1) * lanes <= count {
+        ptx::st_global_v4_u32(base.add(16 * pack as usize) as *mut u32, *v);
+    } else {
+        store_pack::<E>(base, pack, elems_in_pack(count, lanes, pack), false, v);
+    }
+}
+
+/// A share index from the parameters, hidden from LLVM's loop-invariant
+/// code motion: otherwise it precomputes `share * sh` for every send before
+/// the loops and keeps them all live (spills at 64 registers).
+#[inline(always)]
+fn share_index(share: u8) -> u32 {
+    ptx::opaque_u64(share as u64) as u32
+}
+
+/// `row[e]` for a runtime `e < MAX_OWNED`, without a dynamic index into a
+/// parameter array (which would copy the struct to local memory).
+macro_rules! pick_owned {
+    ($row:expr, $e:expr) => {{
+        let mut v = $row[0];
+        if $e == 1 {
+            v = $row[1];
+        }
+        if $e == 2 {
+            v = $row[2];
+        }
+        if $e == 3 {
+            v = $row[3];
+        }
+        v
+    }};
+}
+const _: () = assert!(MAX_OWNED == 4, "pick_owned! selects among four owned shares");
+const _: () = assert!(4 * GROUP >= crate::layout::MAX_RANKS, "four groups cover every send and slot");
+const _: () = assert!(crate::layout::MAX_RANKS == 8, "the send groups of phase A cover sends 0..8");
+const _: () = assert!(2 * GROUP >= MAX_ISLANDS - 1, "two groups cover the cross slots");
+
+/// The kernel body. `CROSS`: Hierarchical (phases A-D); otherwise
+/// TwoShotPush (A, B, D; the partial is the final sum).
+#[inline(always)]
+#[allow(unused_comparisons)] // `S >= 0` in the first send group
+pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushParams) {
+    let trace = Trace::start(p.h.flags & FLAG_TRACE != 0, p.h.trace);
+    let control = p.h.control as *mut Control;
+    let region = if CROSS { RegionId::Hierarchical } else { RegionId::TwoShotPush };
+    let algorithm = if CROSS { AlgorithmId::Hierarchical } else { AlgorithmId::TwoShotPush };
+
+    // ---- Entry: the control words and the first input packs in flight
+    //      together (the send loop loads before it looks at `abort`).
+    let (abort, generation) = sentinel::entry(control, region);
+    // Pack indices are u32 (fewer registers): the host keeps a launch far
+    // below 2^32 packs (`max_chunk_bytes`).
+    let count = p.h.count;
+    let packs = div_ceil(count, E::LANES as u64) as u32;
+    let sh = packs.div_ceil(p.shares);
+    let threads = ptx::block_dim_x();
+    let first = ptx::block_idx_x() * threads + ptx::thread_idx_x();
+    let stride = ptx::grid_dim_x() * threads;
+    let input = p.h.input as *const u8;
+    let vin = aligned16(p.h.input);
+    let half = (generation & 1) as u64 * p.h.half_bytes;
+    let live = abort == 0;
+    let sends = p.sends;
+
+    // ---- A: reduce-scatter. Each share not owned here goes to its owner's
+    //      reduce-scatter slot of this rank (posted relaxed.sys stores),
+    //      owners in the staggered order of `send_share`.
+    if live {
+        trace.loaded(generation);
+    }
+    let mut t = first;
+    while t < sh {
+        let off = ptx::opaque_u64(half + 16 * t as u64);
+        // Sends `$from..$to` (at most GROUP): loads back to back, then
+        // stores. The first send goes alone, so that the first peer store
+        // waits for one input load only.
+        macro_rules! send_group {
+            ($from:literal, $to:literal) => {
+                let mut v = [ZERO_PACK; GROUP];
+                for_each_rank!(S => {
+                    if S >= $from && S < $to && (S as u32) < sends {
+                        let i = share_index(p.send_share[S]) * sh + t;
+                        if i < packs {
+                            v[(S - $from) % GROUP] = load_message_pack::<E>(input, count, i as u64, vin);
+                        }
+                    }
+                });
+                for_each_rank!(S => {
+                    if live && S >= $from && S < $to && (S as u32) < sends && share_index(p.send_share[S]) * sh + t < packs {
+                        let value = E::canonicalise(v[(S - $from) % GROUP]);
+                        ptx::st_relaxed_sys_v4_u32((p.rs_to[S] + off) as *mut u32, value);
+                    }
+                });
+            };
+        }
+        send_group!(0, 1);
+        send_group!(1, 3);
+        send_group!(3, 5);
+        send_group!(5, 7);
+        send_group!(7, 8);
+        if t == first && live {
+            trace.first_store(generation);
+        }
+        t += stride;
+    }
+
+    // ---- Generation: block barrier (block-uniform stop on abort); the last
+    //      block of the launch advances it.
+    if sentinel::advance_generation(control, region, generation, !live) {
+        return;
+    }
+
+    let output = p.h.output as *mut u8;
+    let vout = aligned16(p.h.output);
+    // Every wait of this family may be on a peer that has not launched the
+    // call yet, directly or through the shares it forwards (a late member
+    // of another island delays this island's finals): the launch bound.
+    let timeout = p.h.launch_timeout_ns;
+    let members = p.members;
+    let j = p.member_index;
+    let cap = p.share_cap;
+    let mut stall: Option<(Stall, Phase, u32)> = None;
+    'kernel: {
+        // Polls `$count` slots of `$Q`-indexed addresses (one group of
+        // GROUP slots), back to back, then per slot: spin while EMPTY,
+        // reset (reset on consume), accumulate; the own term goes in
+        // before slot `$own` (sources in order, own position left out).
+        macro_rules! poll_sum {
+            ($acc:ident, $mine:expr, $count:expr, $own:expr, $group:literal, $phase:expr,
+             $Q:ident => $addr:expr, $abort:expr, $peer:expr) => {
+                let mut got = [ZERO_PACK; GROUP];
+                for_each_rank!($Q => {
+                    if $Q / GROUP == $group && ($Q as u32) < $count {
+                        got[$Q % GROUP] = ptx::ld_relaxed_sys_v4_u32(($addr) as *const u32);
+                    }
+                });
+                for_each_rank!($Q => {
+                    // The own term before slot `$own`; when `$own` is past the
+                    // last slot the caller adds it after the groups.
+                    if $Q / GROUP == $group && $Q as u32 == $own && ($Q as u32) < $count {
+                        E::accumulate(&mut $acc, &$mine);
+                    }
+                    if $Q / GROUP == $group && ($Q as u32) < $count {
+                        let slot = ($addr) as *mut u32;
+                        let mut w = got[$Q % GROUP];
+                        if any_word_empty(&w) {
+                            match sentinel::wait_slot(slot, $Q as u32, ($abort) as *const u32, control, timeout) {
+                                Ok(arrived) => w = arrived,
+                                Err(s) => {
+                                    stall = Some((s, $phase, ($peer) as u32));
+                                    break 'kernel;
+                                }
+                            }
+                        }
+                        ptx::st_global_v4_u32(slot, [SENTINEL_EMPTY_WORD; 4]);
+                        E::accumulate(&mut $acc, &w);
+                    }
+                });
+            };
+        }
+
+        // ---- B: partial sums of the owned shares (member order), then on
+        //      to the other islands' owners (Hierarchical) or to every
+        //      member (TwoShotPush: the partial is the final sum).
+        let others = members - 1;
+        let mut e = 0u32;
+        while e < p.owned {
+            let base = (j + e * members) * sh;
+            let mut t = first;
+            while t < sh && base + t < packs {
+                let i = (base + t) as u64;
+                let mine = E::canonicalise(load_message_pack::<E>(input, count, i, vin));
+                let off = ptx::opaque_u64(half + 16 * (e as u64 * cap + t as u64));
+                let mut acc = NEG_ZERO_ACC;
+                poll_sum!(acc, mine, others, j, 0, Phase::RsPayload, Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q]);
+                poll_sum!(acc, mine, others, j, 1, Phase::RsPayload, Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q]);
+                poll_sum!(acc, mine, others, j, 2, Phase::RsPayload, Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q]);
+                poll_sum!(acc, mine, others, j, 3, Phase::RsPayload, Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q]);
+                if j == others {
+                    E::accumulate(&mut acc, &mine);
+                }
+                let v = E::canonicalise(E::round(&acc));
+                store_message_pack::<E>(output, count, i, vout, &v);
+                if CROSS {
+                    let cross = ptx::opaque_u64((generation & 1) as u64 * p.cross_half_bytes + 16 * t as u64);
+                    for_each_rank!(O => {
+                        if O < MAX_ISLANDS - 1 && (O as u32) + 1 < p.islands {
+                            ptx::st_relaxed_sys_v4_u32((pick_owned!(p.cross_to[O % (MAX_ISLANDS - 1)], e) + cross) as *mut u32, v);
+                        }
+                    });
+                } else {
+                    for_each_rank!(Q => {
+                        if (Q as u32) < others {
+                            ptx::st_relaxed_sys_v4_u32((p.ag_to[Q] + off) as *mut u32, v);
+                        }
+                    });
+                }
+                t += stride;
+            }
+            e += 1;
+        }
+
+        // ---- C (Hierarchical): final sums of the owned shares (island
+        //      order, own partial from B), then to every other member.
+        if CROSS {
+            let mut e = 0u32;
+            while e < p.owned {
+                let base = (j + e * members) * sh;
+                let mut t = first;
+                while t < sh && base + t < packs {
+                    let i = (base + t) as u64;
+                    let partial = load_message_pack::<E>(output, count, i, vout);
+                    let pos = e as u64 * cap + t as u64;
+                    let off = ptx::opaque_u64(half + 16 * pos);
+                    let cross = ptx::opaque_u64((generation & 1) as u64 * p.cross_half_bytes + 16 * pos);
+                    let mut acc = NEG_ZERO_ACC;
+                    poll_sum!(acc, partial, p.islands - 1, p.island, 0, Phase::CrossPayload,
+                        O => p.cross_from[O % MAX_ISLANDS] + cross,
+                        pick_owned!(p.cross_abort[O % (MAX_ISLANDS - 1)], e),
+                        pick_owned!(p.cross_peer[O % (MAX_ISLANDS - 1)], e));
+                    poll_sum!(acc, partial, p.islands - 1, p.island, 1, Phase::CrossPayload,
+                        O => p.cross_from[O % MAX_ISLANDS] + cross,
+                        pick_owned!(p.cross_abort[O % (MAX_ISLANDS - 1)], e),
+                        pick_owned!(p.cross_peer[O % (MAX_ISLANDS - 1)], e));
+                    if p.island + 1 == p.islands {
+                        E::accumulate(&mut acc, &partial);
+                    }
+                    let f = E::canonicalise(E::round(&acc));
+                    store_message_pack::<E>(output, count, i, vout, &f);
+                    for_each_rank!(Q => {
+                        if (Q as u32) < others {
+                            ptx::st_relaxed_sys_v4_u32((p.ag_to[Q] + off) as *mut u32, f);
+                        }
+                    });
+                    t += stride;
+                }
+                e += 1;
+            }
+        }
+
+        // ---- D: all-gather. The final sums of the shares owned elsewhere
+        //      in the island (polled back to back per group, reset, stored).
+        let mut t = first;
+        while t < sh {
+            let off = ptx::opaque_u64(half + 16 * t as u64);
+            macro_rules! gather_group {
+                ($group:literal) => {
+                    let mut got = [ZERO_PACK; GROUP];
+                    for_each_rank!(S => {
+                        if S / GROUP == $group && (S as u32) < sends && share_index(p.send_share[S]) * sh + t < packs {
+                            got[S % GROUP] = ptx::ld_relaxed_sys_v4_u32((p.ag_from[S] + off) as *const u32);
+                        }
+                    });
+                    for_each_rank!(S => {
+                        let i = share_index(p.send_share[S]) * sh + t;
+                        if S / GROUP == $group && (S as u32) < sends && i < packs {
+                            let slot = (p.ag_from[S] + off) as *mut u32;
+                            let mut w = got[S % GROUP];
+                            if any_word_empty(&w) {
+                                match sentinel::wait_slot(slot, S as u32, p.ag_abort[S] as *const u32, control, timeout) {
+                                    Ok(arrived) => w = arrived,
+                                    Err(s) => {
+                                        stall = Some((s, Phase::AgPayload, p.ag_peer[S] as u32));
+                                        break 'kernel;
+                                    }
+                                }
+                            }
+                            ptx::st_global_v4_u32(slot, [SENTINEL_EMPTY_WORD; 4]);
+                            store_message_pack::<E>(output, count, i as u64, vout, &w);
+                        }
+                    });
+                };
+            }
+            gather_group!(0);
+            gather_group!(1);
+            gather_group!(2);
+            gather_group!(3);
+            t += stride;
+        }
+        trace.polled(generation);
+    }
+    if let Some((s, phase, peer)) = stall {
+        let record = p.h.error_record as *mut ErrorRecord;
+        sentinel::give_up_at(control, p.h.abort as *mut u32, record, algorithm, phase, p.h.rank, peer, generation, s);
+        return;
+    }
+    trace.exit(generation);
+}
