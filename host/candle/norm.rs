@@ -13,10 +13,13 @@ use crate::comm::Comm;
 /// `residual += allreduce(x)`, then returns `RMSNorm(residual) * weight`
 /// (Gemma-style `(1 + weight)` with [`with_unit_offset`](Self::with_unit_offset)).
 ///
-/// **Not fused yet.** The library's fused kernel (allreduce, add and norm in
-/// one pass, `Comm::all_reduce_add_rms_norm`) does not exist yet; until it
-/// does this is the unfused composition an engine runs today, with the same
-/// API, so code written against it gets the fused kernel by upgrading:
+/// **Not fused yet.** The library has the fused kernel
+/// (`Comm::all_reduce_add_rms_norm`, allreduce, add and norm in one pass),
+/// but this op does not call it yet: it needs two outputs written in place
+/// (the residual and the normed tensor), which candle's custom-op traits do
+/// not offer without unsafe storage access. Until then this is the unfused
+/// composition an engine runs today, with the same API, so code written
+/// against it gets the fused kernel by upgrading:
 ///
 /// 1. `sum = allreduce(x)` with [`AllReduce`] (out of place, `x` untouched;
 ///    the sum is accumulated in f32 and rounded once to the dtype);

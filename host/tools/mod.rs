@@ -5,7 +5,8 @@
 //! default-on cargo feature `tools`, is hidden from the documentation, and
 //! may change in any release: it is public only so that the `tp-allreduce`
 //! binary and the integration tests can reach it. Library users depend on
-//! `tp-allreduce` with `default-features = false`.
+//! `tp-allreduce` with `default-features = false, features =
+//! ["cuda-version-13000"]` (or `["candle"]`, docs/CANDLE.md).
 //!
 //! Every file here says `#![forbid(unsafe_code)]`: device memory is
 //! [`crate::DeviceBuffer`], allreduces go through the safe

@@ -14,8 +14,9 @@
 //!    cost model's prediction.
 //! 3. Against NCCL, when NCCL is available: the fastest candidate is
 //!    chosen only if it beats NCCL by a margin — 10 % when either time comes
-//!    from the model (its calibration error is up to ~25 % per point, mostly
-//!    shared between the two sides), 2 % when both were measured. Otherwise
+//!    from the model (its asserted calibration points are within
+//!    `calibration::TOLERANCE` = 20 % each, the error mostly shared between
+//!    the two sides), 2 % when both were measured. Otherwise
 //!    NCCL. This is the trap of docs/SOURCES.md [F3, F4] made a rule: on a PCIe topology
 //!    with more than two ranks nothing the model or the tuning table ranks
 //!    slower than NCCL is ever picked (and the margin makes that hold for
