@@ -76,6 +76,12 @@ impl AlgorithmHost for CopyEngineRing {
         (div_ceil(packs, STEP_THREADS as u64).clamp(1, cap.min(STEP_MAX_BLOCKS)) as u32, STEP_THREADS)
     }
 
+    fn single_gpu_traffic_per_rank(&self, _n: f64, s: f64) -> f64 {
+        // copy the shard to staging (read + write), read staging and input,
+        // write output, per step
+        6.0 * s
+    }
+
     fn cost(&self, shape: &CostShape) -> CostRecipe {
         let n = shape.world as f64;
         CostRecipe {

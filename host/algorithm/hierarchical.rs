@@ -60,6 +60,11 @@ impl AlgorithmHost for Hierarchical {
         share_shape(packs, g.layout.island_shares.max(1) as u64, &g.sentinel_resident)
     }
 
+    fn single_gpu_traffic_per_rank(&self, _n: f64, s: f64) -> f64 {
+        // as two-shot push: scatter, reduce, gather, each a read and a write
+        6.0 * s
+    }
+
     fn cost(&self, shape: &CostShape) -> CostRecipe {
         let (shares, largest, islands) = match shape.islands {
             Some(i) => (i.shares() as f64, i.shares() as f64, i.count() as f64),

@@ -96,6 +96,26 @@ pub(crate) trait AlgorithmHost: Sync {
 
     /// The phases the cost model prices for `shape`.
     fn cost(&self, shape: &CostShape) -> CostRecipe;
+
+    /// Device-memory bytes one rank moves for an `s`-byte allreduce of `n`
+    /// ranks when all ranks are on one GPU (every peer access is local
+    /// memory): the definition `bench`'s large-message efficiency divides
+    /// by, as published in docs/RESULTS.md. (The cost model prices the same
+    /// traffic differently: its `local_passes` plus the same-device flows,
+    /// each a read and a write.)
+    fn single_gpu_traffic_per_rank(&self, n: f64, s: f64) -> f64;
+}
+
+/// Device-memory traffic of one allreduce, all ranks together, when every
+/// rank is on the same GPU ([`AlgorithmHost::single_gpu_traffic_per_rank`]);
+/// NCCL counted as a ring (scatter, reduce, gather: 6 bytes per byte).
+pub fn single_gpu_traffic_bytes(algorithm: Algorithm, world: usize, bytes: usize) -> f64 {
+    let (n, s) = (world as f64, bytes as f64);
+    let per_rank = match host(algorithm) {
+        Some(h) => h.single_gpu_traffic_per_rank(n, s),
+        None => 6.0 * s,
+    };
+    per_rank * n
 }
 
 /// The host side of `algorithm`, `None` for NCCL (no kernel of ours).

@@ -28,6 +28,11 @@ impl AlgorithmHost for OneShotPull {
         div_ceil(packs, Geometry::THREADS).clamp(1, g.pull_max_blocks as u64) as u32
     }
 
+    fn single_gpu_traffic_per_rank(&self, n: f64, s: f64) -> f64 {
+        // read every rank's input, write the output
+        (n + 1.0) * s
+    }
+
     fn cost(&self, _shape: &CostShape) -> CostRecipe {
         // Start barrier, the reads (request + completion), end barrier;
         // local: read the peers' data, write the output.

@@ -51,6 +51,11 @@ impl AlgorithmHost for OneShotPush {
         default_shape(packs, &g.sentinel_resident)
     }
 
+    fn single_gpu_traffic_per_rank(&self, n: f64, s: f64) -> f64 {
+        // push: read S, write N*S; poll-read N*S, write S (+ re-arm N*S)
+        2.0 * s + 3.0 * n * s
+    }
+
     fn cost(&self, shape: &CostShape) -> CostRecipe {
         // Local traffic: read the input twice (push, own term), read the
         // N-1 received copies, reset them, write the output.

@@ -37,6 +37,11 @@ impl AlgorithmHost for Ring {
         div_ceil(packs, per_block).clamp(1, g.ring_blocks as u64) as u32
     }
 
+    fn single_gpu_traffic_per_rank(&self, _n: f64, s: f64) -> f64 {
+        // as two-shot push: scatter, reduce, gather, each a read and a write
+        6.0 * s
+    }
+
     fn cost(&self, shape: &CostShape) -> CostRecipe {
         let n = shape.world as f64;
         CostRecipe {

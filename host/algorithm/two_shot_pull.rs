@@ -28,6 +28,11 @@ impl AlgorithmHost for TwoShotPull {
         div_ceil(div_ceil(packs, g.world as u64), Geometry::THREADS).clamp(1, g.pull_max_blocks as u64) as u32
     }
 
+    fn single_gpu_traffic_per_rank(&self, n: f64, s: f64) -> f64 {
+        // scatter: read S, write S/N; gather: read S, write S
+        3.0 * s + s / n
+    }
+
     fn cost(&self, shape: &CostShape) -> CostRecipe {
         let slice = 1.0 / shape.world as f64;
         // Start barrier + reads; mid barrier + reads + end barrier.

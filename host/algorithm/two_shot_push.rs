@@ -41,6 +41,11 @@ impl AlgorithmHost for TwoShotPush {
         share_shape(packs, g.world as u64, &g.sentinel_resident)
     }
 
+    fn single_gpu_traffic_per_rank(&self, _n: f64, s: f64) -> f64 {
+        // scatter r/w S; reduce read S, write S; gather read/write (N-1)/N S
+        6.0 * s
+    }
+
     fn cost(&self, shape: &CostShape) -> CostRecipe {
         let n = shape.world as f64;
         let share = 1.0 / n;

@@ -28,7 +28,7 @@
 //! bandwidth times an efficiency that depends on how many flows share it and
 //! how (one stream at a time, staggered all-to-all, or simultaneous
 //! all-to-all) and on the operation: posted writes keep more of the
-//! bandwidth than non-posted reads under concurrency (docs/SOURCES.md [F6]: 25.4 vs
+//! bandwidth than non-posted reads under concurrency (docs/SOURCES.md \[F6\]: 25.4 vs
 //! 20.6 GB/s per link with every rank driving all peers). The socket
 //! boundary's capacity falls from ~53 GB/s for one flow towards ~24 GB/s
 //! aggregate as flows multiply. "Wire" is the time the busiest GPU link
@@ -179,7 +179,7 @@ impl fmt::Display for NotApplicable {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum NcclTuning {
     /// NCCL tuned for the machine (more channels, best protocol per size):
-    /// the bar the selection must clear. docs/SOURCES.md [F11]: the 8-GPU figures.
+    /// the bar the selection must clear. docs/SOURCES.md \[F11\]: the 8-GPU figures.
     #[default]
     Tuned,
     /// NCCL with default settings: what the published 4-GPU comparison ran.

@@ -52,7 +52,7 @@ pub struct CostParams {
     /// Per-GPU NVSwitch bandwidth per direction, achieved (GB/s).
     pub nvswitch_gpu_gbps: f64,
     /// Device-memory bandwidth of a GPU model missing from
-    /// [`DEVICE_MEMORY`] (GB/s, conservative: the slowest listed class).
+    /// `DEVICE_MEMORY` (GB/s, conservative: the slowest listed class).
     pub device_memory_gbps: f64,
     /// Host-memory bandwidth available to staged traffic (GB/s).
     pub host_memory_gbps: f64,
@@ -233,7 +233,7 @@ impl CostParams {
         ]
     }
 
-    /// Device-memory bandwidth of a GPU model (GB/s): its [`DEVICE_MEMORY`]
+    /// Device-memory bandwidth of a GPU model (GB/s): its `DEVICE_MEMORY`
     /// entry, else [`CostParams::device_memory_gbps`].
     pub fn device_memory_of(&self, model: &str) -> f64 {
         let model = model.to_ascii_lowercase();
@@ -243,7 +243,7 @@ impl CostParams {
             .map_or(self.device_memory_gbps, |&(_, gbps)| gbps)
     }
 
-    /// [`DEVICE_MEMORY`] as markdown (what docs/COST-MODEL.md shows).
+    /// `DEVICE_MEMORY` as markdown (what docs/COST-MODEL.md shows).
     pub fn device_memory_markdown() -> String {
         let mut s = String::from("| GPU model (name contains) | device memory |\n|---|---|\n");
         for (part, gbps) in DEVICE_MEMORY {

@@ -10,8 +10,8 @@
 //!
 //! | name | GPUs | structure | source / assumption |
 //! |---|---|---|---|
-//! | `rtx-pro-6000-8x-pcie5-2socket` | 8x RTX PRO 6000 Blackwell, sm_120, 96 GB, Gen5 x16 | 4+4 over two CPU sockets, full P2P | docs/SOURCES.md [F1, F9] (the motivating machine). *Assumed*: the four GPUs of a socket sit below one Gen5 switch (SOURCES.md [F4] speaks of traffic "through switches and root complexes"); server edition name |
-//! | `rtx-pro-6000-4x-switch` | 4x RTX PRO 6000 Blackwell | one PCIe Gen5 switch, full P2P | docs/SOURCES.md [F16]: the published one-shot push vs NCCL figures (4 GPUs "behind switches"); *assumed* a single switch |
+//! | `rtx-pro-6000-8x-pcie5-2socket` | 8x RTX PRO 6000 Blackwell, sm_120, 96 GB, Gen5 x16 | 4+4 over two CPU sockets, full P2P | docs/SOURCES.md [F1, F9] (the motivating machine). *Assumed*: the four GPUs of a socket sit below one Gen5 switch (SOURCES.md \[F4\] speaks of traffic "through switches and root complexes"); server edition name |
+//! | `rtx-pro-6000-4x-switch` | 4x RTX PRO 6000 Blackwell | one PCIe Gen5 switch, full P2P | docs/SOURCES.md \[F16\]: the published one-shot push vs NCCL figures (4 GPUs "behind switches"); *assumed* a single switch |
 //! | `l40s-8x-pcie4` | 8x L40S, sm_89, 48 GB, Gen4 x16 | two switches of two GPUs per socket, two sockets, full P2P | NVIDIA L40S datasheet (Gen4 x16, 48 GB, no NVLink). *Assumed* switch layout (a common 4U 8-GPU design) |
 //! | `rtx-4090-8x-no-p2p` | 8x GeForce RTX 4090, sm_89, 24 GB, Gen4 x16 | 4+4 over two sockets, **no P2P** | GeForce 40-series drivers do not expose PCIe P2P; host-staged push or NCCL (over host memory) only. Socket split *assumed* |
 //! | `h200-8x-nvswitch` | 8x H200 SXM, sm_90, 141 GB HBM3e, Gen5 x16 host link | NVSwitch, 18 NVLink 4 links per GPU | NVIDIA H200 datasheet (NVLink 900 GB/s bidirectional per GPU) |

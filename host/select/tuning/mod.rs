@@ -87,7 +87,7 @@ pub const FORMAT_NO_SHAPES: u32 = 1;
 
 /// Sizes `tp-allreduce tune` measures by default: 1 KiB to 64 MiB (the
 /// sizes `bench` uses), doubling, plus 42 KiB (the verify-pass allreduce:
-/// 3 tokens x hidden 7168 in bf16, docs/SOURCES.md [F1]).
+/// 3 tokens x hidden 7168 in bf16, docs/SOURCES.md \[F1\]).
 pub fn default_buckets() -> Vec<usize> {
     let mut v: Vec<usize> = (10..=26).map(|k| 1usize << k).collect();
     v.push(42 * 1024);

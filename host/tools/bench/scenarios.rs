@@ -14,7 +14,7 @@ use super::report::{Efficiency, VerifyPass};
 use super::stats::percentiles;
 use super::timing::{capture_per_rank, elapsed_us, event, record, sync_all, time_collective, time_graph_replays};
 use super::{Mode, Options};
-use crate::algorithm::Algorithm;
+use crate::algorithm::{single_gpu_traffic_bytes, Algorithm};
 use crate::buffer::DeviceBuffer;
 use crate::comm::Config;
 use crate::error::{driver as driver_error, Result};
@@ -98,7 +98,7 @@ pub fn large_message_efficiency(gpus: &[usize], config: &Config, progress: &Prog
         }
         let mut samples = time_collective(&OurGroup { comms: &comms }, &ranks, &mut bufs, &opts)?;
         let (median, _, _) = percentiles(&mut samples);
-        let traffic = local_traffic_bytes(algorithm, 2, bytes);
+        let traffic = single_gpu_traffic_bytes(algorithm, 2, bytes);
         let achieved = traffic / (median * 1e-6) / 1e9;
         out.push(Efficiency {
             algorithm: algorithm.name().into(),
@@ -134,30 +134,6 @@ pub fn copy_bandwidth_gbs(ctx: &Arc<CudaContext>, bytes: usize) -> Result<f64> {
     Ok(percentiles(&mut samples).0)
 }
 
-/// Device-memory traffic of one allreduce, all ranks together, when every
-/// rank is on the same GPU (every "peer" access is local HBM): what the
-/// single-GPU large-message figure is normalised by. The cost model keeps
-/// its own per-rank terms (`local_us` plus same-device flows counted as a
-/// read and a write); this is the measured figure's definition, kept as
-/// published in docs/RESULTS.md.
-pub fn local_traffic_bytes(algorithm: Algorithm, world: usize, bytes: usize) -> f64 {
-    let n = world as f64;
-    let s = bytes as f64;
-    let per_rank = match algorithm {
-        // read every rank's input, write the output
-        Algorithm::OneShotPull => (n + 1.0) * s,
-        // scatter: read S, write S/N; gather: read S, write S
-        Algorithm::TwoShotPull => 3.0 * s + s / n,
-        // push: read S, write N*S; poll-read N*S, write S (+ re-arm N*S)
-        Algorithm::OneShotPush => 2.0 * s + 3.0 * n * s,
-        // scatter r/w S; reduce read S, write S; gather read/write (N-1)/N S
-        Algorithm::TwoShotPush | Algorithm::Hierarchical | Algorithm::Ring | Algorithm::Nccl => 6.0 * s,
-        // copy the shard to staging (read + write), read staging and input, write output, per step
-        Algorithm::CopyEngineRing => 6.0 * s,
-    };
-    per_rank * n
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,14 +142,14 @@ mod tests {
     fn local_traffic_of_the_measured_pull_algorithms() {
         let s = 64.0 * 1024.0 * 1024.0;
         // 2 ranks one-shot pull: each reads 2 inputs and writes 1 output.
-        assert_eq!(local_traffic_bytes(Algorithm::OneShotPull, 2, 64 << 20), 6.0 * s);
+        assert_eq!(single_gpu_traffic_bytes(Algorithm::OneShotPull, 2, 64 << 20), 6.0 * s);
         // 2 ranks two-shot pull: each 3 S + S/2.
-        assert_eq!(local_traffic_bytes(Algorithm::TwoShotPull, 2, 64 << 20), 7.0 * s);
+        assert_eq!(single_gpu_traffic_bytes(Algorithm::TwoShotPull, 2, 64 << 20), 7.0 * s);
         // One-shot push moves more than one-shot pull at every world size.
         for n in 2..=8 {
             assert!(
-                local_traffic_bytes(Algorithm::OneShotPush, n, 1024)
-                    > local_traffic_bytes(Algorithm::OneShotPull, n, 1024)
+                single_gpu_traffic_bytes(Algorithm::OneShotPush, n, 1024)
+                    > single_gpu_traffic_bytes(Algorithm::OneShotPull, n, 1024)
             );
         }
     }
