@@ -351,41 +351,7 @@ impl TuningTable {
                 return Err(Error::Config(format!("{}: no [[entry.result]]", at())));
             }
             for (k, r) in e.results.iter().enumerate() {
-                if !(r.median_us.is_finite() && r.median_us > 0.0) {
-                    return Err(Error::Config(format!(
-                        "{}: result {} ({}): median_us = {} is not a positive time",
-                        at(),
-                        k + 1,
-                        r.algorithm,
-                        r.median_us
-                    )));
-                }
-                if r.transport == Transport::HostStaged
-                    && !r.algorithm.supports_host_staged()
-                    && r.algorithm != Algorithm::Nccl
-                {
-                    return Err(Error::Config(format!(
-                        "{}: result {}: {} cannot run host-staged",
-                        at(),
-                        k + 1,
-                        r.algorithm
-                    )));
-                }
-                if r.blocks.is_some() != r.threads.is_some() {
-                    return Err(Error::Config(format!(
-                        "{}: result {} ({}): blocks and threads come together",
-                        at(),
-                        k + 1,
-                        r.algorithm
-                    )));
-                }
-                if let Some(shape) = r.shape() {
-                    crate::env::check_launch_shape(shape)
-                        .map_err(|why| Error::Config(format!("{}: result {} ({}): {why}", at(), k + 1, r.algorithm)))?;
-                }
-                if e.results[..k].iter().any(|q| q.algorithm == r.algorithm && q.transport == r.transport) {
-                    return Err(Error::Config(format!("{}: {} over {} listed twice", at(), r.algorithm, r.transport)));
-                }
+                Self::validate_result(&at(), k, r, &e.results[..k])?;
             }
             let fastest = e.results.iter().min_by(|a, b| a.median_us.total_cmp(&b.median_us)).expect("non-empty");
             let winner = e.results.iter().find(|r| r.algorithm == e.winner && r.transport == e.winner_transport);
@@ -413,6 +379,40 @@ impl TuningTable {
             if self.entries[..i].iter().any(|q| q.dtype == e.dtype && q.bytes == e.bytes) {
                 return Err(Error::Config(format!("{}: a second entry for the same dtype and bytes", at())));
             }
+        }
+        Ok(())
+    }
+
+    /// Checks of result `k` (0-based) of an entry; `at` names the entry,
+    /// `earlier` are the entry's results before it.
+    fn validate_result(at: &str, k: usize, r: &Timing, earlier: &[Timing]) -> Result<()> {
+        if !(r.median_us.is_finite() && r.median_us > 0.0) {
+            return Err(Error::Config(format!(
+                "{}: result {} ({}): median_us = {} is not a positive time",
+                at,
+                k + 1,
+                r.algorithm,
+                r.median_us
+            )));
+        }
+        if r.transport == Transport::HostStaged && !r.algorithm.supports_host_staged() && r.algorithm != Algorithm::Nccl
+        {
+            return Err(Error::Config(format!("{}: result {}: {} cannot run host-staged", at, k + 1, r.algorithm)));
+        }
+        if r.blocks.is_some() != r.threads.is_some() {
+            return Err(Error::Config(format!(
+                "{}: result {} ({}): blocks and threads come together",
+                at,
+                k + 1,
+                r.algorithm
+            )));
+        }
+        if let Some(shape) = r.shape() {
+            crate::env::check_launch_shape(shape)
+                .map_err(|why| Error::Config(format!("{}: result {} ({}): {why}", at, k + 1, r.algorithm)))?;
+        }
+        if earlier.iter().any(|q| q.algorithm == r.algorithm && q.transport == r.transport) {
+            return Err(Error::Config(format!("{}: {} over {} listed twice", at, r.algorithm, r.transport)));
         }
         Ok(())
     }

@@ -6,7 +6,7 @@
 use super::collective::{nccl_group, our_group, Collective, NcclGroup, OurGroup};
 use super::progress::{total_steps, Progress};
 use super::ranks::{Buffers, Ranks};
-use super::report::{self, Report};
+use super::report::{self, Report, VerifyPass};
 use super::scenarios::{large_message_efficiency, launch_floor, verify_pass};
 use super::stats::{measurement, set_speedups, Measurement, RowKey};
 use super::timing::time_collective;
@@ -56,19 +56,7 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
     }
     let mut verify = Vec::new();
     if scenarios.verify_pass {
-        progress.step("verify pass (auto)");
-        verify.push(verify_pass(&OurGroup { comms: &comms }, &ranks, "auto")?);
-        if let Some(n) = &nccl {
-            progress.step("verify pass (nccl)");
-            let g = NcclGroup { comms: n, streams: &ranks.streams };
-            if g.capturable_per_rank() {
-                verify.push(verify_pass(&g, &ranks, "nccl")?);
-            } else {
-                notes.push(
-                    "verify pass: NCCL over several GPUs from one thread is not captured; use --processes".into(),
-                );
-            }
-        }
+        verify = verify_passes(&ranks, &comms, nccl.as_deref(), &progress, &mut notes)?;
     }
     let mut fused = Vec::new();
     if let Some(shape) = scenarios.fused {
@@ -106,6 +94,29 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
         fused,
         ..Report::for_run("tp-allreduce bench", command_line, &ranks.contexts[0])
     })
+}
+
+/// The verify pass with `auto`, then with NCCL where it can be captured
+/// per rank (else a note says why not).
+fn verify_passes(
+    ranks: &Ranks,
+    comms: &[Comm],
+    nccl: Option<&[NcclComm]>,
+    progress: &Progress,
+    notes: &mut Vec<String>,
+) -> Result<Vec<VerifyPass>> {
+    progress.step("verify pass (auto)");
+    let mut verify = vec![verify_pass(&OurGroup { comms }, ranks, "auto")?];
+    if let Some(n) = nccl {
+        progress.step("verify pass (nccl)");
+        let g = NcclGroup { comms: n, streams: &ranks.streams };
+        if g.capturable_per_rank() {
+            verify.push(verify_pass(&g, ranks, "nccl")?);
+        } else {
+            notes.push("verify pass: NCCL over several GPUs from one thread is not captured; use --processes".into());
+        }
+    }
+    Ok(verify)
 }
 
 /// The selections this group can run (NCCL rows come from `include_nccl`);
