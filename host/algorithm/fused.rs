@@ -102,15 +102,19 @@ fn overlap(a: u64, a_len: u64, b: u64, b_len: u64) -> bool {
     a < b.saturating_add(b_len) && b < a.saturating_add(a_len)
 }
 
-/// Checks a fused call's arguments that need no driver: sizes, eps,
-/// pointers (null, element alignment, overlaps) and the thread override.
-/// `Err` is the message of an `Error::InvalidUsage`, naming `what`.
+/// Checks a fused call's arguments: sizes, eps, pointers (null, element
+/// alignment), then each buffer's extent with `extent(name, pointer,
+/// bytes)` (the driver's view of the allocation, so that a wrong count is
+/// named as such before it shows as an overlap), then overlaps and the
+/// thread override. `Err` is the message of an `Error::InvalidUsage`,
+/// naming `what`.
 pub fn check_call(
     what: &str,
     p: &EpiloguePointers,
     shape: &EpilogueShape,
     eps: f32,
     opts: &FusedOptions,
+    extent: &dyn Fn(&str, u64, u64) -> Result<(), String>,
 ) -> Result<(), String> {
     let elem = shape.dtype.size_bytes() as u64;
     if shape.hidden == 0 {
@@ -138,6 +142,9 @@ pub fn check_call(
         if ptr % elem != 0 {
             return Err(format!("{what}: {name} ({ptr:#x}) is not aligned to the {elem}-byte element size"));
         }
+    }
+    for &(name, ptr, len) in &named {
+        extent(name, ptr, len)?;
     }
     for (i, &(a, pa, la)) in named.iter().enumerate() {
         for &(b, pb, lb) in &named[i + 1..] {
@@ -248,6 +255,11 @@ pub const EPILOGUE_MAX_BLOCKS: u32 = 65_535;
 mod tests {
     use super::*;
 
+    /// Every extent accepted (pure checks only).
+    fn any_extent(_: &str, _: u64, _: u64) -> Result<(), String> {
+        Ok(())
+    }
+
     fn shape(rows: usize, hidden: usize, dtype: DType) -> EpilogueShape {
         EpilogueShape { rows, hidden, dtype, norm: true }
     }
@@ -321,11 +333,11 @@ mod tests {
         let bytes = 43_008u64;
         let p = EpiloguePointers { input: 0x10_0000, residual: 0x20_0000, weight: 0x30_0000, normed: 0x40_0000 };
         let o = FusedOptions::default();
-        assert_eq!(check_call("f", &p, &s, 1e-6, &o), Ok(()));
+        assert_eq!(check_call("f", &p, &s, 1e-6, &o, &any_extent), Ok(()));
         // In place: normed == input.
-        assert_eq!(check_call("f", &EpiloguePointers { normed: p.input, ..p }, &s, 1e-6, &o), Ok(()));
+        assert_eq!(check_call("f", &EpiloguePointers { normed: p.input, ..p }, &s, 1e-6, &o, &any_extent), Ok(()));
         let err = |p: EpiloguePointers, s: EpilogueShape, eps: f32, o: FusedOptions| {
-            check_call("f", &p, &s, eps, &o).unwrap_err()
+            check_call("f", &p, &s, eps, &o, &any_extent).unwrap_err()
         };
         assert!(err(EpiloguePointers { normed: p.input + 2, ..p }, s, 1e-6, o).contains("input and normed overlap"));
         assert!(err(EpiloguePointers { residual: p.input + bytes - 2, ..p }, s, 1e-6, o)
@@ -342,9 +354,36 @@ mod tests {
         assert!(err(p, s, 1e-6, FusedOptions { threads: Some(96), ..o }).contains("at least 224"));
         // Without RMSNorm, weight and normed are not looked at (eps neither).
         let add = EpilogueShape { norm: false, ..s };
-        assert_eq!(check_call("f", &EpiloguePointers { weight: 0, normed: 0, ..p }, &add, f32::NAN, &o), Ok(()));
+        assert_eq!(
+            check_call("f", &EpiloguePointers { weight: 0, normed: 0, ..p }, &add, f32::NAN, &o, &any_extent),
+            Ok(())
+        );
         // Buffers that only touch end to end do not overlap.
-        assert_eq!(check_call("f", &EpiloguePointers { residual: p.input + bytes, ..p }, &s, 1e-6, &o), Ok(()));
+        assert_eq!(
+            check_call("f", &EpiloguePointers { residual: p.input + bytes, ..p }, &s, 1e-6, &o, &any_extent),
+            Ok(())
+        );
+    }
+
+    /// A count too large for the buffers is named as such, not as the
+    /// overlap it makes of the adjacent allocations (seen on the H200:
+    /// `rows + 1` reported "input and residual overlap").
+    #[test]
+    fn extents_are_checked_before_overlaps() {
+        let s = shape(3, 1024, DType::Bf16);
+        let p = EpiloguePointers { input: 0x10_0000, residual: 0x10_1800, weight: 0x30_0000, normed: 0x40_0000 };
+        let allocations = |name: &str, ptr: u64, bytes: u64| {
+            let holds = 0x1800; // 3 x 1024 bf16
+            if bytes > holds {
+                Err(format!("{name} holds {holds} bytes from {ptr:#x}, but the call needs {bytes}"))
+            } else {
+                Ok(())
+            }
+        };
+        let o = FusedOptions::default();
+        assert_eq!(check_call("f", &p, &s, 1e-6, &o, &allocations), Ok(()));
+        let more_rows = check_call("f", &p, &shape(4, 1024, DType::Bf16), 1e-6, &o, &allocations).unwrap_err();
+        assert!(more_rows.contains("input holds 6144 bytes"), "{more_rows}");
     }
 
     #[test]

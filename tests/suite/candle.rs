@@ -93,6 +93,8 @@ fn all_reduce_case<T: TestElem>(rng: &mut StdRng, world: usize, rows: usize, hid
         let out_of_view = all_reduce.all_reduce(&rows_view).map_err(|e| e.to_string())?;
         all_reduce.all_reduce_in_place(&rows_view).map_err(|e| e.to_string())?;
         let untouched = big.narrow(0, 0, extra).unwrap();
+        // A kernel that gave up (e.g. timed out) reports here, not as values.
+        comms[r].synchronize().map_err(|e| e.to_string())?;
         Ok::<_, String>((
             from_tensor::<T>(&out),
             from_tensor::<T>(&out_of_view),
@@ -148,6 +150,28 @@ fn rms_norm_reference(residual: &[f64], hidden: usize, scale: &[f64], eps: f64) 
         .collect()
 }
 
+/// Runs the epilogue's candle kernels once on `device` alone (a
+/// one-rank communicator on its stream), so that candle loads them before
+/// any collective. Ranks sharing a GPU in one process need this: CUDA loads
+/// a kernel lazily at its first launch and may synchronise the context to do
+/// so, which then waits for a peer's allreduce kernel that is waiting for
+/// this rank (seen on one H200 with 3 ranks: the waiting rank's kernel timed
+/// out and left its output unwritten).
+fn load_norm_kernels<T: TestElem>(device: &Device, rows: usize, hidden: usize, gemma: bool) -> Result<(), String> {
+    let cuda = device.as_cuda_device().map_err(|e| e.to_string())?;
+    let alone = Comm::from_streams(vec![cuda.cuda_stream()], Config::default()).map_err(|e| e.to_string())?;
+    let alone = Arc::new(alone.into_iter().next().expect("one rank"));
+    let weight = Tensor::ones(hidden, cdtype::<T>(), device).map_err(|e| e.to_string())?;
+    let mut norm = FusedAddRmsNorm::new(alone.clone(), &weight, 1e-6).map_err(|e| e.to_string())?;
+    if gemma {
+        norm = norm.with_unit_offset().map_err(|e| e.to_string())?;
+    }
+    let x = Tensor::ones((rows, hidden), cdtype::<T>(), device).map_err(|e| e.to_string())?;
+    let residual = Tensor::zeros((rows, hidden), cdtype::<T>(), device).map_err(|e| e.to_string())?;
+    norm.forward(&x, &residual).map_err(|e| e.to_string())?;
+    alone.synchronize().map_err(|e| e.to_string())
+}
+
 fn add_rms_norm_case<T: TestElem>(
     rng: &mut StdRng,
     world: usize,
@@ -160,6 +184,9 @@ fn add_rms_norm_case<T: TestElem>(
     let partials: Vec<Vec<T>> = (0..world).map(|_| random_vec(rng, rows * hidden)).collect();
     let residual0: Vec<T> = random_vec(rng, rows * hidden);
     let weight: Vec<T> = random_vec(rng, hidden);
+    for device in &devices {
+        load_norm_kernels::<T>(device, rows, hidden, gemma)?;
+    }
     let outcomes = per_rank(world, |r| {
         let w = to_tensor(&weight, (1, hidden), &devices[r]).squeeze(0).unwrap();
         let mut norm = FusedAddRmsNorm::new(comms[r].clone(), &w, eps).map_err(|e| e.to_string())?;
@@ -172,7 +199,10 @@ fn add_rms_norm_case<T: TestElem>(
         if normed.dims() != [rows, hidden] || normed.dtype() != cdtype::<T>() {
             return Err(format!("normed has shape {:?} dtype {:?}", normed.dims(), normed.dtype()));
         }
-        Ok((from_tensor::<T>(&residual), from_tensor::<T>(&normed), from_tensor::<T>(&x)))
+        let outcome = (from_tensor::<T>(&residual), from_tensor::<T>(&normed), from_tensor::<T>(&x));
+        // A kernel that gave up (e.g. timed out) reports here, not as values.
+        comms[r].synchronize().map_err(|e| e.to_string())?;
+        Ok(outcome)
     });
     let roundings = max_roundings::<T>(&comms[0], rows * hidden, false) + 1; // + the add
     let mut summands = partials.clone();
@@ -182,7 +212,8 @@ fn add_rms_norm_case<T: TestElem>(
     for (r, outcome) in outcomes.into_iter().enumerate() {
         let (residual, normed, x) = outcome.map_err(|e| format!("rank {r}: {e}"))?;
         // The allreduce's roundings, then + residual rounded once.
-        check_sum(&summands, &residual, roundings).map_err(|e| format!("rank {r} residual: {e}"))?;
+        check_sum(&summands, &residual, roundings)
+            .map_err(|e| format!("rank {r} residual: {e}; {}", explain_residual(&partials, &residual0, &residual)))?;
         if common::bits(&x) != common::bits(&partials[r]) {
             return Err(format!("rank {r}: the input x was modified"));
         }
@@ -201,6 +232,27 @@ fn add_rms_norm_case<T: TestElem>(
         }
     }
     Ok(())
+}
+
+/// Which wrong sum a wrong residual holds (the share of elements within
+/// 2 % of: the old residual, the partials' sum alone, the sum without one
+/// rank's partial): names the missing step of a failure.
+fn explain_residual<T: TestElem>(partials: &[Vec<T>], residual0: &[T], got: &[T]) -> String {
+    let close = |want: &dyn Fn(usize) -> f64| {
+        let hits = (0..got.len()).filter(|&i| (got[i].to_f64() - want(i)).abs() <= 0.02 * want(i).abs() + 1e-3).count();
+        format!("{:.0} %", 100.0 * hits as f64 / got.len().max(1) as f64)
+    };
+    let sum = |i: usize, skip: Option<usize>| -> f64 {
+        partials.iter().enumerate().filter(|(k, _)| Some(*k) != skip).map(|(_, p)| p[i].to_f64()).sum()
+    };
+    let mut parts = vec![
+        format!("old residual {}", close(&|i| residual0[i].to_f64())),
+        format!("partials' sum alone {}", close(&|i| sum(i, None))),
+    ];
+    for k in 0..partials.len() {
+        parts.push(format!("without rank {k} {}", close(&|i| residual0[i].to_f64() + sum(i, Some(k)))));
+    }
+    format!("elements close to: {}", parts.join(", "))
 }
 
 #[test]
@@ -304,6 +356,7 @@ fn candle_all_reduce_in_a_cuda_graph() {
             let got: Vec<bf16> = from_tensor(output);
             let doubled: Vec<bf16> = got.iter().map(|v| bf16::from_f64(v.to_f64() * 2.0)).collect();
             check_sum(&fresh, &doubled, roundings).unwrap_or_else(|e| panic!("replay {replay} rank {r}: {e}"));
+            comms[r].synchronize().unwrap_or_else(|e| panic!("replay {replay} rank {r}: {e}"));
         }
     }
 }

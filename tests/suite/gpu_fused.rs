@@ -477,7 +477,11 @@ fn fused_calls_refuse_bad_arguments() {
     let st = s.cu_stream();
     // SAFETY: each call is refused before any device access.
     unsafe {
-        invalid(c.all_reduce_add_rms_norm_raw(i, r, w, i + 2, rows, hidden, EPS, bf, &opts, st), "overlap");
+        // (Extents are checked first: an overlap must stay inside the buffers.)
+        invalid(
+            c.all_reduce_add_rms_norm_raw(i, r, w, r, rows, hidden, EPS, bf, &opts, st),
+            "residual and normed overlap",
+        );
         invalid(c.all_reduce_add_rms_norm_raw(i, r, w, n, rows + 1, hidden, EPS, bf, &opts, st), "holds");
         invalid(c.all_reduce_add_rms_norm_raw(i + 1, r, w, n, rows, hidden, EPS, bf, &opts, st), "not aligned");
         invalid(c.all_reduce_add_raw(i, i + 64, rows, hidden, bf, &opts, st), "input and residual overlap");

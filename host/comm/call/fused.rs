@@ -383,19 +383,6 @@ impl Comm {
     fn validate_epilogue(&self, what: &str, call: &EpilogueCall, stream: sys::CUstream) -> Result<()> {
         let p =
             EpiloguePointers { input: call.input, residual: call.residual, weight: call.weight, normed: call.normed };
-        check_call(what, &p, &call.shape, call.eps, &call.opts).map_err(Error::InvalidUsage)?;
-        let (count, dtype) = (call.shape.count(), call.shape.dtype);
-        let bytes = call.shape.bytes();
-        let mut ranges = vec![("input", call.input, bytes, count), ("residual", call.residual, bytes, count)];
-        if call.shape.norm {
-            let hidden = call.shape.hidden;
-            ranges.push(("weight", call.weight, hidden * dtype.size_bytes(), hidden));
-            ranges.push(("normed", call.normed, bytes, count));
-        }
-        for (name, ptr, bytes, count) in ranges {
-            self.validate_device_range(name, ptr, bytes, count, dtype)
-                .map_err(|e| Error::invalid(format!("{what}: {e}")))?;
-        }
         // SAFETY: the caller guarantees `stream` is a live stream.
         let stream_ctx = unsafe { driver::stream_context(stream)? };
         if stream_ctx != self.ctx.cu_ctx() {
@@ -403,6 +390,23 @@ impl Comm {
                 "{what}: the stream belongs to another CUDA context than the communicator"
             )));
         }
+        // SAFETY: as above.
+        let capturing = unsafe { driver::capture_id(stream)? }.is_some();
+        let dtype = call.shape.dtype;
+        let extent = |name: &str, ptr: u64, bytes: u64| {
+            let count = bytes as usize / dtype.size_bytes();
+            self.validate_device_range(name, ptr, bytes as usize, count, dtype, capturing).map_err(|e| match e {
+                Error::InvalidUsage(m) => m,
+                other => other.to_string(),
+            })
+        };
+        check_call(what, &p, &call.shape, call.eps, &call.opts, &extent).map_err(|m| {
+            if m.starts_with(what) {
+                Error::InvalidUsage(m)
+            } else {
+                Error::invalid(format!("{what}: {m}"))
+            }
+        })?;
         Ok(())
     }
 

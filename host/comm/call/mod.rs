@@ -136,19 +136,21 @@ impl Comm {
         let bytes =
             count.checked_mul(dtype.size_bytes()).ok_or_else(|| Error::invalid("all_reduce: count overflows"))?;
         let _context = driver::CurrentContext::bind(&self.ctx)?;
-        // Ranges first: an overrun (wrong count or dtype) is the root cause
-        // of an overlap with a neighbouring allocation and says so.
-        for (what, ptr) in [("send", send), ("recv", recv)] {
-            self.validate_device_range(what, ptr, bytes, count, dtype)?;
-        }
-        let overlap = send != recv && ranges_overlap(send, recv, bytes as u64);
-        if overlap {
-            return Err(Error::invalid("all_reduce: send and recv overlap without being equal"));
-        }
         // SAFETY: the caller guarantees `stream` is a live stream (contract of this fn).
         let stream_ctx = unsafe { driver::stream_context(stream)? };
         if stream_ctx != self.ctx.cu_ctx() {
             return Err(Error::invalid("all_reduce: the stream belongs to another CUDA context than the communicator"));
+        }
+        // SAFETY: as above.
+        let capturing = unsafe { driver::capture_id(stream)? }.is_some();
+        // Ranges first: an overrun (wrong count or dtype) is the root cause
+        // of an overlap with a neighbouring allocation and says so.
+        for (what, ptr) in [("send", send), ("recv", recv)] {
+            self.validate_device_range(what, ptr, bytes, count, dtype, capturing)?;
+        }
+        let overlap = send != recv && ranges_overlap(send, recv, bytes as u64);
+        if overlap {
+            return Err(Error::invalid("all_reduce: send and recv overlap without being equal"));
         }
         // SAFETY: pointers and stream validated above; the caller's
         // contract covers their lifetime.
@@ -168,6 +170,7 @@ impl Comm {
         bytes: usize,
         count: usize,
         dtype: DType,
+        capturing: bool,
     ) -> Result<()> {
         match driver::allocation_range(ptr) {
             Ok((base, size)) => {
@@ -188,8 +191,13 @@ impl Comm {
             }
             // Some allocations (e.g. virtual-memory mappings) have no
             // address range; accept them if they belong to this context.
+            // Memory a graph allocates while the stream captures
+            // (`cuMemAllocAsync` in the capture, e.g. an engine's output
+            // tensor) is not known to pointer queries until the graph is
+            // instantiated: accepted unchecked while capturing.
             Err(_) => match driver::pointer_context(ptr) {
                 Some(c) if c == self.ctx.cu_ctx() => Ok(()),
+                None if capturing => Ok(()),
                 _ => Err(Error::invalid(format!(
                     "all_reduce: {what} ({ptr:#x}) is not device memory of the communicator's context"
                 ))),
