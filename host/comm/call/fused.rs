@@ -396,7 +396,7 @@ impl Comm {
         let extent = |name: &str, ptr: u64, bytes: u64| {
             let count = bytes as usize / dtype.size_bytes();
             self.validate_device_range(name, ptr, bytes as usize, count, dtype, capturing).map_err(|e| match e {
-                Error::InvalidUsage(m) => m,
+                Error::InvalidUsage(m) => m.strip_prefix("all_reduce: ").map(str::to_string).unwrap_or(m),
                 other => other.to_string(),
             })
         };
