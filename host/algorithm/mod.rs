@@ -107,7 +107,7 @@ pub(crate) trait AlgorithmHost: Sync {
 }
 
 /// Device-memory traffic of one allreduce, all ranks together, when every
-/// rank is on the same GPU ([`AlgorithmHost::single_gpu_traffic_per_rank`]);
+/// rank is on the same GPU (`AlgorithmHost::single_gpu_traffic_per_rank`);
 /// NCCL counted as a ring (scatter, reduce, gather: 6 bytes per byte).
 pub fn single_gpu_traffic_bytes(algorithm: Algorithm, world: usize, bytes: usize) -> f64 {
     let (n, s) = (world as f64, bytes as f64);
