@@ -26,42 +26,9 @@ BUDGET=${BUDGET:-540}          # seconds for all steps together
 B=.dev/tp-allreduce SUITE=.dev/suite
 mkdir -p "$OUT"
 W=$(mktemp -d /tmp/fused-exp.XXXXXX)
-LOG=$W/log.txt
-START=$SECONDS
-# cudarc loads libnccl.so; the NCCL wheel ships libnccl.so.2.
-if NCCL_DIR=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null); then
-  mkdir -p /tmp/nccl && ln -sf "$NCCL_DIR/libnccl.so.2" /tmp/nccl/libnccl.so && export LD_LIBRARY_PATH=/tmp/nccl:${LD_LIBRARY_PATH:-}
-fi
+source .ci/steps.sh   # step, kill_tree, LOG, the NCCL library, the NVLS switches
 # No tuning table: the model's selection (what a fresh install does).
 export TP_ALLREDUCE_TUNING_FILE=$W/no-tuning-table.toml
-
-# Kills process `$1` and everything it started, by process id.
-kill_tree() {
-  local c
-  for c in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$c"; done
-  kill -KILL "$1" 2>/dev/null
-}
-
-# step NAME LIMIT CMD...: runs CMD with its output in $W/NAME.log, bounded by
-# LIMIT seconds and by what is left of the budget.
-step() {
-  local name=$1 limit=$2; shift 2
-  local left=$((BUDGET - (SECONDS - START)))
-  if [ "$left" -lt 20 ]; then
-    echo "=== $name: skipped (out of time)" | tee -a "$LOG"; echo "$name skipped 0" >> "$W/steps.txt"; return
-  fi
-  local t=$((limit < left ? limit : left)) s=$SECONDS
-  echo "=== $name (limit ${t}s): $*" | tee -a "$LOG"
-  "$@" > "$W/$name.log" 2>&1 &
-  local pid=$!
-  ( sleep "$t"; echo "(killed after ${t}s)" >> "$W/$name.log"; kill_tree "$pid" ) &
-  local dog=$!
-  wait "$pid"; local rc=$?
-  kill_tree "$dog"; wait "$dog" 2>/dev/null
-  grep -vE '^\s*\[[0-9]+/|^\s*$' "$W/$name.log" | tail -n 25 | tee -a "$LOG"
-  echo "=== $name: exit $rc after $((SECONDS - s)) s" | tee -a "$LOG"
-  echo "$name $rc $((SECONDS - s))" >> "$W/steps.txt"
-}
 
 nvidia-smi --query-gpu=index,name,driver_version --format=csv > "$W/gpus.txt" 2>&1
 nvidia-smi topo -m > "$W/topo.txt" 2>&1

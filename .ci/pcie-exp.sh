@@ -23,39 +23,9 @@ BUDGET=${BUDGET:-500}
 NEW=.dev/tp-allreduce SUITE=.dev/suite
 mkdir -p "$OUT"
 W=$(mktemp -d /tmp/pcie-exp.XXXXXX)
-LOG=$W/log.txt
-START=$SECONDS
-if NCCL_DIR=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null); then
-  mkdir -p /tmp/nccl && ln -sf "$NCCL_DIR/libnccl.so.2" /tmp/nccl/libnccl.so && export LD_LIBRARY_PATH=/tmp/nccl:${LD_LIBRARY_PATH:-}
-fi
+source .ci/steps.sh   # step, kill_tree, LOG, the NCCL library, the NVLS switches
+# No tuning table: the model's selection (what a fresh install does).
 export TP_ALLREDUCE_TUNING_FILE=$W/no-tuning-table.toml
-
-kill_tree() {
-  local c
-  for c in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$c"; done
-  kill -KILL "$1" 2>/dev/null
-}
-
-# step NAME LIMIT CMD...: CMD's output in $W/NAME.log, bounded by LIMIT
-# seconds and by what is left of the budget.
-step() {
-  local name=$1 limit=$2; shift 2
-  local left=$((BUDGET - (SECONDS - START)))
-  if [ "$left" -lt 25 ]; then
-    echo "=== $name: skipped (out of time)" | tee -a "$LOG"; echo "$name skipped 0" >> "$W/steps.txt"; return
-  fi
-  local t=$((limit < left ? limit : left)) s=$SECONDS
-  echo "=== $name (limit ${t}s): $*" | tee -a "$LOG"
-  "$@" > "$W/$name.log" 2>&1 &
-  local pid=$!
-  ( sleep "$t"; echo "(killed after ${t}s)" >> "$W/$name.log"; kill_tree "$pid" ) &
-  local dog=$!
-  wait "$pid"; local rc=$?
-  kill_tree "$dog"; wait "$dog" 2>/dev/null
-  grep -vE '^\s*\[[0-9]+/|^\s*$' "$W/$name.log" | tail -n 30 | tee -a "$LOG"
-  echo "=== $name: exit $rc after $((SECONDS - s)) s" | tee -a "$LOG"
-  echo "$name $rc $((SECONDS - s))" >> "$W/steps.txt"
-}
 
 nvidia-smi --query-gpu=index,name,driver_version --format=csv > "$W/gpus.txt" 2>&1
 nvidia-smi topo -m > "$W/topo.txt" 2>&1
@@ -67,13 +37,11 @@ step smoke 150 env TP_ALLREDUCE_REQUIRE_GPU=1 "$SUITE" --test-threads=1 \
   gpu_pcie_family::copy_engine_ring_with_kernel_publication
 
 # 2. 4 ranks on 2 GPUs, 2 per GPU (processes sharing a GPU need MPS).
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-if nvidia-cuda-mps-control -d >> "$LOG" 2>&1; then
+if mps_start; then
   step mps4 150 "$NEW" bench --processes --gpus 0,1 --ranks-per-gpu 2 --island-size 2 \
     --sizes 42K,64K,256K,1M,2M,8M --repeats 10 --no-verify-pass \
     --algorithms hierarchical,two-shot-push,one-shot-push,auto --out "$W/mps4"
-  echo quit | nvidia-cuda-mps-control >> "$LOG" 2>&1
+  mps_stop
 else
   echo "=== mps4: MPS did not start, skipped" | tee -a "$LOG"
 fi
