@@ -58,59 +58,54 @@ const ALL_REDUCE_OP: &str = "tp-allreduce all_reduce";
 /// NCCL unique id, `[c_char; 128]`).
 pub const ID_PAYLOAD_BYTES: usize = 128;
 
+/// The input of a call: a slice and its start element (`None`: in place).
+type Slot<'a, T> = Option<(&'a CudaSlice<T>, usize)>;
+/// The output of a call: a slice and its start element.
+type SlotMut<'a, T> = (&'a mut CudaSlice<T>, usize);
+type Res = crate::Result<()>;
+
 /// The call the ops make, per element type: `Comm` in the library (its
 /// safe [`Comm::all_reduce_slices_on`]); a recording fake in the CPU tests,
-/// so that the ops' checks run without a GPU.
+/// so that the ops' checks run without a GPU. (One method per type: a
+/// generic method would make the trait unusable as `dyn`.)
 trait SliceAllReduce: Send + Sync {
-    fn f32(
-        &self,
-        send: Option<(&CudaSlice<f32>, usize)>,
-        recv: (&mut CudaSlice<f32>, usize),
-        count: usize,
-        stream: &Arc<CudaStream>,
-    ) -> crate::Result<()>;
+    fn f32(&self, send: Slot<'_, f32>, recv: SlotMut<'_, f32>, count: usize, stream: &Arc<CudaStream>) -> Res;
     fn f16(
         &self,
-        send: Option<(&CudaSlice<half::f16>, usize)>,
-        recv: (&mut CudaSlice<half::f16>, usize),
+        send: Slot<'_, half::f16>,
+        recv: SlotMut<'_, half::f16>,
         count: usize,
         stream: &Arc<CudaStream>,
-    ) -> crate::Result<()>;
+    ) -> Res;
     fn bf16(
         &self,
-        send: Option<(&CudaSlice<half::bf16>, usize)>,
-        recv: (&mut CudaSlice<half::bf16>, usize),
+        send: Slot<'_, half::bf16>,
+        recv: SlotMut<'_, half::bf16>,
         count: usize,
         stream: &Arc<CudaStream>,
-    ) -> crate::Result<()>;
+    ) -> Res;
 }
 
 impl SliceAllReduce for Comm {
-    fn f32(
-        &self,
-        send: Option<(&CudaSlice<f32>, usize)>,
-        recv: (&mut CudaSlice<f32>, usize),
-        count: usize,
-        stream: &Arc<CudaStream>,
-    ) -> crate::Result<()> {
+    fn f32(&self, send: Slot<'_, f32>, recv: SlotMut<'_, f32>, count: usize, stream: &Arc<CudaStream>) -> Res {
         self.all_reduce_slices_on(send, recv, count, stream)
     }
     fn f16(
         &self,
-        send: Option<(&CudaSlice<half::f16>, usize)>,
-        recv: (&mut CudaSlice<half::f16>, usize),
+        send: Slot<'_, half::f16>,
+        recv: SlotMut<'_, half::f16>,
         count: usize,
         stream: &Arc<CudaStream>,
-    ) -> crate::Result<()> {
+    ) -> Res {
         self.all_reduce_slices_on(send, recv, count, stream)
     }
     fn bf16(
         &self,
-        send: Option<(&CudaSlice<half::bf16>, usize)>,
-        recv: (&mut CudaSlice<half::bf16>, usize),
+        send: Slot<'_, half::bf16>,
+        recv: SlotMut<'_, half::bf16>,
         count: usize,
         stream: &Arc<CudaStream>,
-    ) -> crate::Result<()> {
+    ) -> Res {
         self.all_reduce_slices_on(send, recv, count, stream)
     }
 }
@@ -120,46 +115,32 @@ impl SliceAllReduce for Comm {
 trait OpElement: CudaDType + Element + cudarc::driver::ValidAsZeroBits {
     fn reduce(
         comm: &dyn SliceAllReduce,
-        send: Option<(&CudaSlice<Self>, usize)>,
-        recv: (&mut CudaSlice<Self>, usize),
+        send: Slot<'_, Self>,
+        recv: SlotMut<'_, Self>,
         count: usize,
         stream: &Arc<CudaStream>,
-    ) -> crate::Result<()>;
+    ) -> Res;
 }
 
-impl OpElement for f32 {
-    fn reduce(
-        c: &dyn SliceAllReduce,
-        s: Option<(&CudaSlice<f32>, usize)>,
-        r: (&mut CudaSlice<f32>, usize),
-        n: usize,
-        st: &Arc<CudaStream>,
-    ) -> crate::Result<()> {
-        c.f32(s, r, n, st)
-    }
+/// `OpElement` for `$t`, routed to `SliceAllReduce::$method`.
+macro_rules! op_element {
+    ($t:ty, $method:ident) => {
+        impl OpElement for $t {
+            fn reduce(
+                c: &dyn SliceAllReduce,
+                s: Slot<'_, $t>,
+                r: SlotMut<'_, $t>,
+                n: usize,
+                st: &Arc<CudaStream>,
+            ) -> Res {
+                c.$method(s, r, n, st)
+            }
+        }
+    };
 }
-impl OpElement for half::f16 {
-    fn reduce(
-        c: &dyn SliceAllReduce,
-        s: Option<(&CudaSlice<half::f16>, usize)>,
-        r: (&mut CudaSlice<half::f16>, usize),
-        n: usize,
-        st: &Arc<CudaStream>,
-    ) -> crate::Result<()> {
-        c.f16(s, r, n, st)
-    }
-}
-impl OpElement for half::bf16 {
-    fn reduce(
-        c: &dyn SliceAllReduce,
-        s: Option<(&CudaSlice<half::bf16>, usize)>,
-        r: (&mut CudaSlice<half::bf16>, usize),
-        n: usize,
-        st: &Arc<CudaStream>,
-    ) -> crate::Result<()> {
-        c.bf16(s, r, n, st)
-    }
-}
+op_element!(f32, f32);
+op_element!(half::f16, f16);
+op_element!(half::bf16, bf16);
 
 /// Sum allreduce of a tensor over the ranks of a [`Comm`].
 ///

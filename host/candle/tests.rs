@@ -22,31 +22,13 @@ impl CountingComm {
 }
 
 impl SliceAllReduce for CountingComm {
-    fn f32(
-        &self,
-        _: Option<(&CudaSlice<f32>, usize)>,
-        _: (&mut CudaSlice<f32>, usize),
-        _: usize,
-        _: &Arc<CudaStream>,
-    ) -> crate::Result<()> {
+    fn f32(&self, _: Slot<'_, f32>, _: SlotMut<'_, f32>, _: usize, _: &Arc<CudaStream>) -> Res {
         self.record()
     }
-    fn f16(
-        &self,
-        _: Option<(&CudaSlice<half::f16>, usize)>,
-        _: (&mut CudaSlice<half::f16>, usize),
-        _: usize,
-        _: &Arc<CudaStream>,
-    ) -> crate::Result<()> {
+    fn f16(&self, _: Slot<'_, half::f16>, _: SlotMut<'_, half::f16>, _: usize, _: &Arc<CudaStream>) -> Res {
         self.record()
     }
-    fn bf16(
-        &self,
-        _: Option<(&CudaSlice<half::bf16>, usize)>,
-        _: (&mut CudaSlice<half::bf16>, usize),
-        _: usize,
-        _: &Arc<CudaStream>,
-    ) -> crate::Result<()> {
+    fn bf16(&self, _: Slot<'_, half::bf16>, _: SlotMut<'_, half::bf16>, _: usize, _: &Arc<CudaStream>) -> Res {
         self.record()
     }
 }
