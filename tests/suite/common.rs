@@ -265,3 +265,27 @@ pub fn sizes_for(dtype: DType, max_bytes: usize) -> Vec<usize> {
     counts.dedup();
     counts
 }
+
+/// Waits for child processes (bounded: after `limit` from `started` the
+/// ones still running are killed), then returns their outputs and all of
+/// their stdout and stderr as one text, also printed to stderr.
+pub fn wait_for_children(
+    mut children: Vec<std::process::Child>,
+    started: std::time::Instant,
+    limit: std::time::Duration,
+) -> (Vec<std::process::Output>, String) {
+    while children.iter_mut().any(|c| c.try_wait().ok().flatten().is_none()) {
+        if started.elapsed() > limit {
+            children.iter_mut().for_each(|c| drop(c.kill()));
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let outputs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().expect("child output")).collect();
+    let text: String = outputs
+        .iter()
+        .map(|o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+        .collect();
+    eprintln!("{text}");
+    (outputs, text)
+}

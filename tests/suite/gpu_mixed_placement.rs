@@ -41,7 +41,7 @@ fn mixed_placement_across_processes() {
     let id = Id::new_unix().expect("rendezvous id");
     let second_device = if tp_allreduce::driver::device_count() >= 2 { 1 } else { 0 };
     let started = Instant::now();
-    let mut children: Vec<_> = [("0,1", 0), ("2,3", second_device)]
+    let children: Vec<_> = [("0,1", 0), ("2,3", second_device)]
         .into_iter()
         .map(|(ranks, device)| {
             Command::new(std::env::current_exe().expect("test binary"))
@@ -57,20 +57,8 @@ fn mixed_placement_across_processes() {
         })
         .collect();
     // Bounded: a hung child is killed (every wait inside is bounded too).
-    while children.iter_mut().any(|c| c.try_wait().ok().flatten().is_none()) {
-        if started.elapsed() > Duration::from_secs(240) {
-            children.iter_mut().for_each(|c| drop(c.kill()));
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let outputs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().expect("child output")).collect();
+    let (outputs, text) = common::wait_for_children(children, started, Duration::from_secs(240));
     id.remove_files();
-    let text: String = outputs
-        .iter()
-        .map(|o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
-        .collect();
-    eprintln!("{text}");
     for (i, o) in outputs.iter().enumerate() {
         assert!(o.status.success(), "process {i} failed ({}):\n{text}", o.status);
     }

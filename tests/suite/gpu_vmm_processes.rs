@@ -51,7 +51,7 @@ fn two_processes(test: &str, scenario: &str) {
     let id = tp_allreduce::rendezvous::Id::new_unix().expect("rendezvous id");
     let dir = scratch_dir(scenario);
     let started = Instant::now();
-    let mut children: Vec<_> = (0..2)
+    let children: Vec<_> = (0..2)
         .map(|rank| {
             Command::new(std::env::current_exe().expect("test binary"))
                 .args(["gpu_vmm_processes::vmm_child", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
@@ -65,20 +65,8 @@ fn two_processes(test: &str, scenario: &str) {
         })
         .collect();
     // Bounded: a hung child is killed (every wait inside is bounded too).
-    while children.iter_mut().any(|c| c.try_wait().ok().flatten().is_none()) {
-        if started.elapsed() > Duration::from_secs(300) {
-            children.iter_mut().for_each(|c| drop(c.kill()));
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let outputs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().expect("child output")).collect();
+    let (outputs, text) = common::wait_for_children(children, started, Duration::from_secs(300));
     id.remove_files();
-    let text: String = outputs
-        .iter()
-        .map(|o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
-        .collect();
-    eprintln!("{text}");
     if let Some(skip) = text.lines().find(|l| l.starts_with("skipped:")) {
         use std::io::Write;
         let _ = writeln!(std::io::stderr(), "{skip} ({test})");
