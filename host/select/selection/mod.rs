@@ -191,16 +191,11 @@ pub fn select_fused(
     capturing: bool,
     constraints: &Constraints,
 ) -> Choice {
-    let view: Cow<'_, Topology> = if topology.len() == world_size {
-        Cow::Borrowed(topology)
-    } else {
-        match topology.for_world(world_size) {
-            Ok(v) => Cow::Owned(v),
-            // No rank view: the plain selection says why (NCCL fallback).
-            Err(_) => return select(topology, world_size, dtype, bytes, capturing, constraints),
-        }
-    };
-    select_view(&CostModel::default(), None, &view, dtype, bytes, capturing, constraints, true)
+    match rank_view(topology, world_size) {
+        Ok(view) => select_view(&CostModel::default(), None, &view, dtype, bytes, capturing, constraints, true),
+        // No rank view: the plain selection says why (NCCL fallback).
+        Err(_) => select(topology, world_size, dtype, bytes, capturing, constraints),
+    }
 }
 
 /// [`select`] with an explicit model and an optional tuning table (which
@@ -216,25 +211,31 @@ pub fn select_with(
     capturing: bool,
     constraints: &Constraints,
 ) -> Choice {
-    let view: Cow<'_, Topology> = if topology.len() == world_size {
-        Cow::Borrowed(topology)
-    } else {
-        match topology.for_world(world_size) {
-            Ok(v) => Cow::Owned(v),
-            Err(e) => {
-                return Choice {
-                    algorithm: Algorithm::Nccl,
-                    transport: constraints.transport,
-                    reason: format!("no rank view: {e}; NCCL fallback"),
-                    predicted_us: f64::NAN,
-                    nccl_predicted_us: f64::NAN,
-                    source: Source::Model,
-                    shape: None,
-                }
+    let view = match rank_view(topology, world_size) {
+        Ok(view) => view,
+        Err(e) => {
+            return Choice {
+                algorithm: Algorithm::Nccl,
+                transport: constraints.transport,
+                reason: format!("no rank view: {e}; NCCL fallback"),
+                predicted_us: f64::NAN,
+                nccl_predicted_us: f64::NAN,
+                source: Source::Model,
+                shape: None,
             }
         }
     };
     select_view(model, tuning, &view, dtype, bytes, capturing, constraints, false)
+}
+
+/// The topology as the `world_size` ranks see it: `topology` itself when it
+/// has one GPU per rank, else its view for that world.
+fn rank_view(topology: &Topology, world_size: usize) -> crate::Result<Cow<'_, Topology>> {
+    if topology.len() == world_size {
+        Ok(Cow::Borrowed(topology))
+    } else {
+        topology.for_world(world_size).map(Cow::Owned)
+    }
 }
 
 /// A time and where it came from.
