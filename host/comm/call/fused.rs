@@ -380,7 +380,8 @@ impl Comm {
     /// Everything the driver can check of a validated-looking call: the
     /// pure checks, the buffers' extents in this context, the stream's
     /// context.
-    fn validate_epilogue(&self, what: &str, call: &EpilogueCall, stream: sys::CUstream) -> Result<()> {
+    /// Returns the stream's capture id (`driver::capture_id`).
+    fn validate_epilogue(&self, what: &str, call: &EpilogueCall, stream: sys::CUstream) -> Result<Option<u64>> {
         let p =
             EpiloguePointers { input: call.input, residual: call.residual, weight: call.weight, normed: call.normed };
         // SAFETY: the caller guarantees `stream` is a live stream.
@@ -391,7 +392,8 @@ impl Comm {
             )));
         }
         // SAFETY: as above.
-        let capturing = unsafe { driver::capture_id(stream)? }.is_some();
+        let capture = unsafe { driver::capture_id(stream)? };
+        let capturing = capture.is_some();
         let dtype = call.shape.dtype;
         let extent = |name: &str, ptr: u64, bytes: u64| {
             let count = bytes as usize / dtype.size_bytes();
@@ -407,7 +409,7 @@ impl Comm {
                 Error::invalid(format!("{what}: {m}"))
             }
         })?;
-        Ok(())
+        Ok(capture)
     }
 
     /// The per-call path of the fused calls (module docs).
@@ -420,14 +422,12 @@ impl Comm {
             return Ok(());
         }
         let _context = driver::CurrentContext::bind(&self.ctx)?;
-        self.validate_epilogue(what, call, stream)?;
+        let capture = self.validate_epilogue(what, call, stream)?;
         if self.world == 1 {
             // The sum is the input: the epilogue alone.
             // SAFETY: validated pointers and stream.
             return unsafe { self.launch_epilogue(call, call.input, stream) };
         }
-        // SAFETY: as above.
-        let capture = unsafe { driver::capture_id(stream)? };
         // SAFETY: as above.
         unsafe { self.order_after_previous_call(stream, capture)? };
         let capturing = capture.is_some();

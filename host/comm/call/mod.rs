@@ -142,7 +142,8 @@ impl Comm {
             return Err(Error::invalid("all_reduce: the stream belongs to another CUDA context than the communicator"));
         }
         // SAFETY: as above.
-        let capturing = unsafe { driver::capture_id(stream)? }.is_some();
+        let capture = unsafe { driver::capture_id(stream)? };
+        let capturing = capture.is_some();
         // Ranges first: an overrun (wrong count or dtype) is the root cause
         // of an overlap with a neighbouring allocation and says so.
         for (what, ptr) in [("send", send), ("recv", recv)] {
@@ -154,7 +155,7 @@ impl Comm {
         }
         // SAFETY: pointers and stream validated above; the caller's
         // contract covers their lifetime.
-        unsafe { self.call(send, recv, count, dtype, stream) }
+        unsafe { self.call(send, recv, count, dtype, stream, capture) }
     }
 
     /// Checks that `ptr..ptr+bytes` is device memory of this context (a
@@ -260,6 +261,9 @@ impl Comm {
     /// the communicator (a device timeout seen here, a launch error) marks
     /// it broken.
     ///
+    /// `capture`: the stream's capture id (`driver::capture_id`), queried
+    /// once by the caller's validation.
+    ///
     /// # Safety
     /// As `Comm::all_reduce_raw`, with the arguments already validated.
     pub(super) unsafe fn call(
@@ -269,6 +273,7 @@ impl Comm {
         count: usize,
         dtype: DType,
         stream: sys::CUstream,
+        capture: Option<u64>,
     ) -> Result<()> {
         let bytes = count * dtype.size_bytes();
         if self.world == 1 {
@@ -278,8 +283,6 @@ impl Comm {
             }
             return Ok(());
         }
-        // SAFETY: as above.
-        let capture = unsafe { driver::capture_id(stream)? };
         // SAFETY: as above.
         unsafe { self.order_after_previous_call(stream, capture)? };
         let capturing = capture.is_some();
