@@ -125,9 +125,16 @@ pub fn param_struct(name: &str) -> Option<(usize, usize)> {
 
 /// Entry of the fused (allreduce + residual add + RMSNorm) OneShotPush:
 /// `fused_one_shot_push_<dtype>`, or `fused_one_shot_push2_<dtype>` for
-/// two ranks (one `FusedOneShotPushParams` by value).
-pub fn fused_one_shot_push_entry(dtype: DType, two_ranks: bool) -> String {
-    format!("fused_one_shot_push{}_{}", if two_ranks { "2" } else { "" }, dtype.name())
+/// two ranks; `short_rows`: the `_short` entry holding at most
+/// `FUSED_SHORT_ROW_PACKS_PER_THREAD` packs of a row per thread (one
+/// `FusedOneShotPushParams` by value).
+pub fn fused_one_shot_push_entry(dtype: DType, two_ranks: bool, short_rows: bool) -> String {
+    format!(
+        "fused_one_shot_push{}{}_{}",
+        if two_ranks { "2" } else { "" },
+        if short_rows { "_short" } else { "" },
+        dtype.name()
+    )
 }
 
 /// Entry of the fused OneShotPull: `fused_one_shot_pull_<dtype>`.
@@ -148,8 +155,10 @@ pub fn fused_entries() -> Vec<String> {
         .into_iter()
         .flat_map(|d| {
             [
-                fused_one_shot_push_entry(d, false),
-                fused_one_shot_push_entry(d, true),
+                fused_one_shot_push_entry(d, false, false),
+                fused_one_shot_push_entry(d, true, false),
+                fused_one_shot_push_entry(d, false, true),
+                fused_one_shot_push_entry(d, true, true),
                 fused_one_shot_pull_entry(d),
                 add_rms_norm_entry(d),
             ]

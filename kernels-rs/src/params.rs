@@ -281,6 +281,10 @@ pub const FUSED_MAX_THREADS: u32 = 512;
 /// Packs of a row each thread of a fused kernel holds in registers between
 /// the residual add and the normalisation.
 pub const FUSED_PACKS_PER_THREAD: u32 = 4;
+/// Packs of a row per thread of the `fused_one_shot_push*_short_<dt>`
+/// entries: the same kernel holding half the packs (and registers) across
+/// the wait, for rows of at most `FUSED_MAX_THREADS` x this many packs.
+pub const FUSED_SHORT_ROW_PACKS_PER_THREAD: u32 = 2;
 /// Longest row (in 16-byte packs) a fused kernel normalises: hidden 16384
 /// in f16/bf16, 8192 in f32. Longer rows take the unfused path.
 pub const FUSED_MAX_ROW_PACKS: u32 = FUSED_MAX_THREADS * FUSED_PACKS_PER_THREAD;

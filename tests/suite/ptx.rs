@@ -248,9 +248,9 @@ fn fused_entries_take_the_parameters_the_host_passes() {
     }
     for (what, text) in &sources {
         for dtype in DType::ALL {
-            for entry in
-                [kernels::fused_one_shot_push_entry(dtype, false), kernels::fused_one_shot_push_entry(dtype, true)]
-            {
+            let push_entries = [(false, false), (true, false), (false, true), (true, true)]
+                .map(|(two_ranks, short_rows)| kernels::fused_one_shot_push_entry(dtype, two_ranks, short_rows));
+            for entry in push_entries {
                 let needle = format!(".param .align {align} .b8 {entry}_param_0[{host_size}]");
                 if struct_param_bytes(text, &entry) != Some(host_size) || !text.contains(&needle) {
                     failures.push(format!("{what} {entry}: no `{needle}`"));

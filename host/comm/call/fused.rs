@@ -20,7 +20,9 @@
 //! raw-pointer forms and the launches.
 
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
-use tp_allreduce_kernels::params::{FusedEpilogue, FusedOneShotPushParams, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET};
+use tp_allreduce_kernels::params::{
+    FusedEpilogue, FusedOneShotPushParams, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_SHORT_ROW_PACKS_PER_THREAD,
+};
 
 use super::choose;
 use super::{Comm, Element};
@@ -481,7 +483,8 @@ impl Comm {
         let row_packs = call.shape.row_packs().unwrap_or(0);
         let threads = call.threads(row_packs);
         let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
-        let f = self.module.function(&fused_one_shot_push_entry(call.shape.dtype, two_ranks))?;
+        let short_rows = row_packs <= threads as u64 * FUSED_SHORT_ROW_PACKS_PER_THREAD as u64;
+        let f = self.module.function(&fused_one_shot_push_entry(call.shape.dtype, two_ranks, short_rows))?;
         let cap = self.setup.geometry().pull_max_blocks;
         for (row0, rows) in row_chunks(call.shape.rows, rows_per_launch) {
             let push = self.sentinel.one_shot_push(call.input + call.row_offset(row0), 0, rows * hidden);

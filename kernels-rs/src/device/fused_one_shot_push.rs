@@ -10,9 +10,12 @@
 //!   thread t owns packs j = t + k * threads (k < K) of each of them:
 //!     entry:  {abort, generation} + the first row's input packs, together
 //!     push:   canonical(in[row, j]) -> every peer's slot, half (gen & 1)
+//!     issue:  residual_in[first row, j] and w[j] (in flight during the barrier)
 //!     advance_generation (block barrier; the last block stores gen + 1)
 //!     per row (block-uniform):
-//!       poll + reset on consume, sum in rank order in f32 (own term in place)
+//!       first polls of every pack of the row, back to back (one round trip)
+//!       wait on EMPTY words + reset on consume, sum in rank order in f32
+//!       (own term = the input packs still held from the push)
 //!       y = sum + residual_in; residual_out = round(y); s += x^2 (rounded x)
 //!       block_sum(s) (bar.red.or: also carries "a thread gave up")
 //!       normed = round(x * inv_rms * w)                  (x, w kept in registers)
@@ -40,11 +43,15 @@ use crate::ids::AlgorithmId;
 use crate::layout::{ErrorRecord, MAX_RANKS, SENTINEL_EMPTY_WORD};
 use crate::params::{
     Control, FusedOneShotPushParams, RegionId, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_PACKS_PER_THREAD,
+    FUSED_SHORT_ROW_PACKS_PER_THREAD,
 };
 use crate::{for_each_rank, for_each_row_pack};
 
 /// Packs per thread per row (the host keeps `row_packs <= K * threads`).
 const K: usize = FUSED_PACKS_PER_THREAD as usize;
+/// Packs per thread per row of the `_short` entries (`row_packs <=
+/// SHORT_K * threads`).
+const SHORT_K: usize = FUSED_SHORT_ROW_PACKS_PER_THREAD as usize;
 /// Receive slots polled together (as in OneShotPush).
 const POLL_GROUP: usize = 4;
 /// See `one_shot_push.rs`: -0.0 is the identity of IEEE addition.
@@ -59,7 +66,7 @@ fn pack_offset(row: u64, row_packs: u64, j: u64) -> u64 {
 /// Loads this thread's packs of `row` from `base` (all in flight at once;
 /// element by element unless `vector`).
 #[inline(always)]
-unsafe fn load_row_packs<E: Element>(
+unsafe fn load_row_packs<E: Element, const P: usize>(
     base: u64,
     row: u64,
     row_packs: u64,
@@ -70,7 +77,7 @@ unsafe fn load_row_packs<E: Element>(
     let mut v = [ZERO_PACK; K];
     for_each_row_pack!(KI => {
         let j = tid + KI as u64 * threads;
-        if j < row_packs {
+        if KI < P && j < row_packs {
             v[KI] = load_pack::<E>(base as *const u8, row * row_packs + j, E::LANES as u64, vector);
         }
     });
@@ -80,18 +87,22 @@ unsafe fn load_row_packs<E: Element>(
 /// Polls every receive slot of the pack at byte offset `$off` (within the
 /// half), resets each after reading it, and sums the world's terms in rank
 /// order into an f32 accumulator (`$mine` is this rank's term):
-/// `Result<Acc, Stall>`. A macro, not a function: the parameter struct is
+/// `Result<Acc, Stall>`. The first `$preloaded` slots were already loaded
+/// once (`$pre`, issued for all of the thread's packs together): only a
+/// word still EMPTY there is waited for. A macro, not a function: the parameter struct is
 /// only ever read with constant offsets where it is used, never borrowed
 /// (a reference would make LLVM copy it to local memory).
 macro_rules! poll_and_sum {
-    ($E:ty, $p:ident, $world:expr, $rank:expr, $off:expr, $mine:expr, $control:expr) => {
+    ($E:ty, $p:ident, $world:expr, $rank:expr, $off:expr, $mine:expr, $pre:expr, $preloaded:expr, $control:expr) => {
         'poll: {
             let mut acc = NEG_ZERO_ACC;
             macro_rules! poll_group {
                 ($group:literal) => {
                     let mut got = [ZERO_PACK; MAX_RANKS];
                     for_each_rank!(S => {
-                        if S / POLL_GROUP == $group && (S as u32) + 1 < $world {
+                        if S < $preloaded && $group == 0 {
+                            got[S] = $pre[S];
+                        } else if S / POLL_GROUP == $group && (S as u32) + 1 < $world {
                             got[S] = ptx::ld_relaxed_sys_v4_u32(($p.push.recv_from[S] + $off) as *const u32);
                         }
                     });
@@ -129,10 +140,27 @@ macro_rules! poll_and_sum {
 
 const _: () = assert!(2 * POLL_GROUP >= MAX_RANKS, "two poll groups cover every slot");
 
+/// Receive slots whose first poll a thread issues for all of its `p` packs
+/// of a row at once, before it waits on any: every slot with the world
+/// fixed at 2..=5, two for any world, none with `K` packs (the register
+/// budget of 512-thread blocks: ptxas spilled otherwise).
+const fn preloaded_slots(w: u32, p: usize) -> usize {
+    if p > SHORT_K {
+        0
+    } else if w == 0 {
+        2
+    } else if (w as usize) - 1 < POLL_GROUP {
+        (w as usize) - 1
+    } else {
+        POLL_GROUP
+    }
+}
+
 /// The kernel body; `W` is the world size when fixed at compile time (2
-/// for the TP2 entry points), 0 for "read it from the parameters".
+/// for the TP2 entry points), 0 for "read it from the parameters"; `P`
+/// packs of a row per thread at most (`K` or `SHORT_K`).
 #[inline(always)]
-unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParams) {
+unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: FusedOneShotPushParams) {
     let control = p.push.h.control as *mut Control;
 
     // ---- Entry: the control words and this thread's first input packs are
@@ -149,8 +177,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
     // rank runs this kernel for the same calls, whatever its pointers).
     let vector_in = aligned16(input);
     let mut values = [ZERO_PACK; K];
+    let mut values_row = first_row;
     if first_row < rows {
-        values = load_row_packs::<E>(input, first_row, row_packs, tid, threads, vector_in);
+        values = load_row_packs::<E, P>(input, first_row, row_packs, tid, threads, vector_in);
     }
     let world = if W == 0 { p.push.h.world } else { W };
     let rank = p.push.h.rank;
@@ -162,7 +191,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
         while row < rows {
             for_each_row_pack!(KI => {
                 let j = tid + KI as u64 * threads;
-                if j < row_packs {
+                if KI < P && j < row_packs {
                     let v = E::canonicalise(values[KI]);
                     let off = ptx::opaque_u64(half + pack_offset(row, row_packs, j));
                     for_each_rank!(D => {
@@ -174,8 +203,31 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
             });
             row += row_stride;
             if row < rows {
-                values = load_row_packs::<E>(input, row, row_packs, tid, threads, vector_in);
+                values = load_row_packs::<E, P>(input, row, row_packs, tid, threads, vector_in);
+                values_row = row;
             }
+        }
+    }
+
+    // ---- Rank-local operands of the epilogue. Short rows (`early`): issued
+    //      now, so that they are in flight during the barrier and the
+    //      peers' round trip (the weight, the same for every row, and the
+    //      first row's residual), and the input packs stay held from the
+    //      push. Long rows: loaded pack by pack before each poll, as many
+    //      registers held across a wait as 512 threads allow.
+    let early = P <= SHORT_K;
+    let norm = p.epilogue.flags & EPILOGUE_NORM != 0;
+    let offset = p.epilogue.flags & EPILOGUE_WEIGHT_OFFSET != 0;
+    let (residual_in, residual_out) = (p.epilogue.residual_in, p.epilogue.residual_out as *mut u8);
+    let (weight, normed) = (p.epilogue.weight, p.epilogue.normed as *mut u8);
+    let vector_residual = aligned16(residual_in) && aligned16(residual_out as u64);
+    let vector_norm = aligned16(weight) && aligned16(normed as u64);
+    let mut weights = [ZERO_PACK; K];
+    let mut residual = [ZERO_PACK; K];
+    if early && first_row < rows {
+        residual = load_row_packs::<E, P>(residual_in, first_row, row_packs, tid, threads, vector_residual);
+        if norm {
+            weights = load_row_packs::<E, P>(weight, 0, row_packs, tid, threads, vector_norm);
         }
     }
 
@@ -186,36 +238,54 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
     }
 
     // ---- Per row: poll, reduce, add the residual, normalise.
-    let norm = p.epilogue.flags & EPILOGUE_NORM != 0;
-    let offset = p.epilogue.flags & EPILOGUE_WEIGHT_OFFSET != 0;
-    let (residual_in, residual_out) = (p.epilogue.residual_in as *const u8, p.epilogue.residual_out as *mut u8);
-    let (weight, normed) = (p.epilogue.weight as *const u8, p.epilogue.normed as *mut u8);
-    let vector_residual = aligned16(residual_in as u64) && aligned16(residual_out as u64);
-    let vector_norm = aligned16(weight as u64) && aligned16(normed as u64);
     let lanes = E::LANES as u64;
+    let preloaded = preloaded_slots(W, P);
     let scratch = ptx::reduction_scratch();
     let mut parity = 0u32;
     let mut stall: Option<Stall> = None;
     let mut row = first_row;
     while row < rows {
+        if early && row != first_row {
+            residual = load_row_packs::<E, P>(residual_in, row, row_packs, tid, threads, vector_residual);
+        }
+        if early && row != values_row {
+            values = load_row_packs::<E, P>(input, row, row_packs, tid, threads, vector_in);
+        }
+        // First polls of the preloaded slots for every pack, back to back:
+        // one round trip for the row, not one per pack.
+        let mut first_polls = [[ZERO_PACK; MAX_RANKS]; K];
+        for_each_row_pack!(KI => {
+            let j = tid + KI as u64 * threads;
+            if KI < P && j < row_packs {
+                let off = ptx::opaque_u64(half + pack_offset(row, row_packs, j));
+                for_each_rank!(S => {
+                    if S < preloaded && (S as u32) + 1 < world {
+                        first_polls[KI][S] = ptx::ld_relaxed_sys_v4_u32((p.push.recv_from[S] + off) as *const u32);
+                    }
+                });
+            }
+        });
         let mut kept = [ZERO_PACK; K];
-        let mut weights = [ZERO_PACK; K];
         let mut squares = 0.0f32;
         for_each_row_pack!(KI => {
             let j = tid + KI as u64 * threads;
-            if j < row_packs && stall.is_none() {
+            if KI < P && j < row_packs && stall.is_none() {
                 let pack = row * row_packs + j;
-                // Own term, residual and weight are issued before the polls.
-                let mine = E::canonicalise(load_pack::<E>(input as *const u8, pack, lanes, vector_in));
-                let residual = load_pack::<E>(residual_in, pack, lanes, vector_residual);
-                if norm {
-                    weights[KI] = load_pack::<E>(weight, j, lanes, vector_norm);
+                let mut own = values[KI];
+                if !early {
+                    own = load_pack::<E>(input as *const u8, pack, lanes, vector_in);
+                    residual[KI] = load_pack::<E>(residual_in as *const u8, pack, lanes, vector_residual);
+                    if norm {
+                        weights[KI] = load_pack::<E>(weight as *const u8, j, lanes, vector_norm);
+                    }
                 }
+                let mine = E::canonicalise(own);
                 let off = ptx::opaque_u64(half + pack_offset(row, row_packs, j));
-                let polled: Result<Acc, Stall> = poll_and_sum!(E, p, world, rank, off, mine, control);
+                let polled: Result<Acc, Stall> =
+                    poll_and_sum!(E, p, world, rank, off, mine, first_polls[KI], preloaded, control);
                 match polled {
                     Ok(mut acc) => {
-                        E::accumulate(&mut acc, &residual);
+                        E::accumulate(&mut acc, &residual[KI]);
                         let out = E::round(&acc);
                         store_pack::<E>(residual_out, pack, lanes, vector_residual, &out);
                         kept[KI] = out;
@@ -237,7 +307,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
             let inv = inv_rms(total, p.epilogue.hidden, p.epilogue.eps);
             for_each_row_pack!(KI => {
                 let j = tid + KI as u64 * threads;
-                if j < row_packs {
+                if KI < P && j < row_packs {
                     let out = normalise::<E>(&kept[KI], &weights[KI], inv, offset);
                     store_pack::<E>(normed, row * row_packs + j, lanes, vector_norm, &out);
                 }
@@ -253,21 +323,39 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32>(p: FusedOneShotPushParam
 }
 
 macro_rules! fused_one_shot_push_entries {
-    ($w:literal, $f32:ident, $f16:ident, $bf16:ident) => {
+    ($w:literal, $p:expr, $f32:ident, $f16:ident, $bf16:ident) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $f32(p: FusedOneShotPushParams) {
-            fused_one_shot_push::<super::pack::F32, $w>(p)
+            fused_one_shot_push::<super::pack::F32, $w, { $p }>(p)
         }
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $f16(p: FusedOneShotPushParams) {
-            fused_one_shot_push::<super::pack::F16, $w>(p)
+            fused_one_shot_push::<super::pack::F16, $w, { $p }>(p)
         }
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $bf16(p: FusedOneShotPushParams) {
-            fused_one_shot_push::<super::pack::Bf16, $w>(p)
+            fused_one_shot_push::<super::pack::Bf16, $w, { $p }>(p)
         }
     };
 }
 
-fused_one_shot_push_entries!(0, fused_one_shot_push_f32, fused_one_shot_push_f16, fused_one_shot_push_bf16);
-fused_one_shot_push_entries!(2, fused_one_shot_push2_f32, fused_one_shot_push2_f16, fused_one_shot_push2_bf16);
+// Up to FUSED_PACKS_PER_THREAD packs per thread, any world / two ranks.
+fused_one_shot_push_entries!(0, K, fused_one_shot_push_f32, fused_one_shot_push_f16, fused_one_shot_push_bf16);
+fused_one_shot_push_entries!(2, K, fused_one_shot_push2_f32, fused_one_shot_push2_f16, fused_one_shot_push2_bf16);
+// Up to FUSED_SHORT_ROW_PACKS_PER_THREAD packs per thread (rows of at most
+// 1024 packs at 512 threads: hidden 8192 in f16/bf16): half the registers
+// held across the wait.
+fused_one_shot_push_entries!(
+    0,
+    SHORT_K,
+    fused_one_shot_push_short_f32,
+    fused_one_shot_push_short_f16,
+    fused_one_shot_push_short_bf16
+);
+fused_one_shot_push_entries!(
+    2,
+    SHORT_K,
+    fused_one_shot_push2_short_f32,
+    fused_one_shot_push2_short_f16,
+    fused_one_shot_push2_short_bf16
+);
