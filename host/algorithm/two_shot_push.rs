@@ -12,8 +12,8 @@ use tp_allreduce_kernels::ids::AlgorithmId;
 use tp_allreduce_kernels::partition::div_ceil;
 use tp_allreduce_kernels::shares::owned_count;
 
-use super::one_shot_push::default_shape;
 use super::cost::access_groups;
+use super::one_shot_push::default_shape;
 use super::{AlgorithmHost, CostRecipe, CostShape, FlowSet, Geometry, IslandSplit, PhaseSpec, ResidentBlocks};
 
 pub(crate) struct TwoShotPush;

@@ -86,7 +86,8 @@ pub fn residuals(model: &CostModel) -> Vec<Residual> {
             let mut opts = Options { nccl: point.nccl, ..Options::for_topology(&view) };
             if point.island_size > 0 {
                 opts.islands = Some(
-                    IslandSplit::consecutive(point.island_size, point.world).expect("calibration islands split the ranks"),
+                    IslandSplit::consecutive(point.island_size, point.world)
+                        .expect("calibration islands split the ranks"),
                 );
             }
             let predict = |subject: Subject| -> f64 {

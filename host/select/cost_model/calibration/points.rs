@@ -23,10 +23,13 @@ const TUNED: &str = "measured here: docs/results/h200-x2/speed-exp-1/tuned.json 
 const DEFAULT_SHAPES: &str = "measured here: docs/results/h200-x2/speed-exp-1/new.json (default launch shapes)";
 const NCCL_H200: &str = "measured here: docs/results/h200-x2/speed-exp-1/new.json (NCCL 2.28.9 through cudarc, graphs)";
 const MPS8: &str = "measured here: docs/results/h200-x2/speed-exp-1/mps8-new.json (8 processes on one H200, MPS)";
-const MPS8_FINAL: &str = "measured here: docs/results/h200-x2/final/mps8.json (8 processes on one H200, MPS, no tuning table)";
-const MPS4_FINAL: &str = "measured here: docs/results/h200-x2/final/mps4.json (4 processes on 2 H200, 2 per GPU, MPS, islands 2+2)";
+const MPS8_FINAL: &str =
+    "measured here: docs/results/h200-x2/final/mps8.json (8 processes on one H200, MPS, no tuning table)";
+const MPS4_FINAL: &str =
+    "measured here: docs/results/h200-x2/final/mps4.json (4 processes on 2 H200, 2 per GPU, MPS, islands 2+2)";
 const PUSH_FINAL: &str = "measured here: docs/results/h200-x2/final/new.json (default launch shapes)";
-const IN_PROCESS8: &str = "measured here: docs/results/h200-1gpu/b8all.json (8 ranks on one H200, one process, 2026-11-29 kernels)";
+const IN_PROCESS8: &str =
+    "measured here: docs/results/h200-1gpu/b8all.json (8 ranks on one H200, one process, 2026-11-29 kernels)";
 const TUNE_TABLE: &str = "measured here: docs/results/h200-x2/speed-exp-1/tuning.toml (tp-allreduce tune)";
 const PUBLISHED: &str = "docs/SOURCES.md [F16]: published one-shot push vs NCCL, 4x RTX PRO 6000";
 
@@ -50,9 +53,14 @@ const MPS8_PUSH: CalibrationPoint = CalibrationPoint { world: 8, ranks_per_gpu: 
 const MPS8_PUSH_FINAL: CalibrationPoint = CalibrationPoint { source: MPS8_FINAL, ..MPS8_PUSH };
 const MPS8_TWO_SHOT: CalibrationPoint =
     CalibrationPoint { subject: Subject::Ours(Algorithm::TwoShotPush), ..MPS8_PUSH_FINAL };
-const MPS8_PULL: CalibrationPoint =
-    CalibrationPoint { subject: Subject::Ours(Algorithm::OneShotPull), role: Role::Reference, source: IN_PROCESS8, ..MPS8_PUSH };
-const MPS8_TWO_SHOT_PULL: CalibrationPoint = CalibrationPoint { subject: Subject::Ours(Algorithm::TwoShotPull), ..MPS8_PULL };
+const MPS8_PULL: CalibrationPoint = CalibrationPoint {
+    subject: Subject::Ours(Algorithm::OneShotPull),
+    role: Role::Reference,
+    source: IN_PROCESS8,
+    ..MPS8_PUSH
+};
+const MPS8_TWO_SHOT_PULL: CalibrationPoint =
+    CalibrationPoint { subject: Subject::Ours(Algorithm::TwoShotPull), ..MPS8_PULL };
 const H200_TWO_SHOT: CalibrationPoint = CalibrationPoint {
     subject: Subject::Ours(Algorithm::TwoShotPush),
     role: Role::Reference,
@@ -63,7 +71,8 @@ const MPS4_PUSH: CalibrationPoint =
     CalibrationPoint { world: 4, ranks_per_gpu: 2, island_size: 2, source: MPS4_FINAL, ..H200_PUSH };
 const MPS4_TWO_SHOT: CalibrationPoint =
     CalibrationPoint { subject: Subject::Ours(Algorithm::TwoShotPush), role: Role::Reference, ..MPS4_PUSH };
-const MPS4_HIERARCHICAL: CalibrationPoint = CalibrationPoint { subject: Subject::Ours(Algorithm::Hierarchical), ..MPS4_TWO_SHOT };
+const MPS4_HIERARCHICAL: CalibrationPoint =
+    CalibrationPoint { subject: Subject::Ours(Algorithm::Hierarchical), ..MPS4_TWO_SHOT };
 
 /// The published 4-GPU comparison (stock NCCL).
 const SWITCH4_NCCL: CalibrationPoint =
