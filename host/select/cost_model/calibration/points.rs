@@ -6,7 +6,10 @@
 //! NCCL's figures wherever they come from. *Reference* points are
 //! reported, never asserted: figures of another implementation (the
 //! published one-shot push of docs/SOURCES.md [F16] has its own launch and
-//! poll overheads), and our flag kernels, whose designs are being replaced.
+//! poll overheads), our flag kernels, whose designs are being replaced,
+//! and our island push kernels (two-shot push, hierarchical) where a cost
+//! the model does not price dominates (docs/COST-MODEL.md, "What the model
+//! does not fit").
 
 use super::{CalibrationPoint, Role, Subject, Target};
 use crate::algorithm::{Algorithm, Transport};
