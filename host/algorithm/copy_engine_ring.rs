@@ -95,6 +95,7 @@ impl AlgorithmHost for CopyEngineRing {
                 latency_over: LatencyOver::MeanFlow,
                 ring_pipelined: false,
                 engine: Engine::CopyEngine,
+                access_rounds: 0.0,
             }],
             // Input twice (copy, reduce), staging read per step, output.
             local_passes: 4.0,

@@ -92,6 +92,12 @@ pub struct PhaseSpec {
     /// Throughput limited by the ring's chunked FIFO pipeline.
     pub ring_pipelined: bool,
     pub engine: Engine,
+    /// Dependent memory round trips a thread makes in this phase beyond
+    /// the poll its hop includes: input loads that must return before
+    /// their peer stores, further groups of receive slots polled one group
+    /// after the other. Each costs `access_round_us` (a kernel fact: how
+    /// many peer slots it loads or polls back to back).
+    pub access_rounds: f64,
 }
 
 impl PhaseSpec {
@@ -108,7 +114,14 @@ impl PhaseSpec {
             latency_over: LatencyOver::WorstFlow,
             ring_pipelined: false,
             engine: Engine::Sm,
+            access_rounds: 0.0,
         }
+    }
+
+    /// This phase with `rounds` dependent memory round trips beyond its
+    /// hop's poll (see [`PhaseSpec::access_rounds`]).
+    pub(crate) const fn with_access_rounds(self, rounds: f64) -> PhaseSpec {
+        PhaseSpec { access_rounds: rounds, ..self }
     }
 
     /// A phase of simultaneous peer reads between barriers.
@@ -123,8 +136,15 @@ impl PhaseSpec {
             latency_over: LatencyOver::WorstPair,
             ring_pipelined: false,
             engine: Engine::Sm,
+            access_rounds: 0.0,
         }
     }
+}
+
+/// Round trips to poll (or load) `slots` slots in groups of `group`, one
+/// group after the other.
+pub(crate) fn access_groups(slots: usize, group: usize) -> f64 {
+    slots.div_ceil(group.max(1)) as f64
 }
 
 /// What the cost model prices for one algorithm call.

@@ -13,8 +13,8 @@
 
 use tp_allreduce_kernels::ids::AlgorithmId;
 
-use super::two_shot_push::share_shape;
-use super::{AlgorithmHost, Capabilities, CostRecipe, CostShape, FlowSet, Geometry, PhaseSpec};
+use super::two_shot_push::{island_push_rounds, share_shape};
+use super::{AlgorithmHost, Capabilities, CostRecipe, CostShape, FlowSet, Geometry, IslandSplit, PhaseSpec};
 
 pub(crate) struct Hierarchical;
 
@@ -71,11 +71,12 @@ impl AlgorithmHost for Hierarchical {
             None => (shape.world as f64, shape.world as f64, 1.0),
         };
         let share = 1.0 / shares;
+        let rounds = island_push_rounds(&shape.islands.unwrap_or_else(|| IslandSplit::whole(shape.world)));
         CostRecipe {
             phases: vec![
-                PhaseSpec::staggered_writes(FlowSet::IslandScatter, share),
-                PhaseSpec::staggered_writes(FlowSet::CrossOwners, share),
-                PhaseSpec::staggered_writes(FlowSet::IslandGather, share),
+                PhaseSpec::staggered_writes(FlowSet::IslandScatter, share).with_access_rounds(rounds.scatter),
+                PhaseSpec::staggered_writes(FlowSet::CrossOwners, share).with_access_rounds(rounds.cross),
+                PhaseSpec::staggered_writes(FlowSet::IslandGather, share).with_access_rounds(rounds.gather),
             ],
             // Input once; reads and resets of the reduce-scatter, cross and
             // all-gather slots; the partial written and read back; output.

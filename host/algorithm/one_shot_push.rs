@@ -59,13 +59,21 @@ impl AlgorithmHost for OneShotPush {
     fn cost(&self, shape: &CostShape) -> CostRecipe {
         // Local traffic: read the input twice (push, own term), read the
         // N-1 received copies, reset them, write the output.
+        // Memory round trips: the first input load travels with the entry
+        // loads (in the launch); the N-1 receive slots are polled in groups
+        // of `POLL_GROUP`, one group after the other.
         let n = shape.world as f64;
+        let polls = super::cost::access_groups(shape.world.saturating_sub(1), POLL_GROUP);
         CostRecipe {
-            phases: vec![PhaseSpec::staggered_writes(FlowSet::AllPairs, 1.0)],
+            phases: vec![PhaseSpec::staggered_writes(FlowSet::AllPairs, 1.0).with_access_rounds((polls - 1.0).max(0.0))],
             local_passes: 2.0 * (n - 1.0) + 3.0,
         }
     }
 }
+
+/// Receive slots the kernel polls back to back (`POLL_GROUP` in
+/// `kernels-rs/src/device/one_shot_push.rs`).
+const POLL_GROUP: usize = 4;
 
 /// Block sizes of the default rule by message size: 256 threads up to
 /// 64 KiB, 512 up to 2 MiB, 1024 above.

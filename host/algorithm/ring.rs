@@ -55,6 +55,7 @@ impl AlgorithmHost for Ring {
                 latency_over: LatencyOver::MeanFlow,
                 ring_pipelined: true,
                 engine: Engine::Sm,
+                access_rounds: 0.0,
             }],
             local_passes: 3.0,
         }

@@ -10,9 +10,11 @@
 
 use tp_allreduce_kernels::ids::AlgorithmId;
 use tp_allreduce_kernels::partition::div_ceil;
+use tp_allreduce_kernels::shares::owned_count;
 
+use super::cost::access_groups;
 use super::one_shot_push::default_shape;
-use super::{AlgorithmHost, CostRecipe, CostShape, FlowSet, Geometry, PhaseSpec, ResidentBlocks};
+use super::{AlgorithmHost, CostRecipe, CostShape, FlowSet, Geometry, IslandSplit, PhaseSpec, ResidentBlocks};
 
 pub(crate) struct TwoShotPush;
 
@@ -49,10 +51,11 @@ impl AlgorithmHost for TwoShotPush {
     fn cost(&self, shape: &CostShape) -> CostRecipe {
         let n = shape.world as f64;
         let share = 1.0 / n;
+        let rounds = island_push_rounds(&IslandSplit::whole(shape.world));
         CostRecipe {
             phases: vec![
-                PhaseSpec::staggered_writes(FlowSet::AllPairs, share),
-                PhaseSpec::staggered_writes(FlowSet::AllPairs, share),
+                PhaseSpec::staggered_writes(FlowSet::AllPairs, share).with_access_rounds(rounds.scatter),
+                PhaseSpec::staggered_writes(FlowSet::AllPairs, share).with_access_rounds(rounds.gather),
             ],
             // Input once; per received share a read and a reset, twice
             // (reduce-scatter, all-gather); the output.
@@ -67,4 +70,48 @@ impl AlgorithmHost for TwoShotPush {
 /// OneShotPush applied to a share.
 pub(crate) fn share_shape(packs: u64, shares: u64, resident: &ResidentBlocks) -> (u32, u32) {
     default_shape(div_ceil(packs, shares.max(1)), resident)
+}
+
+/// Slots the island push kernel loads or polls back to back (`GROUP` in
+/// `kernels-rs/src/device/island_push.rs`).
+const ISLAND_PUSH_GROUP: usize = 2;
+
+/// Dependent memory round trips of an island push launch beyond one poll
+/// per hop, per phase, for its slowest member (see
+/// [`PhaseSpec::access_rounds`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct IslandPushRounds {
+    /// Reduce-scatter sends (the first send alone, then groups: each
+    /// group's input loads return before its stores) and the partial's
+    /// polls beyond the first group.
+    pub scatter: f64,
+    /// Hierarchical: the cross polls beyond the first group.
+    pub cross: f64,
+    /// The all-gather polls beyond the first group.
+    pub gather: f64,
+}
+
+/// [`IslandPushRounds`] for `islands` (TwoShotPush: one island of every
+/// rank). Member `j` of an island of `m` owns `owned_count(S, m, j)` of the
+/// `S` shares, sends the other `S - owned`, polls `m - 1` reduce-scatter
+/// slots and `islands - 1` cross slots per owned share, and one all-gather
+/// slot per send.
+pub(crate) fn island_push_rounds(islands: &IslandSplit) -> IslandPushRounds {
+    let shares = islands.shares();
+    let count = islands.count();
+    let mut r = IslandPushRounds { scatter: 0.0, cross: 0.0, gather: 0.0 };
+    for g in 0..count {
+        let m = islands.size(g);
+        for j in 0..m {
+            let owned = owned_count(shares as u32, m as u32, j as u32) as usize;
+            let sends = shares - owned;
+            let send_rounds = if sends == 0 { 0.0 } else { 1.0 + access_groups(sends - 1, ISLAND_PUSH_GROUP) };
+            let beyond_hop = |polls: f64| (polls - 1.0).max(0.0);
+            let partial = beyond_hop(owned as f64 * access_groups(m - 1, ISLAND_PUSH_GROUP));
+            r.scatter = r.scatter.max(send_rounds + partial);
+            r.cross = r.cross.max(beyond_hop(owned as f64 * access_groups(count - 1, ISLAND_PUSH_GROUP)));
+            r.gather = r.gather.max(beyond_hop(access_groups(sends, ISLAND_PUSH_GROUP)));
+        }
+    }
+    r
 }

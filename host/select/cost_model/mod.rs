@@ -252,7 +252,7 @@ impl CostModel {
         let recipe = host.cost(&CostShape { world: n, islands: opts.islands });
         let net = Net::new(view, p, transport);
         let s = bytes as f64;
-        let shared = net.ranks_on_device.iter().copied().max().unwrap_or(1).saturating_sub(1) as f64;
+        let shared = net.further_ranks_sharing();
         let mut b = Breakdown {
             launch_us: if opts.capturing { p.launch_graph_us } else { p.launch_eager_us }
                 + shared * p.shared_gpu_rank_us,
@@ -294,11 +294,16 @@ impl CostModel {
                 engine: spec.engine,
             };
             b.latency_us += self.phase_latency(net, &phase, spec.latency_over == LatencyOver::WorstPair);
+            // Round trips to memory the phase's threads wait for in turn.
+            b.latency_us += spec.access_rounds * p.access_round_us;
             if flags {
                 // Flag hops: the flag, its fence and its poll; a flag that
                 // publishes posted peer writes waits for them.
+                // With ranks sharing the GPU each flag's system-scope release
+                // and acquire waits behind the co-resident kernels.
                 let drain = if spec.op == Op::Write { p.flag_drain_us } else { 0.0 };
-                b.latency_us += spec.hops * (p.flag_hop_us + drain);
+                let sharing = net.further_ranks_sharing() * p.shared_gpu_flag_us;
+                b.latency_us += spec.hops * (p.flag_hop_us + drain + sharing);
             }
             let (ideal, actual) = self.data_time(net, &phase);
             b.wire_us += ideal;

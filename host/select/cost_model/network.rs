@@ -138,6 +138,12 @@ impl Net {
         self.ranks_on_device.iter().any(|&k| k > 1)
     }
 
+    /// Ranks that share the busiest GPU with one of its ranks (0 with a GPU
+    /// per rank).
+    pub(super) fn further_ranks_sharing(&self) -> f64 {
+        self.ranks_on_device.iter().copied().max().unwrap_or(1).saturating_sub(1) as f64
+    }
+
     /// Local device-memory traffic of `passes` x `bytes` per rank, as the
     /// time it adds beyond `link_us` of link traffic: on GPUs of their own
     /// the ranks' memory works while the links carry the data (the larger

@@ -15,6 +15,11 @@ pub struct CostParams {
     /// Per dependent hop on top of the link latency: the poll that sees the
     /// data (or flag) arrive (us).
     pub hop_overhead_us: f64,
+    /// Per dependent memory round trip a thread makes inside a phase
+    /// beyond its hop's poll (input loads that must return before their
+    /// peer stores, a further group of receive slots polled after the
+    /// previous one): `PhaseSpec::access_rounds` of them (us).
+    pub access_round_us: f64,
     /// Flag kernels (every kernel that is not a sentinel kernel): per flag
     /// hop, the flag store, its system-scope fence and the flag poll, on
     /// top of the hop (us).
@@ -25,6 +30,10 @@ pub struct CostParams {
     /// Per additional rank (process) sharing a GPU: their kernels run
     /// side by side under MPS (contended prologue, arrival skew) (us).
     pub shared_gpu_rank_us: f64,
+    /// Flag kernels: per flag hop and per additional rank sharing the GPU,
+    /// what the flag's system-scope release and acquire add when several
+    /// processes' kernels run on one GPU (us).
+    pub shared_gpu_flag_us: f64,
     /// Eager pull algorithms copy the input into the registered staging
     /// buffer first: launch of that copy (us).
     pub eager_stage_us: f64,
@@ -116,9 +125,11 @@ impl Default for CostParams {
             launch_graph_us: 1.25,
             launch_eager_us: 3.25,
             hop_overhead_us: 0.3,
+            access_round_us: 0.7,
             flag_hop_us: 0.4,
             flag_drain_us: 3.2,
-            shared_gpu_rank_us: 0.5,
+            shared_gpu_rank_us: 0.4,
+            shared_gpu_flag_us: 0.15,
             eager_stage_us: 2.0,
             latency_same_device_us: 0.1,
             latency_nvlink_us: 0.75,
@@ -189,9 +200,11 @@ impl CostParams {
             r("launch_graph_us", self.launch_graph_us, "us", "measured here: one-shot-push at 4 KB on 2 H200, gap 0.74-0.77 + entry to first store 0.38 + tail 0.10 ({H200X2}/summary.txt)"),
             r("launch_eager_us", self.launch_eager_us, "us", "assumption: launch_graph_us + ~2 us host launch"),
             r("hop_overhead_us", self.hop_overhead_us, "us", "measured here: one poll round trip, entry to loads back 0.29 us at 4 KB ({H200X2}/summary.txt)"),
+            r("access_round_us", self.access_round_us, "us", "measured here: two-shot-push 12.8-13.0 us vs one-shot-push 6.2-6.9 us at 4-64 KB, 8 ranks on one H200 (9 more rounds, 0.7 us each; docs/results/h200-x2/final/mps8.json); its trace: first peer store 3.17 us after entry with 4 send groups, 1.28 us with 1 on 2 H200 (final/new.json)"),
             r("flag_hop_us", self.flag_hop_us, "us", "measured here: one-shot-pull 6.3 us, two-shot-pull 10.3 us at 4 KB on 2 H200 ({H200X2}/tuning.toml)"),
             r("flag_drain_us", self.flag_drain_us, "us", "measured here: two-shot-push 10.2 us ({H200X2}/new.json), ring 10.9 us ({H200X2}/tuning.toml) at 4 KB on 2 H200"),
-            r("shared_gpu_rank_us", self.shared_gpu_rank_us, "us", "measured here: 8 ranks on one H200 under MPS, one-shot-push 4-64 KB ({H200X2}/mps8-new.json)"),
+            r("shared_gpu_rank_us", self.shared_gpu_rank_us, "us", "measured here: 8 ranks on one H200 under MPS, one-shot-push 4-64 KB ({H200X2}/mps8-new.json, docs/results/h200-x2/final/mps8.json), less its one access round"),
+            r("shared_gpu_flag_us", self.shared_gpu_flag_us, "us", "measured here: one-shot-pull (2 flag hops) 8.53-9.49 us at 4-64 KB with 8 ranks on one H200, 2.0-2.3 us above the model without it (docs/results/h200-1gpu/b8all.json)"),
             r("eager_stage_us", self.eager_stage_us, "us", "assumption: one extra copy launch (the vLLM eager path)"),
             r("latency_same_device_us", self.latency_same_device_us, "us", "assumption: L2/HBM visibility"),
             r("latency_nvlink_us", self.latency_nvlink_us, "us", "assumption: as latency_nvswitch_us (no machine with direct NVLink measured)"),

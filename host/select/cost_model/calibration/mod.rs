@@ -4,7 +4,7 @@
 mod points;
 
 use super::{CostModel, NcclTuning, NcclVariant, Options};
-use crate::algorithm::{Algorithm, Transport};
+use crate::algorithm::{Algorithm, IslandSplit, Transport};
 
 /// Largest residual an asserted point may have.
 pub const TOLERANCE: f64 = 0.20;
@@ -42,6 +42,9 @@ pub struct CalibrationPoint {
     pub world: usize,
     /// Ranks on each of the first `world / ranks_per_gpu` GPUs.
     pub ranks_per_gpu: usize,
+    /// Consecutive islands of this many ranks (`--island-size`); 0: as the
+    /// topology derives them.
+    pub island_size: usize,
     pub bytes: usize,
     pub subject: Subject,
     pub transport: Transport,
@@ -80,7 +83,13 @@ pub fn residuals(model: &CostModel) -> Vec<Residual> {
             let rpg = point.ranks_per_gpu.max(1);
             let devices: Vec<usize> = (0..point.world).map(|r| r / rpg).collect();
             let view = topo.for_ranks(&devices).expect("calibration ranks fit the topology");
-            let opts = Options { nccl: point.nccl, ..Options::for_topology(&view) };
+            let mut opts = Options { nccl: point.nccl, ..Options::for_topology(&view) };
+            if point.island_size > 0 {
+                opts.islands = Some(
+                    IslandSplit::consecutive(point.island_size, point.world)
+                        .expect("calibration islands split the ranks"),
+                );
+            }
             let predict = |subject: Subject| -> f64 {
                 match subject {
                     Subject::Ours(a) => model
