@@ -484,7 +484,9 @@ fn fused_calls_refuse_bad_arguments() {
         );
         invalid(c.all_reduce_add_rms_norm_raw(i, r, w, n, rows + 1, hidden, EPS, bf, &opts, st), "holds");
         invalid(c.all_reduce_add_rms_norm_raw(i + 1, r, w, n, rows, hidden, EPS, bf, &opts, st), "not aligned");
-        invalid(c.all_reduce_add_raw(i, i + 64, rows, hidden, bf, &opts, st), "input and residual overlap");
+        // Two rows each, the residual one row after the input: in bounds, overlapping.
+        let row_bytes = (hidden * bf.size_bytes()) as u64;
+        invalid(c.all_reduce_add_raw(i, i + row_bytes, rows - 1, hidden, bf, &opts, st), "input and residual overlap");
     }
     drop(short);
     // The communicator still works: one good call on both ranks.

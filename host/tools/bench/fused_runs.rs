@@ -14,6 +14,7 @@ use super::ranks::Ranks;
 use super::report::VerifyPass;
 use super::scenarios::VERIFY_PASS_ALLREDUCES;
 use super::stats::percentiles;
+use super::trace::{summarize, TraceSummary};
 use super::timing::{capture_per_rank, elapsed_us, event, launch, record, time_graph_replays};
 use super::{Mode, Options};
 use crate::comm::Comm;
@@ -30,6 +31,9 @@ const SEED: u64 = 0xF0_5ED;
 pub struct FusedResults {
     pub rows: Vec<FusedRow>,
     pub verify_pass: Vec<VerifyPass>,
+    /// `--trace`: this rank's breakdown of each variant whose kernel stamps
+    /// (the fused OneShotPush; selection `fused:<variant>`).
+    pub trace: Vec<TraceSummary>,
 }
 
 /// The verify-pass record of `v` from per-pass samples (ms).
@@ -198,6 +202,10 @@ pub fn per_rank(
         };
         samples.iter_mut().for_each(|s| *s /= opts.iterations as f64);
         out.rows.push(row(v, ran.clone(), &data, world, opts.mode.name(), &mut samples));
+        if let Some(records) = comm.take_trace_records()? {
+            let bytes = data.rows * data.hidden * data.dtype.size_bytes();
+            out.trace.extend(summarize(&records, bytes, &format!("fused:{}", v.name()), env.rank));
+        }
         if verify_pass && v != Variant::AllReduce {
             let stream = comm.stream();
             let graph = capture(comm, || {

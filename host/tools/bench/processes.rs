@@ -258,15 +258,6 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
         let row = measure_size(&mut comm, env, (opts, &selections), (i, bytes), (&progress, &mut trace))?;
         measurements.extend(row);
     }
-    // Every rank's trace, to rank 0 (a collective even when tracing is off).
-    let encoded = serde_json::to_vec(&trace).map_err(|e| Error::Config(format!("encoding the trace: {e}")))?;
-    let mut trace: Vec<TraceSummary> = Vec::new();
-    for (r, bytes) in comm.all_gather_bytes(&encoded)?.iter().enumerate() {
-        let mine: Vec<TraceSummary> = serde_json::from_slice(bytes)
-            .map_err(|e| Error::Config(format!("rank {r} sent an undecodable trace: {e}")))?;
-        trace.extend(mine);
-    }
-    trace.sort_by(|a, b| (a.bytes, &a.selection, a.rank).cmp(&(b.bytes, &b.selection, b.rank)));
     progress.finish();
     let mut verify = Vec::new();
     if scenarios.verify_pass {
@@ -281,7 +272,17 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
         let f = super::fused_runs::per_rank(&comm, env, opts, shape, scenarios.verify_pass)?;
         fused = f.rows;
         verify.extend(f.verify_pass);
+        trace.extend(f.trace);
     }
+    // Every rank's trace, to rank 0 (a collective even when tracing is off).
+    let encoded = serde_json::to_vec(&trace).map_err(|e| Error::Config(format!("encoding the trace: {e}")))?;
+    let mut trace: Vec<TraceSummary> = Vec::new();
+    for (r, bytes) in comm.all_gather_bytes(&encoded)?.iter().enumerate() {
+        let mine: Vec<TraceSummary> = serde_json::from_slice(bytes)
+            .map_err(|e| Error::Config(format!("rank {r} sent an undecodable trace: {e}")))?;
+        trace.extend(mine);
+    }
+    trace.sort_by(|a, b| (a.bytes, &a.selection, a.rank).cmp(&(b.bytes, &b.selection, b.rank)));
     if env.rank != 0 {
         return Ok(None);
     }

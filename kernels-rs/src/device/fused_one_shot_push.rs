@@ -21,6 +21,10 @@
 //!       normed = round(x * inv_rms * w)                  (x, w kept in registers)
 //! ```
 //!
+//! Trace (`Config::trace`): thread 0 of block 0 stamps entry, control
+//! loaded, first peer store, its first row polled (before the epilogue's
+//! reduction) and exit, as the plain kernel does.
+//!
 //! Ordering: exactly OneShotPush's argument (one_shot_push.rs and
 //! ARCHITECTURE.md); the epilogue only adds rank-local reads and writes
 //! after the poll, ordered by program order (each thread reads and writes
@@ -38,12 +42,12 @@
 use super::epilogue::{block_rows, block_sum, inv_rms, normalise, sum_squares};
 use super::pack::{aligned16, any_word_empty, load_pack, store_pack, Acc, Element, Pack, ZERO_PACK};
 use super::ptx;
-use super::sentinel::{self, Stall};
+use super::sentinel::{self, Stall, Trace};
 use crate::ids::AlgorithmId;
 use crate::layout::{ErrorRecord, MAX_RANKS, SENTINEL_EMPTY_WORD};
 use crate::params::{
-    Control, FusedOneShotPushParams, RegionId, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_PACKS_PER_THREAD,
-    FUSED_SHORT_ROW_PACKS_PER_THREAD,
+    Control, FusedOneShotPushParams, RegionId, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FLAG_TRACE,
+    FUSED_PACKS_PER_THREAD, FUSED_SHORT_ROW_PACKS_PER_THREAD,
 };
 use crate::{for_each_rank, for_each_row_pack};
 
@@ -161,6 +165,7 @@ const fn preloaded_slots(w: u32, p: usize) -> usize {
 /// packs of a row per thread at most (`K` or `SHORT_K`).
 #[inline(always)]
 unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: FusedOneShotPushParams) {
+    let trace = Trace::start(p.push.h.flags & FLAG_TRACE != 0, p.push.h.trace);
     let control = p.push.h.control as *mut Control;
 
     // ---- Entry: the control words and this thread's first input packs are
@@ -187,6 +192,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
 
     // ---- Push: each owned pack to every peer (rank+1, rank+2, ...).
     if abort == 0 {
+        trace.loaded(generation);
         let mut row = first_row;
         while row < rows {
             for_each_row_pack!(KI => {
@@ -201,6 +207,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
                     });
                 }
             });
+            if row == first_row {
+                trace.first_store(generation);
+            }
             row += row_stride;
             if row < rows {
                 values = load_row_packs::<E, P>(input, row, row_packs, tid, threads, vector_in);
@@ -250,6 +259,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
         }
         if early && row != values_row {
             values = load_row_packs::<E, P>(input, row, row_packs, tid, threads, vector_in);
+            values_row = row;
         }
         // First polls of the preloaded slots for every pack, back to back:
         // one round trip for the row, not one per pack.
@@ -295,6 +305,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
                 }
             }
         });
+        if row == first_row {
+            trace.polled(generation);
+        }
         if !norm {
             if stall.is_some() {
                 break;
@@ -319,7 +332,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
     if let Some(s) = stall {
         let record = p.push.h.error_record as *mut ErrorRecord;
         sentinel::give_up(control, p.push.h.abort as *mut u32, record, AlgorithmId::OneShotPush, rank, generation, s);
+        return;
     }
+    trace.exit(generation);
 }
 
 macro_rules! fused_one_shot_push_entries {
