@@ -250,6 +250,7 @@ fn build_arch(staged: &Path, out: &Path, arch: &str) -> Result<PathBuf, String> 
 /// * Sentinel kernels (`one_shot_push*`, `two_shot_push*`, `hierarchical*`)
 ///   and the copy-engine ring's (`copy_engine_ring*`) launch with any block
 ///   size up to 1024 threads: 64 registers (65536 / 1024).
+/// * So do the fused entries with one pack per thread (`*_wide_<dt>`).
 /// * Every other kernel launches with `THREADS_PER_BLOCK` (512) threads:
 ///   128 registers. (`.maxntid 512,1,1` made ptxas pick 64 registers for
 ///   some of them and spill.)
@@ -258,6 +259,9 @@ fn build_arch(staged: &Path, out: &Path, arch: &str) -> Result<PathBuf, String> 
 /// Entries launched with any block size up to 1024 threads (the host's
 /// `kernels::is_sentinel_entry` states the same list).
 const SENTINEL_PREFIXES: [&str; 4] = ["one_shot_push", "two_shot_push", "hierarchical", "copy_engine_ring"];
+/// Fused entries with one pack of a row per thread (`*_wide_<dt>`) launch
+/// with up to 1024 threads too: 64 registers.
+const WIDE_MARK: &str = "_wide_";
 
 fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
@@ -270,7 +274,8 @@ fn add_launch_bounds(ptx: &str) -> String {
         out.push('\n');
         if line.trim_start().starts_with(')') {
             if let Some(name) = entry.take() {
-                let regs = if SENTINEL_PREFIXES.iter().any(|p| name.starts_with(p)) { 64 } else { 128 };
+                let any_shape = SENTINEL_PREFIXES.iter().any(|p| name.starts_with(p)) || name.contains(WIDE_MARK);
+                let regs = if any_shape { 64 } else { 128 };
                 out.push_str(&format!(".maxnreg {regs}\n"));
             }
         }

@@ -5,6 +5,8 @@
 
 use tp_allreduce_kernels::ids::{AlgorithmId, DType};
 
+use crate::algorithm::fused::PushRowSplit;
+
 mod index {
     include!(concat!(env!("OUT_DIR"), "/ptx_index.rs"));
 }
@@ -78,7 +80,7 @@ pub const SENTINEL_MAX_REGISTERS: u32 = 64;
 
 /// Register budget (`.maxnreg`) build.rs gives entry `name`.
 pub fn max_registers(name: &str) -> u32 {
-    if ANY_SHAPE_PREFIXES.iter().any(|a| name.starts_with(a.kernel_prefix())) {
+    if ANY_SHAPE_PREFIXES.iter().any(|a| name.starts_with(a.kernel_prefix())) || name.contains("_wide_") {
         SENTINEL_MAX_REGISTERS
     } else {
         65_536 / tp_allreduce_kernels::layout::THREADS_PER_BLOCK
@@ -124,17 +126,22 @@ pub fn param_struct(name: &str) -> Option<(usize, usize)> {
 }
 
 /// Entry of the fused (allreduce + residual add + RMSNorm) OneShotPush:
-/// `fused_one_shot_push_<dtype>`, or `fused_one_shot_push2_<dtype>` for
-/// two ranks; `short_rows`: the `_short` entry holding at most
-/// `FUSED_SHORT_ROW_PACKS_PER_THREAD` packs of a row per thread (one
-/// `FusedOneShotPushParams` by value).
-pub fn fused_one_shot_push_entry(dtype: DType, two_ranks: bool, short_rows: bool) -> String {
-    format!(
-        "fused_one_shot_push{}{}_{}",
-        if two_ranks { "2" } else { "" },
-        if short_rows { "_short" } else { "" },
-        dtype.name()
-    )
+/// `fused_one_shot_push[2][_short|_wide]_<dtype>`: `2` for two ranks, the
+/// suffix by packs of a row per thread (`_wide`: one, two ranks only;
+/// `_short`: two; none: four). One `FusedOneShotPushParams` by value.
+pub fn fused_one_shot_push_entry(dtype: DType, two_ranks: bool, split: PushRowSplit) -> String {
+    let suffix = match split {
+        PushRowSplit::Wide => "_wide",
+        PushRowSplit::Short => "_short",
+        PushRowSplit::Long => "",
+    };
+    format!("fused_one_shot_push{}{suffix}_{}", if two_ranks { "2" } else { "" }, dtype.name())
+}
+
+/// The fused OneShotPush entries with one pack per thread (blocks of up to
+/// 1024 threads, the sentinel kernels' register budget).
+pub fn fused_wide_entries() -> Vec<String> {
+    DType::ALL.into_iter().map(|d| fused_one_shot_push_entry(d, true, PushRowSplit::Wide)).collect()
 }
 
 /// Entry of the fused OneShotPull: `fused_one_shot_pull_<dtype>`.
@@ -149,16 +156,18 @@ pub fn add_rms_norm_entry(dtype: DType) -> String {
 }
 
 /// The fused-epilogue entries of every dtype (launched with at most
-/// `FUSED_MAX_THREADS` threads, the default register budget).
+/// `FUSED_MAX_THREADS` threads and the default register budget, except
+/// the [`fused_wide_entries`]).
 pub fn fused_entries() -> Vec<String> {
     DType::ALL
         .into_iter()
         .flat_map(|d| {
             [
-                fused_one_shot_push_entry(d, false, false),
-                fused_one_shot_push_entry(d, true, false),
-                fused_one_shot_push_entry(d, false, true),
-                fused_one_shot_push_entry(d, true, true),
+                fused_one_shot_push_entry(d, false, PushRowSplit::Long),
+                fused_one_shot_push_entry(d, true, PushRowSplit::Long),
+                fused_one_shot_push_entry(d, false, PushRowSplit::Short),
+                fused_one_shot_push_entry(d, true, PushRowSplit::Short),
+                fused_one_shot_push_entry(d, true, PushRowSplit::Wide),
                 fused_one_shot_pull_entry(d),
                 add_rms_norm_entry(d),
             ]

@@ -26,7 +26,10 @@
 
 #![forbid(unsafe_code)]
 
-use tp_allreduce_kernels::params::{FUSED_MAX_ROW_PACKS, FUSED_MAX_THREADS, FUSED_PACKS_PER_THREAD};
+use tp_allreduce_kernels::params::{
+    FUSED_MAX_ROW_PACKS, FUSED_MAX_THREADS, FUSED_PACKS_PER_THREAD, FUSED_SHORT_ROW_PACKS_PER_THREAD,
+    FUSED_WIDE_MAX_THREADS,
+};
 use tp_allreduce_kernels::partition::PACK_BYTES;
 
 use crate::algorithm::Algorithm;
@@ -219,6 +222,49 @@ pub fn default_threads(row_packs: u64) -> u32 {
     (threads.div_ceil(32) * 32).min(FUSED_MAX_THREADS as u64) as u32
 }
 
+/// The fused OneShotPush kernel a launch takes, by packs of a row per
+/// thread (each holds that many packs in registers across its wait).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PushRowSplit {
+    /// One pack per thread, blocks of up to `FUSED_WIDE_MAX_THREADS`
+    /// (`fused_one_shot_push2_wide_<dt>`; two ranks, default threads).
+    Wide,
+    /// Up to `FUSED_SHORT_ROW_PACKS_PER_THREAD` (`*_short_<dt>`).
+    Short,
+    /// Up to `FUSED_PACKS_PER_THREAD`.
+    Long,
+}
+
+impl PushRowSplit {
+    /// Packs of a row per thread at most.
+    pub fn packs_per_thread(self) -> u32 {
+        match self {
+            PushRowSplit::Wide => 1,
+            PushRowSplit::Short => FUSED_SHORT_ROW_PACKS_PER_THREAD,
+            PushRowSplit::Long => FUSED_PACKS_PER_THREAD,
+        }
+    }
+}
+
+/// `(kernel, threads)` of a fused OneShotPush launch over rows of
+/// `row_packs` packs: with two ranks and no threads override, one pack per
+/// thread up to 1024 threads (a row's packs all in flight at once, the
+/// measured fastest: docs/RESULTS.md); otherwise `threads` (the override or
+/// [`default_threads`]) with the fewest packs per thread that cover the row.
+/// The same on every rank (it fixes the reduction tree).
+pub fn push_launch(row_packs: u64, two_ranks: bool, threads_override: Option<u32>) -> (PushRowSplit, u32) {
+    if two_ranks && threads_override.is_none() && row_packs <= FUSED_WIDE_MAX_THREADS as u64 {
+        return (PushRowSplit::Wide, (row_packs.max(1).div_ceil(32) * 32) as u32);
+    }
+    let threads = threads_override.unwrap_or_else(|| default_threads(row_packs));
+    let split = if row_packs <= threads as u64 * FUSED_SHORT_ROW_PACKS_PER_THREAD as u64 {
+        PushRowSplit::Short
+    } else {
+        PushRowSplit::Long
+    };
+    (split, threads)
+}
+
 /// `Ok` when `threads` can run a fused kernel over rows of `row_packs`.
 pub fn check_threads(threads: u32, row_packs: u64) -> Result<(), String> {
     if threads == 0 || threads % 32 != 0 || threads > FUSED_MAX_THREADS {
@@ -300,6 +346,28 @@ mod tests {
         // A receive region smaller than a row.
         let small = fused_path(Algorithm::OneShotPush, &shape(2, 4096, DType::Bf16), 100, 1 << 20);
         assert!(matches!(&small, FusedPath::Unfused(why) if why.contains("exceeds")), "{small:?}");
+    }
+
+    #[test]
+    fn push_launch_takes_one_pack_per_thread_with_two_ranks_and_the_fewest_packs_otherwise() {
+        // hidden 7168 bf16 = 896 packs.
+        assert_eq!(push_launch(896, true, None), (PushRowSplit::Wide, 896));
+        assert_eq!(push_launch(1024, true, None), (PushRowSplit::Wide, 1024));
+        assert_eq!(push_launch(1, true, None), (PushRowSplit::Wide, 32));
+        assert_eq!(push_launch(1025, true, None), (PushRowSplit::Long, 352));
+        assert_eq!(push_launch(2048, true, None), (PushRowSplit::Long, 512));
+        assert_eq!(push_launch(896, false, None), (PushRowSplit::Short, 448));
+        assert_eq!(push_launch(896, true, Some(256)), (PushRowSplit::Long, 256));
+        assert_eq!(push_launch(512, true, Some(256)), (PushRowSplit::Short, 256));
+        for packs in 1..=FUSED_MAX_ROW_PACKS as u64 {
+            for two_ranks in [false, true] {
+                let (split, threads) = push_launch(packs, two_ranks, None);
+                assert!(threads % 32 == 0 && threads >= 32, "{packs}: {threads}");
+                assert!(packs <= threads as u64 * split.packs_per_thread() as u64, "{packs}: {split:?} x {threads}");
+                let max = if split == PushRowSplit::Wide { FUSED_WIDE_MAX_THREADS } else { FUSED_MAX_THREADS };
+                assert!(threads <= max, "{packs}: {threads}");
+            }
+        }
     }
 
     #[test]

@@ -28,7 +28,7 @@ use crate::config::Config;
 use crate::driver::copy_engine::CopyEngineRuntime;
 use crate::driver::{self, DeviceMemory, KernelModule};
 use crate::error::{Error, Result};
-use crate::kernels::sentinel_entries;
+use crate::kernels::{fused_wide_entries, sentinel_entries};
 
 /// Where a rank's memory is, as the template needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -80,14 +80,15 @@ pub(crate) fn one_shot_push_template(
 }
 
 /// [`ResidentBlocks`] from the loaded kernels' occupancy: the smallest over
-/// every sentinel entry, times the SM count, divided among the ranks that
-/// share the GPU.
+/// every sentinel entry and every fused entry of one pack per thread (both
+/// launch with up to 1024 threads), times the SM count, divided among the
+/// ranks that share the GPU.
 pub(crate) fn resident_blocks(module: &KernelModule, sms: u32, ranks_on_device: usize) -> Result<ResidentBlocks> {
     let mut table = [0u32; 32];
     for (i, cap) in table.iter_mut().enumerate() {
         let threads = 32 * (i as u32 + 1);
         let mut per_sm = u32::MAX;
-        for name in sentinel_entries() {
+        for name in sentinel_entries().into_iter().chain(fused_wide_entries()) {
             per_sm = per_sm.min(module.max_blocks_per_sm(&name, threads)?);
         }
         *cap = sms * per_sm / ranks_on_device.max(1) as u32;

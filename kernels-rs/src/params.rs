@@ -285,6 +285,11 @@ pub const FUSED_PACKS_PER_THREAD: u32 = 4;
 /// entries: the same kernel holding half the packs (and registers) across
 /// the wait, for rows of at most `FUSED_MAX_THREADS` x this many packs.
 pub const FUSED_SHORT_ROW_PACKS_PER_THREAD: u32 = 2;
+/// Threads per block of the `fused_one_shot_push*_wide_<dt>` entries at
+/// most: one pack of a row per thread (rows of at most this many packs:
+/// hidden 8192 in f16/bf16, 4096 in f32), built with the sentinel kernels'
+/// register budget (65536 / 1024).
+pub const FUSED_WIDE_MAX_THREADS: u32 = 1024;
 /// Longest row (in 16-byte packs) a fused kernel normalises: hidden 16384
 /// in f16/bf16, 8192 in f32. Longer rows take the unfused path.
 pub const FUSED_MAX_ROW_PACKS: u32 = FUSED_MAX_THREADS * FUSED_PACKS_PER_THREAD;
@@ -338,4 +343,4 @@ const _: () = assert!(core::mem::size_of::<FusedOneShotPushParams>() == core::me
 const _: () = assert!(core::mem::offset_of!(FusedOneShotPushParams, epilogue) == 96 + 3 * 8 * MAX_RANKS);
 const _: () = assert!(core::mem::align_of::<FusedOneShotPushParams>() == 16);
 // Every warp's partial of a block reduction fits the 16-slot scratch.
-const _: () = assert!(FUSED_MAX_THREADS / 32 <= 16);
+const _: () = assert!(FUSED_MAX_THREADS <= FUSED_WIDE_MAX_THREADS && FUSED_WIDE_MAX_THREADS / 32 <= 32);

@@ -247,15 +247,18 @@ fn fused_entries_take_the_parameters_the_host_passes() {
         sources.push((format!("committed {arch}"), fs::read_to_string(&file).unwrap_or_default()));
     }
     for (what, text) in &sources {
-        for dtype in DType::ALL {
-            let push_entries = [(false, false), (true, false), (false, true), (true, true)]
-                .map(|(two_ranks, short_rows)| kernels::fused_one_shot_push_entry(dtype, two_ranks, short_rows));
-            for entry in push_entries {
-                let needle = format!(".param .align {align} .b8 {entry}_param_0[{host_size}]");
-                if struct_param_bytes(text, &entry) != Some(host_size) || !text.contains(&needle) {
-                    failures.push(format!("{what} {entry}: no `{needle}`"));
-                }
+        // Every fused OneShotPush entry (any world or two ranks; long,
+        // short or wide rows) of every dtype: 5 per dtype.
+        let push_entries: Vec<String> =
+            kernels::fused_entries().into_iter().filter(|e| e.starts_with("fused_one_shot_push")).collect();
+        assert_eq!(push_entries.len(), 5 * DType::ALL.len(), "{push_entries:?}");
+        for entry in push_entries {
+            let needle = format!(".param .align {align} .b8 {entry}_param_0[{host_size}]");
+            if struct_param_bytes(text, &entry) != Some(host_size) || !text.contains(&needle) {
+                failures.push(format!("{what} {entry}: no `{needle}`"));
             }
+        }
+        for dtype in DType::ALL {
             for entry in [kernels::fused_one_shot_pull_entry(dtype), kernels::add_rms_norm_entry(dtype)] {
                 if struct_param_bytes(text, &entry).is_some() {
                     failures.push(format!("{what} {entry}: takes a struct, the host passes scalars"));

@@ -20,16 +20,14 @@
 //! raw-pointer forms and the launches.
 
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
-use tp_allreduce_kernels::params::{
-    FusedEpilogue, FusedOneShotPushParams, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_SHORT_ROW_PACKS_PER_THREAD,
-};
+use tp_allreduce_kernels::params::{FusedEpilogue, FusedOneShotPushParams, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET};
 
 use super::choose;
 use super::{Comm, Element};
 pub use crate::algorithm::fused::FusedOptions;
 use crate::algorithm::fused::{
-    check_call, default_threads, epilogue_threads, fused_path, row_blocks, EpiloguePointers, EpilogueShape, FusedPath,
-    EPILOGUE_MAX_BLOCKS,
+    check_call, default_threads, epilogue_threads, fused_path, push_launch, row_blocks, EpiloguePointers,
+    EpilogueShape, FusedPath, PushRowSplit, EPILOGUE_MAX_BLOCKS,
 };
 use crate::algorithm::{Algorithm, Transport};
 use crate::comm::registry::InputSource;
@@ -481,11 +479,15 @@ impl Comm {
         self.prepare(Algorithm::OneShotPush, call.shape.dtype)?;
         let hidden = call.shape.hidden as u64;
         let row_packs = call.shape.row_packs().unwrap_or(0);
-        let threads = call.threads(row_packs);
         let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
-        let short_rows = row_packs <= threads as u64 * FUSED_SHORT_ROW_PACKS_PER_THREAD as u64;
-        let f = self.module.function(&fused_one_shot_push_entry(call.shape.dtype, two_ranks, short_rows))?;
-        let cap = self.setup.geometry().pull_max_blocks;
+        let (split, threads) = push_launch(row_packs, two_ranks, call.opts.threads);
+        let f = self.module.function(&fused_one_shot_push_entry(call.shape.dtype, two_ranks, split))?;
+        let geometry = self.setup.geometry();
+        let cap = match split {
+            // Blocks of up to 1024 threads: the resident bound of that size.
+            PushRowSplit::Wide => geometry.pull_max_blocks.min(geometry.sentinel_resident.cap(threads)),
+            PushRowSplit::Short | PushRowSplit::Long => geometry.pull_max_blocks,
+        };
         for (row0, rows) in row_chunks(call.shape.rows, rows_per_launch) {
             let push = self.sentinel.one_shot_push(call.input + call.row_offset(row0), 0, rows * hidden);
             let p = FusedOneShotPushParams { push, epilogue: call.epilogue(row0, rows) };

@@ -22,7 +22,7 @@
 
 use super::pack::{aligned16, load_pack, store_pack, Acc, Element, Pack};
 use super::ptx;
-use crate::params::{EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_MAX_THREADS};
+use crate::params::{EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_WIDE_MAX_THREADS};
 use crate::partition::{div_ceil, elems_in_pack};
 
 /// Unrolls `$body` for `$k` in `0..FUSED_PACKS_PER_THREAD` (a thread's
@@ -93,11 +93,11 @@ pub fn add_residual<E: Element>(sum: &Pack, residual: &Pack) -> Pack {
 /// (bitwise the same on all of them), and whether any thread of the block
 /// passed `stop` (a failed wait: the block must leave together). Every
 /// thread of the block calls it with the block's warps full (the block
-/// size is a multiple of 32, at most `FUSED_MAX_THREADS`).
+/// size is a multiple of 32, at most `FUSED_WIDE_MAX_THREADS`).
 ///
 /// Tree: a butterfly inside each warp (each step adds two equal-bit
 /// partners, so every lane ends with the same bits), lane 0 stores the
-/// warp's partial into buffer `parity` of `scratch`, one `bar.red.or`
+/// warp's partial into buffer `parity` of `scratch` (two buffers of 32), one `bar.red.or`
 /// (also the block barrier), then every thread adds the partials in warp
 /// order. The other buffer is written for the next row while a slow
 /// thread may still read this one; the row after next writes this buffer
@@ -112,23 +112,27 @@ pub unsafe fn block_sum(value: f32, stop: bool, scratch: u32, parity: u32) -> (f
     v += ptx::shfl_sync_bfly_f32(v, 2);
     v += ptx::shfl_sync_bfly_f32(v, 1);
     let tid = ptx::thread_idx_x();
-    let buffer = scratch + 64 * (parity & 1);
+    let buffer = scratch + 128 * (parity & 1);
     if tid % 32 == 0 {
         ptx::st_shared_f32(buffer + 4 * (tid / 32), v);
     }
     // Orders the partials' stores before the loads below (CTA scope).
     let stop = ptx::bar_red_or(stop);
     let warps = ptx::block_dim_x().div_ceil(32);
-    let q = [
-        ptx::ld_shared_v4_f32(buffer),
-        ptx::ld_shared_v4_f32(buffer + 16),
-        ptx::ld_shared_v4_f32(buffer + 32),
-        ptx::ld_shared_v4_f32(buffer + 48),
-    ];
-    let mut total = q[0][0];
-    for w in 1..16u32 {
-        if w < warps {
-            total += q[(w / 4) as usize][(w % 4) as usize];
+    // Partials in warp order, four per load; quads past the block's warps
+    // are not loaded (block-uniform branches).
+    let mut total = 0.0f32;
+    for quad in 0..8u32 {
+        if 4 * quad < warps {
+            let q = ptx::ld_shared_v4_f32(buffer + 16 * quad);
+            for (k, partial) in q.iter().enumerate() {
+                let w = 4 * quad + k as u32;
+                if w == 0 {
+                    total = *partial;
+                } else if w < warps {
+                    total += *partial;
+                }
+            }
         }
     }
     (total, stop)
@@ -208,7 +212,7 @@ unsafe fn add_rms_norm<E: Element>(
     }
 }
 
-const _: () = assert!(FUSED_MAX_THREADS <= 16 * 32, "block_sum reads 16 warp partials");
+const _: () = assert!(FUSED_WIDE_MAX_THREADS <= 32 * 32, "block_sum reads 32 warp partials");
 
 macro_rules! add_rms_norm_entries {
     ($($name:ident => $elem:ty),* $(,)?) => {$(

@@ -147,9 +147,10 @@ const _: () = assert!(2 * POLL_GROUP >= MAX_RANKS, "two poll groups cover every 
 /// Receive slots whose first poll a thread issues for all of its `p` packs
 /// of a row at once, before it waits on any: every slot with the world
 /// fixed at 2..=5, two for any world, none with `K` packs (the register
-/// budget of 512-thread blocks: ptxas spilled otherwise).
+/// budget of 512-thread blocks: ptxas spilled otherwise) and none with one
+/// pack (the poll's own first pass already issues its slots together).
 const fn preloaded_slots(w: u32, p: usize) -> usize {
-    if p > SHORT_K {
+    if p > SHORT_K || p == 1 {
         0
     } else if w == 0 {
         2
@@ -190,6 +191,13 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
     let rank = p.push.h.rank;
     let half = (generation & 1) as u64 * p.push.h.half_bytes;
 
+    // One pack per thread: the input pack is loaded again with the polls
+    // (an L2 hit) rather than held across the barrier (4 registers that
+    // spilled on sm_80 and sm_89 at 64 registers).
+    if P == 1 {
+        values_row = u64::MAX;
+    }
+
     // ---- Push: each owned pack to every peer (rank+1, rank+2, ...).
     if abort == 0 {
         trace.loaded(generation);
@@ -213,7 +221,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
             row += row_stride;
             if row < rows {
                 values = load_row_packs::<E, P>(input, row, row_packs, tid, threads, vector_in);
-                values_row = row;
+                if P > 1 {
+                    values_row = row;
+                }
             }
         }
     }
@@ -373,4 +383,15 @@ fused_one_shot_push_entries!(
     fused_one_shot_push2_short_f32,
     fused_one_shot_push2_short_f16,
     fused_one_shot_push2_short_bf16
+);
+// One pack per thread (rows of at most FUSED_WIDE_MAX_THREADS packs, blocks
+// of up to 1024 threads, 64 registers: build.rs's rule for `_wide_`), two
+// ranks only: with the world read at run time the poll groups of up to 7
+// sources spilled at 64 registers.
+fused_one_shot_push_entries!(
+    2,
+    1,
+    fused_one_shot_push2_wide_f32,
+    fused_one_shot_push2_wide_f16,
+    fused_one_shot_push2_wide_bf16
 );

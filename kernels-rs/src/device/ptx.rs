@@ -453,7 +453,7 @@ pub fn reduction_scratch() -> u32 {
     let a: u32;
     // SAFETY: declares a block-scoped shared array and takes its address.
     unsafe {
-        asm!("{{ .shared .align 16 .b8 tp_reduction_scratch[128];", "mov.u32 {a}, tp_reduction_scratch; }}", a = out(reg32) a, options(pure, nomem, nostack))
+        asm!("{{ .shared .align 16 .b8 tp_reduction_scratch[256];", "mov.u32 {a}, tp_reduction_scratch; }}", a = out(reg32) a, options(pure, nomem, nostack))
     };
     a
 }
