@@ -96,7 +96,25 @@ pub(super) fn share_index(share: u8) -> u32 {
 
 /// `row[e]` for a runtime `e < MAX_OWNED`, without a dynamic index into a
 /// parameter array (which would copy the struct to local memory).
+///
+/// `pick_owned!(opaque $row, $e)` hides each candidate from LLVM first (as
+/// u64): otherwise it may fold the chain into one load from a computed
+/// address, and an address computed into the parameter struct copies the
+/// struct to local memory (seen in the fused kernel's phase C).
 macro_rules! pick_owned {
+    (opaque $row:expr, $e:expr) => {{
+        let mut v = $crate::device::ptx::opaque_u64($row[0] as u64);
+        if $e == 1 {
+            v = $crate::device::ptx::opaque_u64($row[1] as u64);
+        }
+        if $e == 2 {
+            v = $crate::device::ptx::opaque_u64($row[2] as u64);
+        }
+        if $e == 3 {
+            v = $crate::device::ptx::opaque_u64($row[3] as u64);
+        }
+        v
+    }};
     ($row:expr, $e:expr) => {{
         let mut v = $row[0];
         if $e == 1 {
