@@ -130,6 +130,13 @@ pub fn fused_one_shot_push_entry(dtype: DType, two_ranks: bool) -> String {
     format!("fused_one_shot_push{}_{}", if two_ranks { "2" } else { "" }, dtype.name())
 }
 
+/// Entry of the fused island push of `algorithm` (TwoShotPush or
+/// Hierarchical): `fused_two_shot_push_<dtype>` or
+/// `fused_hierarchical_<dtype>` (one `FusedIslandPushParams` by value).
+pub fn fused_island_push_entry(algorithm: AlgorithmId, dtype: DType) -> String {
+    format!("fused_{}_{}", algorithm.kernel_prefix(), dtype.name())
+}
+
 /// Entry of the fused OneShotPull: `fused_one_shot_pull_<dtype>`.
 pub fn fused_one_shot_pull_entry(dtype: DType) -> String {
     format!("fused_one_shot_pull_{}", dtype.name())
@@ -150,6 +157,8 @@ pub fn fused_entries() -> Vec<String> {
             [
                 fused_one_shot_push_entry(d, false),
                 fused_one_shot_push_entry(d, true),
+                fused_island_push_entry(AlgorithmId::TwoShotPush, d),
+                fused_island_push_entry(AlgorithmId::Hierarchical, d),
                 fused_one_shot_pull_entry(d),
                 add_rms_norm_entry(d),
             ]

@@ -353,10 +353,10 @@ pub struct FusedIslandPushParams {
     pub _pad0: u64,
 }
 
-const _: () = assert!(
-    core::mem::size_of::<FusedIslandPushParams>() == core::mem::size_of::<IslandPushParams>() + 48 + 16
-);
-const _: () = assert!(core::mem::offset_of!(FusedIslandPushParams, epilogue) == core::mem::size_of::<IslandPushParams>());
+const _: () =
+    assert!(core::mem::size_of::<FusedIslandPushParams>() == core::mem::size_of::<IslandPushParams>() + 48 + 16);
+const _: () =
+    assert!(core::mem::offset_of!(FusedIslandPushParams, epilogue) == core::mem::size_of::<IslandPushParams>());
 const _: () = assert!(core::mem::align_of::<FusedIslandPushParams>() == 16);
 // Every warp's partial of a block reduction fits the 16-slot scratch.
 const _: () = assert!(FUSED_MAX_THREADS / 32 <= 16);

@@ -275,27 +275,53 @@ unsafe fn fused_island_push<E: Element, const CROSS: bool>(p: FusedIslandPushPar
         let mut t = first;
         while t < sh {
             let off = ptx::opaque_u64(half + 16 * t as u64);
-            gather_sends!(p.push, control, timeout, t, sh, packs, off,
+            gather_sends!(
+                p.push,
+                control,
+                timeout,
+                t,
+                sh,
+                packs,
+                off,
                 |i, w| store_pack::<E>(residual_out, i as u64, lanes, vector_residual, &w),
                 |s, peer| {
                     stall = Some((s, Phase::AgPayload, peer));
                     break 'kernel;
-                });
+                }
+            );
             if norm {
                 let off = ptx::opaque_u64(half + 16 * t as u64 + p.normed_slot_bytes);
-                gather_sends!(p.push, control, timeout, t, sh, packs, off,
+                gather_sends!(
+                    p.push,
+                    control,
+                    timeout,
+                    t,
+                    sh,
+                    packs,
+                    off,
                     |i, w| store_pack::<E>(normed, i as u64, lanes, vector_norm, &w),
                     |s, peer| {
                         stall = Some((s, Phase::AgPayload, peer));
                         break 'kernel;
-                    });
+                    }
+                );
             }
             t += stride;
         }
     }
     if let Some((s, phase, peer)) = stall {
         let record = p.push.h.error_record as *mut ErrorRecord;
-        sentinel::give_up_at(control, p.push.h.abort as *mut u32, record, algorithm, phase, p.push.h.rank, peer, generation, s);
+        sentinel::give_up_at(
+            control,
+            p.push.h.abort as *mut u32,
+            record,
+            algorithm,
+            phase,
+            p.push.h.rank,
+            peer,
+            generation,
+            s,
+        );
     }
 }
 

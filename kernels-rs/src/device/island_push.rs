@@ -284,18 +284,57 @@ pub(super) use gather_group;
 macro_rules! gather_sends {
     ($p:expr, $control:expr, $timeout:expr, $t:expr, $sh:expr, $packs:expr, $off:expr,
      |$i:ident, $w:ident| $store:expr, |$s:ident, $who:ident| $fail:expr) => {
-        $crate::device::island_push::gather_group!($p, $control, $timeout, $t, $sh, $packs, $off, 0,
-            |$i, $w| $store, |$s, $who| $fail);
-        $crate::device::island_push::gather_group!($p, $control, $timeout, $t, $sh, $packs, $off, 1,
-            |$i, $w| $store, |$s, $who| $fail);
-        $crate::device::island_push::gather_group!($p, $control, $timeout, $t, $sh, $packs, $off, 2,
-            |$i, $w| $store, |$s, $who| $fail);
-        $crate::device::island_push::gather_group!($p, $control, $timeout, $t, $sh, $packs, $off, 3,
-            |$i, $w| $store, |$s, $who| $fail);
+        $crate::device::island_push::gather_group!(
+            $p,
+            $control,
+            $timeout,
+            $t,
+            $sh,
+            $packs,
+            $off,
+            0,
+            |$i, $w| $store,
+            |$s, $who| $fail
+        );
+        $crate::device::island_push::gather_group!(
+            $p,
+            $control,
+            $timeout,
+            $t,
+            $sh,
+            $packs,
+            $off,
+            1,
+            |$i, $w| $store,
+            |$s, $who| $fail
+        );
+        $crate::device::island_push::gather_group!(
+            $p,
+            $control,
+            $timeout,
+            $t,
+            $sh,
+            $packs,
+            $off,
+            2,
+            |$i, $w| $store,
+            |$s, $who| $fail
+        );
+        $crate::device::island_push::gather_group!(
+            $p,
+            $control,
+            $timeout,
+            $t,
+            $sh,
+            $packs,
+            $off,
+            3,
+            |$i, $w| $store,
+            |$s, $who| $fail
+        );
     };
 }
 pub(super) use gather_sends;
-
 
 /// The kernel body. `CROSS`: Hierarchical (phases A-D); otherwise
 /// TwoShotPush (A, B, D; the partial is the final sum).
@@ -370,11 +409,11 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
                 let off = ptx::opaque_u64(half + 16 * (e as u64 * cap + t as u64));
                 let mut acc = NEG_ZERO_ACC;
                 poll_terms!(E, control, timeout, acc, mine, others, j, [0, 1, 2, 3],
-                    Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q],
-                    |s, peer| {
-                        stall = Some((s, Phase::RsPayload, peer));
-                        break 'kernel;
-                    });
+                Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q],
+                |s, peer| {
+                    stall = Some((s, Phase::RsPayload, peer));
+                    break 'kernel;
+                });
                 let v = E::canonicalise(E::round(&acc));
                 store_message_pack::<E>(output, count, i, vout, &v);
                 if CROSS {
@@ -411,13 +450,13 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
                     let cross = ptx::opaque_u64((generation & 1) as u64 * p.cross_half_bytes + 16 * pos);
                     let mut acc = NEG_ZERO_ACC;
                     poll_terms!(E, control, timeout, acc, partial, p.islands - 1, p.island, [0, 1],
-                        O => p.cross_from[O % MAX_ISLANDS] + cross,
-                        pick_owned!(p.cross_abort[O % (MAX_ISLANDS - 1)], e),
-                        pick_owned!(p.cross_peer[O % (MAX_ISLANDS - 1)], e),
-                        |s, peer| {
-                            stall = Some((s, Phase::CrossPayload, peer));
-                            break 'kernel;
-                        });
+                    O => p.cross_from[O % MAX_ISLANDS] + cross,
+                    pick_owned!(p.cross_abort[O % (MAX_ISLANDS - 1)], e),
+                    pick_owned!(p.cross_peer[O % (MAX_ISLANDS - 1)], e),
+                    |s, peer| {
+                        stall = Some((s, Phase::CrossPayload, peer));
+                        break 'kernel;
+                    });
                     let f = E::canonicalise(E::round(&acc));
                     store_message_pack::<E>(output, count, i, vout, &f);
                     for_each_rank!(Q => {
@@ -436,12 +475,20 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
         let mut t = first;
         while t < sh {
             let off = ptx::opaque_u64(half + 16 * t as u64);
-            gather_sends!(p, control, timeout, t, sh, packs, off,
+            gather_sends!(
+                p,
+                control,
+                timeout,
+                t,
+                sh,
+                packs,
+                off,
                 |i, w| store_message_pack::<E>(output, count, i as u64, vout, &w),
                 |s, peer| {
                     stall = Some((s, Phase::AgPayload, peer));
                     break 'kernel;
-                });
+                }
+            );
             t += stride;
         }
         trace.polled(generation);
