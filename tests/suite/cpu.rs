@@ -204,9 +204,10 @@ fn ptx_choice_follows_compute_capability() {
     assert_eq!(pick(7, 5), None);
     let entries = tp_allreduce::kernels::expected_entries();
     // Seven allreduce kernels, the two-rank OneShotPush, sum and affine, the
-    // four fused-epilogue entries, per dtype; the P2P check; the copy-engine
-    // ring's handshake and publish.
-    assert_eq!(entries.len(), 7 * 3 + 3 * 3 + 4 * 3 + 1 + 2);
+    // six fused-epilogue entries (one-shot push, its two-rank form, two-shot
+    // push, hierarchical, one-shot pull, add_rms_norm), per dtype; the P2P
+    // check; the copy-engine ring's handshake and publish.
+    assert_eq!(entries.len(), 7 * 3 + 3 * 3 + 6 * 3 + 1 + 2);
 }
 
 #[test]

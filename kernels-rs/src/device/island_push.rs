@@ -43,6 +43,12 @@
 //! its owner (Hierarchical: identically by every island's owner, the same
 //! partials summed in island order) and copied elsewhere; outputs are
 //! canonicalised like every payload.
+//!
+//! `fused_island_push.rs` (the same protocol with the add + RMSNorm
+//! epilogue: shares of whole rows, a block per owned row in the finishing
+//! phase, two packs per all-gather position) shares phase A, the polls of
+//! B and C and phase D through the macros below, and extends this argument
+//! in its header.
 
 use super::pack::{aligned16, load_pack, store_pack, Acc, Element, Pack};
 use super::ptx;
