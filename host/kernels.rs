@@ -144,6 +144,13 @@ pub fn fused_wide_entries() -> Vec<String> {
     DType::ALL.into_iter().map(|d| fused_one_shot_push_entry(d, true, PushRowSplit::Wide)).collect()
 }
 
+/// Entry of the fused island push of `algorithm` (TwoShotPush or
+/// Hierarchical): `fused_two_shot_push_<dtype>` or
+/// `fused_hierarchical_<dtype>` (one `FusedIslandPushParams` by value).
+pub fn fused_island_push_entry(algorithm: AlgorithmId, dtype: DType) -> String {
+    format!("fused_{}_{}", algorithm.kernel_prefix(), dtype.name())
+}
+
 /// Entry of the fused OneShotPull: `fused_one_shot_pull_<dtype>`.
 pub fn fused_one_shot_pull_entry(dtype: DType) -> String {
     format!("fused_one_shot_pull_{}", dtype.name())
@@ -168,6 +175,8 @@ pub fn fused_entries() -> Vec<String> {
                 fused_one_shot_push_entry(d, false, PushRowSplit::Short),
                 fused_one_shot_push_entry(d, true, PushRowSplit::Short),
                 fused_one_shot_push_entry(d, true, PushRowSplit::Wide),
+                fused_island_push_entry(AlgorithmId::TwoShotPush, d),
+                fused_island_push_entry(AlgorithmId::Hierarchical, d),
                 fused_one_shot_pull_entry(d),
                 add_rms_norm_entry(d),
             ]

@@ -2,21 +2,30 @@
 //! `Comm::all_reduce_add_rms_norm`): the options, which path a call takes,
 //! the launch shapes, and the checks of a call's shape. Pure: tested on
 //! the CPU. Kernels: `kernels-rs/src/device/{fused_one_shot_push,
-//! fused_one_shot_pull, epilogue}.rs`.
+//! fused_one_shot_pull, fused_island_push, epilogue}.rs`.
 //!
 //! # Paths
-//! * **Fused one-shot push / pull**: when the call's algorithm is
-//!   OneShotPush or OneShotPull and every row is whole packs
-//!   (`hidden x element size` a multiple of 16 bytes) of at most
-//!   `FUSED_MAX_ROW_PACKS` packs (hidden 16384 in f16/bf16, 8192 in f32).
-//!   A block owns whole rows; launches carry whole rows.
-//! * **Unfused**: every other algorithm (two-shot, ring, hierarchical,
-//!   NCCL) and every shape the fused kernels do not take: the allreduce
-//!   (into `normed`, or in place into `input` for `all_reduce_add`), then
-//!   the separate `add_rms_norm` kernel. Always correct. The owner of a
-//!   slice normalising whole rows inside two-shot and hierarchical (the
-//!   all-gather then carries normalised output and new residual) is the
-//!   planned follow-up.
+//! Every fused path needs rows of whole packs (`hidden x element size` a
+//! multiple of 16 bytes) of at most `FUSED_MAX_ROW_PACKS` packs (hidden
+//! 16384 in f16/bf16, 8192 in f32); a block owns whole rows; launches
+//! carry whole rows.
+//! * **Fused one-shot push / pull**: the call's algorithm is OneShotPush or
+//!   OneShotPull. Every rank adds its own residual.
+//! * **Fused island push**: the call's algorithm is TwoShotPush or
+//!   Hierarchical. Shares are whole rows (`S` shares of `ceil(rows / S)`
+//!   rows, [`share_rows`]); the owner of a share finishes its rows (the
+//!   sum, the residual add, RMSNorm) and the all-gather carries the new residual and
+//!   the normalised rows, two packs per position: a launch's share fits
+//!   half a receive position range (`share_cap / 2` packs, the normalised
+//!   packs in the other half), [`island_rows_per_launch`]. **The owner
+//!   adds its residual (and weight) for every rank**, so ranks must pass
+//!   the same residual and weight, as in tensor parallelism (the one-shot
+//!   kernels add each rank's own; the results agree when the residuals
+//!   do).
+//! * **Unfused**: every other algorithm (two-shot pull, ring, NCCL) and
+//!   every shape the fused kernels do not take: the allreduce (into
+//!   `normed`, or in place into `input` for `all_reduce_add`), then the
+//!   separate `add_rms_norm` kernel. Always correct.
 //!
 //! The path depends only on what every rank shares (the algorithm, rows,
 //! hidden, dtype, capacities), never on one rank's pointers, so all ranks
@@ -86,6 +95,9 @@ pub enum FusedPath {
     Push { rows_per_launch: u64 },
     /// `fused_one_shot_pull_<dt>`, launches of `rows_per_launch` rows.
     Pull { rows_per_launch: u64 },
+    /// `fused_two_shot_push_<dt>` or `fused_hierarchical_<dt>` (the call's
+    /// algorithm), launches of `rows_per_launch` rows.
+    Island { rows_per_launch: u64 },
     /// The allreduce, then `add_rms_norm_<dt>`; why it is not fused.
     Unfused(String),
 }
@@ -168,22 +180,74 @@ pub fn check_call(
 
 /// Whether `algorithm` has a kernel with the epilogue fused.
 pub fn has_fused_kernel(algorithm: Algorithm) -> bool {
-    matches!(algorithm, Algorithm::OneShotPush | Algorithm::OneShotPull)
+    matches!(
+        algorithm,
+        Algorithm::OneShotPush | Algorithm::OneShotPull | Algorithm::TwoShotPush | Algorithm::Hierarchical
+    )
 }
 
-/// The path of a call of `shape` whose allreduce algorithm is `algorithm`.
-/// `push_capacity_packs`: packs of one OneShotPush launch (its receive
-/// region); `pull_capacity_packs`: packs of one pull launch (staging).
-pub fn fused_path(
-    algorithm: Algorithm,
-    shape: &EpilogueShape,
-    push_capacity_packs: u64,
-    pull_capacity_packs: u64,
-) -> FusedPath {
-    let capacity = match algorithm {
-        Algorithm::OneShotPush => push_capacity_packs,
-        Algorithm::OneShotPull => pull_capacity_packs,
-        other => return FusedPath::Unfused(format!("{other} has no fused kernel yet")),
+/// The receive region of an island push (TwoShotPush, Hierarchical) as
+/// the fused kernels use it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct IslandCapacity {
+    /// Packs per owned position of a receive slot (`share_cap`).
+    pub share_cap: u64,
+    /// Shares a launch is cut into (`S`: the world, or the largest island).
+    pub shares: u64,
+}
+
+/// What bounds one launch of each fused kernel (per communicator, the same
+/// on every rank).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct FusedCapacities {
+    /// Packs of one OneShotPush launch (its receive region).
+    pub push_packs: u64,
+    /// Packs of one pull launch (staging).
+    pub pull_packs: u64,
+    pub two_shot_push: IslandCapacity,
+    /// `None` without islands.
+    pub hierarchical: Option<IslandCapacity>,
+}
+
+/// Rows per share of a fused island push launch over `rows` rows cut into
+/// `shares` shares: share `k` holds rows `k R .. min((k + 1) R, rows)`,
+/// `R = ceil(rows / shares)` (the last shares may be short or empty, e.g.
+/// every share but the first for one row). The kernel computes the same.
+pub fn share_rows(rows: u64, shares: u64) -> u64 {
+    rows.div_ceil(shares.max(1))
+}
+
+/// Rows of one fused island push launch: `shares` shares of whole rows,
+/// each within `share_cap / 2` packs (an all-gather position holds the new
+/// residual, the normalised pack `share_cap / 2` positions further on).
+pub fn island_rows_per_launch(cap: IslandCapacity, row_packs: u64) -> u64 {
+    cap.shares * (cap.share_cap / 2).checked_div(row_packs).unwrap_or(0)
+}
+
+/// Byte distance from an all-gather position's residual pack to its
+/// normalised pack (`FusedIslandPushParams::normed_slot_bytes`).
+pub fn normed_slot_bytes(share_cap: u64) -> u64 {
+    (share_cap / 2) * PACK_BYTES as u64
+}
+
+/// Blocks of a fused island push launch over `rows` rows on a rank that
+/// owns `owned` of the `shares` shares: one per owned row (the finishing
+/// phase deals them to blocks), at least one (phases A and D), at most `cap`.
+pub fn island_blocks(rows: u64, shares: u64, owned: u64, cap: u32) -> u32 {
+    row_blocks(share_rows(rows, shares) * owned, cap)
+}
+
+/// The path of a call of `shape` whose allreduce algorithm is `algorithm`,
+/// with the launch capacities `caps`.
+pub fn fused_path(algorithm: Algorithm, shape: &EpilogueShape, caps: &FusedCapacities) -> FusedPath {
+    let island = match algorithm {
+        Algorithm::OneShotPush | Algorithm::OneShotPull => None,
+        Algorithm::TwoShotPush => Some(caps.two_shot_push),
+        Algorithm::Hierarchical => match caps.hierarchical {
+            Some(c) => Some(c),
+            None => return FusedPath::Unfused("hierarchical has no islands".into()),
+        },
+        other => return FusedPath::Unfused(format!("{other} has no fused kernel")),
     };
     let Some(row_packs) = shape.row_packs() else {
         return FusedPath::Unfused(format!(
@@ -201,15 +265,21 @@ pub fn fused_path(
             FUSED_MAX_ROW_PACKS
         ));
     }
-    let rows_per_launch = capacity.checked_div(row_packs).unwrap_or(0);
+    let (rows_per_launch, capacity) = match (algorithm, island) {
+        (_, Some(cap)) => (island_rows_per_launch(cap, row_packs), cap.share_cap / 2),
+        (Algorithm::OneShotPush, None) => (caps.push_packs / row_packs, caps.push_packs),
+        (_, None) => (caps.pull_packs / row_packs, caps.pull_packs),
+    };
     if rows_per_launch == 0 {
+        let room = if island.is_some() { "half a share position range" } else { "a launch" };
         return FusedPath::Unfused(format!(
-            "one row ({row_packs} packs) exceeds a {algorithm} launch ({capacity} packs)"
+            "one row ({row_packs} packs) exceeds {room} of {algorithm} ({capacity} packs)"
         ));
     }
     match algorithm {
         Algorithm::OneShotPush => FusedPath::Push { rows_per_launch },
-        _ => FusedPath::Pull { rows_per_launch },
+        Algorithm::OneShotPull => FusedPath::Pull { rows_per_launch },
+        _ => FusedPath::Island { rows_per_launch },
     }
 }
 
@@ -310,41 +380,56 @@ mod tests {
         EpilogueShape { rows, hidden, dtype, norm: true }
     }
 
+    /// One-shot push and pull capacities; island regions of 2^20 packs per
+    /// position range (4 and 2 x 4 ranks).
+    fn caps(push_packs: u64, pull_packs: u64) -> FusedCapacities {
+        FusedCapacities {
+            push_packs,
+            pull_packs,
+            two_shot_push: IslandCapacity { share_cap: 1 << 20, shares: 4 },
+            hierarchical: Some(IslandCapacity { share_cap: 1 << 20, shares: 4 }),
+        }
+    }
+
     #[test]
     fn one_shot_algorithms_fuse_whole_pack_rows_up_to_the_limit() {
         let s = shape(3, 7168, DType::Bf16);
         assert_eq!(s.row_packs(), Some(896));
         assert_eq!(s.bytes(), 43_008);
-        assert_eq!(fused_path(Algorithm::OneShotPush, &s, 1000, 500_000), FusedPath::Push { rows_per_launch: 1 });
-        assert_eq!(fused_path(Algorithm::OneShotPull, &s, 1000, 500_000), FusedPath::Pull { rows_per_launch: 558 });
+        assert_eq!(
+            fused_path(Algorithm::OneShotPush, &s, &caps(1000, 500_000)),
+            FusedPath::Push { rows_per_launch: 1 }
+        );
+        assert_eq!(
+            fused_path(Algorithm::OneShotPull, &s, &caps(1000, 500_000)),
+            FusedPath::Pull { rows_per_launch: 558 }
+        );
         // hidden 16384 in bf16 is the largest fused row; f32 stops at 8192.
         assert!(matches!(
-            fused_path(Algorithm::OneShotPush, &shape(1, 16384, DType::Bf16), 1 << 20, 0),
+            fused_path(Algorithm::OneShotPush, &shape(1, 16384, DType::Bf16), &caps(1 << 20, 0)),
             FusedPath::Push { .. }
         ));
         assert!(matches!(
-            fused_path(Algorithm::OneShotPush, &shape(1, 8192, DType::F32), 1 << 20, 0),
+            fused_path(Algorithm::OneShotPush, &shape(1, 8192, DType::F32), &caps(1 << 20, 0)),
             FusedPath::Push { .. }
         ));
-        let long = fused_path(Algorithm::OneShotPush, &shape(1, 16384, DType::F32), 1 << 20, 0);
+        let long = fused_path(Algorithm::OneShotPush, &shape(1, 16384, DType::F32), &caps(1 << 20, 0));
         assert!(matches!(&long, FusedPath::Unfused(why) if why.contains("8192")), "{long:?}");
     }
 
     #[test]
     fn other_algorithms_and_odd_rows_take_the_unfused_path() {
         let s = shape(7, 4096, DType::F16);
-        for a in
-            [Algorithm::TwoShotPush, Algorithm::TwoShotPull, Algorithm::Ring, Algorithm::Hierarchical, Algorithm::Nccl]
-        {
+        for a in [Algorithm::TwoShotPull, Algorithm::Ring, Algorithm::Nccl] {
             assert!(
-                matches!(fused_path(a, &s, 1 << 20, 1 << 20), FusedPath::Unfused(why) if why.contains("no fused kernel"))
+                matches!(fused_path(a, &s, &caps(1 << 20, 1 << 20)), FusedPath::Unfused(why) if why.contains("no fused kernel"))
             );
         }
         // 13 bf16 elements per row: 26 bytes, not whole packs.
-        let odd = fused_path(Algorithm::OneShotPush, &shape(2, 13, DType::Bf16), 1 << 20, 1 << 20);
+        let odd = fused_path(Algorithm::OneShotPush, &shape(2, 13, DType::Bf16), &caps(1 << 20, 1 << 20));
         assert!(matches!(&odd, FusedPath::Unfused(why) if why.contains("16-byte")), "{odd:?}");
         // A receive region smaller than a row.
-        let small = fused_path(Algorithm::OneShotPush, &shape(2, 4096, DType::Bf16), 100, 1 << 20);
+        let small = fused_path(Algorithm::OneShotPush, &shape(2, 4096, DType::Bf16), &caps(100, 1 << 20));
         assert!(matches!(&small, FusedPath::Unfused(why) if why.contains("exceeds")), "{small:?}");
     }
 
@@ -368,6 +453,59 @@ mod tests {
                 assert!(threads <= max, "{packs}: {threads}");
             }
         }
+    }
+
+    #[test]
+    fn island_pushes_fuse_while_a_share_fits_half_a_position_range() {
+        let s = shape(64, 7168, DType::Bf16); // 896 packs a row
+        let mut c = caps(0, 0);
+        c.two_shot_push = IslandCapacity { share_cap: 4 * 896 + 1, shares: 8 };
+        // share_cap / 2 = 1792 packs: two rows per share, 16 rows a launch.
+        assert_eq!(fused_path(Algorithm::TwoShotPush, &s, &c), FusedPath::Island { rows_per_launch: 16 });
+        assert_eq!(
+            fused_path(Algorithm::Hierarchical, &s, &c),
+            FusedPath::Island { rows_per_launch: 4 * ((1 << 19) / 896) }
+        );
+        // Half a position range smaller than a row: unfused, saying why.
+        c.two_shot_push.share_cap = 2 * 896 - 2;
+        let small = fused_path(Algorithm::TwoShotPush, &s, &c);
+        assert!(matches!(&small, FusedPath::Unfused(why) if why.contains("half a share")), "{small:?}");
+        // No islands: hierarchical cannot fuse (nor run).
+        c.hierarchical = None;
+        assert!(matches!(fused_path(Algorithm::Hierarchical, &s, &c), FusedPath::Unfused(_)));
+        // Rows past the fused limit or not whole packs: unfused, as for one-shot.
+        let long = fused_path(Algorithm::TwoShotPush, &shape(1, 16384, DType::F32), &caps(0, 0));
+        assert!(matches!(&long, FusedPath::Unfused(why) if why.contains("8192")), "{long:?}");
+        let odd = fused_path(Algorithm::Hierarchical, &shape(2, 13, DType::Bf16), &caps(0, 0));
+        assert!(matches!(&odd, FusedPath::Unfused(why) if why.contains("16-byte")), "{odd:?}");
+        assert_eq!(normed_slot_bytes(4 * 896 + 1), 1792 * 16);
+    }
+
+    /// Every row of a launch lies in exactly one share, shares hold at most
+    /// `share_rows` rows, and the blocks cover a rank's owned rows.
+    #[test]
+    fn row_shares_partition_the_rows() {
+        for shares in 1..=8u64 {
+            for rows in 0..=70u64 {
+                let r = share_rows(rows, shares);
+                let mut seen = vec![0u32; rows as usize];
+                for k in 0..shares {
+                    for row in (k * r)..((k + 1) * r).min(rows) {
+                        seen[row as usize] += 1;
+                    }
+                }
+                assert!(seen.iter().all(|&n| n == 1), "rows {rows} shares {shares}");
+                assert!(r * shares >= rows && (rows == 0 || (r - 1) * shares < rows));
+            }
+        }
+        // One row over 8 shares: share 0 holds it, the other 7 are empty.
+        assert_eq!(share_rows(1, 8), 1);
+        assert_eq!(share_rows(7, 4), 2);
+        assert_eq!(island_blocks(64, 8, 1, 132), 8);
+        assert_eq!(island_blocks(64, 4, 2, 132), 32);
+        assert_eq!(island_blocks(1, 8, 1, 132), 1);
+        assert_eq!(island_blocks(1000, 2, 1, 132), 132);
+        assert_eq!(island_rows_per_launch(IslandCapacity { share_cap: 100, shares: 3 }, 0), 0);
     }
 
     #[test]

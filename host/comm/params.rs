@@ -22,6 +22,7 @@ use tp_allreduce_kernels::params::{
 use super::copy_engine::{self, CopyEngineTemplate};
 use super::island_params::{island_push_template, IslandKind};
 use super::setup::Setup;
+use crate::algorithm::fused::IslandCapacity;
 use crate::algorithm::ResidentBlocks;
 use crate::algorithm::{IslandSplit, Transport};
 use crate::config::Config;
@@ -202,6 +203,13 @@ impl SentinelLaunches {
         p.h.output = output;
         p.h.count = count;
         Some(p)
+    }
+
+    /// The receive region of TwoShotPush (`hierarchical == false`) or
+    /// Hierarchical (`None` without islands) as its template states it.
+    pub(crate) fn island_capacity(&self, hierarchical: bool) -> Option<IslandCapacity> {
+        let p = if hierarchical { self.hierarchical? } else { self.two_shot_push };
+        Some(IslandCapacity { share_cap: p.share_cap, shares: p.shares as u64 })
     }
 
     /// The parameters of one OneShotPush launch over `count` elements.

@@ -342,5 +342,30 @@ const _: () = assert!(core::mem::size_of::<FusedEpilogue>() == 48);
 const _: () = assert!(core::mem::size_of::<FusedOneShotPushParams>() == core::mem::size_of::<OneShotPushParams>() + 48);
 const _: () = assert!(core::mem::offset_of!(FusedOneShotPushParams, epilogue) == 96 + 3 * 8 * MAX_RANKS);
 const _: () = assert!(core::mem::align_of::<FusedOneShotPushParams>() == 16);
+/// Parameters of `fused_two_shot_push_<dtype>` and
+/// `fused_hierarchical_<dtype>`: the island push parameters (same receive
+/// region and generation as `two_shot_push_<dtype>` / `hierarchical_<dtype>`;
+/// `h.count` = `rows x hidden`; `h.output`: where Hierarchical keeps the
+/// island partials of the owned rows between its phases B and C, `normed`
+/// or, without RMSNorm, `input`) and the epilogue. Shares are whole rows
+/// (`ceil(rows / S)` rows each); an all-gather position holds the new
+/// residual pack and, `normed_slot_bytes` further on, the normalised pack.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct FusedIslandPushParams {
+    pub push: IslandPushParams,
+    pub epilogue: FusedEpilogue,
+    /// Byte distance, in an all-gather slot, from the residual pack of a
+    /// position to its normalised pack (`16 * (share_cap / 2)`; the host
+    /// keeps a share within `share_cap / 2` packs).
+    pub normed_slot_bytes: u64,
+    pub _pad0: u64,
+}
+
+const _: () =
+    assert!(core::mem::size_of::<FusedIslandPushParams>() == core::mem::size_of::<IslandPushParams>() + 48 + 16);
+const _: () =
+    assert!(core::mem::offset_of!(FusedIslandPushParams, epilogue) == core::mem::size_of::<IslandPushParams>());
+const _: () = assert!(core::mem::align_of::<FusedIslandPushParams>() == 16);
 // Every warp's partial of a block reduction fits the 16-slot scratch.
 const _: () = assert!(FUSED_MAX_THREADS <= FUSED_WIDE_MAX_THREADS && FUSED_WIDE_MAX_THREADS / 32 <= 32);

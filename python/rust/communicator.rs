@@ -334,7 +334,9 @@ impl PyCommunicator {
     /// its RMSNorm scaled by the weight (`hidden` elements at `weight_ptr`;
     /// `1 + weight` with `weight_offset`, as Gemma). `normed_ptr` may equal
     /// `input_ptr`. `unfused` runs our allreduce, then the separate kernel.
-    /// Collective, capturable; pointers as for `all_reduce`.
+    /// The residual and weight must be the same on every rank (the fused
+    /// two-shot push and hierarchical kernels add the row owner's for
+    /// every rank). Collective, capturable; pointers as for `all_reduce`.
     #[pyo3(signature = (input_ptr, residual_ptr, weight_ptr, normed_ptr, rows, hidden, eps, dtype, stream_ptr, *, weight_offset=false, unfused=false))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce_add_rms_norm(

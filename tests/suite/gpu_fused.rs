@@ -1,11 +1,15 @@
 //! The fused calls (`Comm::all_reduce_add_rms_norm`, `all_reduce_add`):
 //! fresh random inputs (per rank) and residual and weight (the same on
-//! every rank, as in tensor parallelism), poisoned outputs, the f64
+//! every rank, as in tensor parallelism: the fused two-shot push and
+//! hierarchical kernels add the row owner's residual for every rank),
+//! poisoned outputs, the f64
 //! reference with the element type's tolerances for the residual and the
 //! normalised output, ranks bitwise equal, the input left unchanged. Rows
 //! {1, 2, 3, 7, 64} x hidden {128, 4096, 5120, 7168, 8192, 16384} x every
 //! dtype x 2-8 ranks on one GPU, in place and out of place, Gemma's weight
-//! offset on and off; every algorithm's path (fused or unfused);
+//! offset on and off, for each fused kernel (one-shot push and pull,
+//! two-shot push, hierarchical over islands 2+2, 3+2, 3+3, 4+4, 2+2+2+2);
+//! every algorithm's path (fused or unfused);
 //! misaligned views; 2 ranks on 2 GPUs; graphs of layer chains replayed
 //! 1000 times (`gpu_fused_graph.rs`).
 
@@ -107,8 +111,9 @@ fn poisoned<T: TestElem>(comm: &Comm, n: usize) -> Result<CudaSlice<T>, String> 
     Ok(buf)
 }
 
-/// Roundings the residual goes through on `comms` for `case`: 1 when the
-/// epilogue is fused, else the allreduce's plus the add's.
+/// Roundings the residual goes through on `comms` for `case`: the fused
+/// kernel's (1; Hierarchical: the island partial too), else the
+/// allreduce's plus the add's.
 pub(crate) fn residual_roundings(comms: &[Comm], case: &FusedCase, dtype: DType) -> usize {
     let world = comms.len();
     if world == 1 {
@@ -117,7 +122,7 @@ pub(crate) fn residual_roundings(comms: &[Comm], case: &FusedCase, dtype: DType)
     let bytes = case.rows * case.hidden * dtype.size_bytes();
     let plan = comms[0].plan_fused(case.rows, case.hidden, dtype, false);
     if plan.fused && !case.opts.unfused {
-        return 1;
+        return plan.algorithm.max_roundings(world);
     }
     let algorithm =
         if case.opts.unfused { comms[0].plan_call(bytes, dtype, false, false).algorithm } else { plan.algorithm };
@@ -264,14 +269,34 @@ fn matrix(
     algorithm: Option<Algorithm>,
     cases: impl Fn(usize) -> Vec<(DType, FusedCase)>,
 ) {
+    let groups: Vec<(usize, Config)> = worlds.iter().map(|&w| (w, test_config())).collect();
+    matrix_with(test, &groups, algorithm, false, cases);
+}
+
+/// [`matrix`] over `(world, config)` groups; `expect_fused`: the forced
+/// algorithm must take its fused kernel for 3 x 7168 bf16 (so that a path
+/// decision gone wrong cannot pass as the unfused path).
+fn matrix_with(
+    test: &str,
+    groups: &[(usize, Config)],
+    algorithm: Option<Algorithm>,
+    expect_fused: bool,
+    cases: impl Fn(usize) -> Vec<(DType, FusedCase)>,
+) {
     let _lock = common::gpu_lock();
     let Some(ctx) = common::gpu(test) else { return };
     let mut rng = common::rng(test);
-    let (mut count, mut failures) = (0usize, Vec::new());
-    for &world in worlds {
-        let comms = group(std::slice::from_ref(&ctx), world, test_config(), algorithm);
+    let (mut count, mut fused, mut failures) = (0usize, 0usize, Vec::new());
+    for (world, config) in groups {
+        let world = *world;
+        let comms = group(std::slice::from_ref(&ctx), world, config.clone(), algorithm);
+        if expect_fused {
+            let plan = comms[0].plan_fused(3, 7168, DType::Bf16, false);
+            assert!(plan.fused, "{test}: world {world}: {} is not fused: {}", plan.algorithm, plan.reason);
+        }
         for (dtype, case) in cases(world) {
             count += 1;
+            fused += comms[0].plan_fused(case.rows, case.hidden, dtype, false).fused as usize;
             if let Err(e) = run_typed(&comms, &mut rng, dtype, &case) {
                 failures.push(format!("world {world} {} {case:?}: {e}", dtype.name()));
                 if failures.len() > 20 {
@@ -280,7 +305,7 @@ fn matrix(
             }
         }
     }
-    eprintln!("{test}: {count} cases, {} failures", failures.len());
+    eprintln!("{test}: {count} cases ({fused} fused), {} failures", failures.len());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -311,6 +336,29 @@ fn fused_one_shot_pull_matrix() {
     matrix("fused_one_shot_pull_matrix", &[2, 3, 4, 5, 6, 7, 8], Some(Algorithm::OneShotPull), full_shapes);
 }
 
+/// The fused island push with one island: shares of whole rows (empty ones
+/// for few rows), the owner's epilogue carried by the all-gather.
+#[test]
+fn fused_two_shot_push_matrix() {
+    let groups: Vec<(usize, Config)> = (2..=8).map(|w| (w, test_config())).collect();
+    matrix_with("fused_two_shot_push_matrix", &groups, Some(Algorithm::TwoShotPush), true, full_shapes);
+}
+
+/// Island splits of the hierarchical tests: 2+2, 3+2 (explicit: the two
+/// members of the smaller island own two shares each), 3+3, 4+4, 2+2+2+2.
+pub(crate) fn island_groups() -> Vec<(usize, Config)> {
+    let size = |world: usize, island_size: usize| (world, Config { island_size: Some(island_size), ..test_config() });
+    let unequal = Config { islands: Some(vec![vec![0, 1, 2], vec![3, 4]]), ..test_config() };
+    vec![size(4, 2), (5, unequal), size(6, 3), size(8, 4), size(8, 2)]
+}
+
+/// The fused island push with a cross phase: island partials in member
+/// order, finals in island order with the owner's epilogue.
+#[test]
+fn fused_hierarchical_matrix() {
+    matrix_with("fused_hierarchical_matrix", &island_groups(), Some(Algorithm::Hierarchical), true, full_shapes);
+}
+
 /// A few shapes, both forms, both offsets, fused and unfused.
 fn some_shapes(_world: usize) -> Vec<(DType, FusedCase)> {
     let mut v = Vec::new();
@@ -333,7 +381,7 @@ fn some_shapes(_world: usize) -> Vec<(DType, FusedCase)> {
 #[test]
 fn fused_calls_on_every_algorithm() {
     let test = "fused_calls_on_every_algorithm";
-    for a in [Algorithm::TwoShotPush, Algorithm::TwoShotPull, Algorithm::Ring] {
+    for a in [Algorithm::TwoShotPull, Algorithm::Ring] {
         matrix(test, &[2, 3, 4], Some(a), some_shapes);
     }
     matrix(test, &[2, 4, 8], None, some_shapes);
@@ -368,16 +416,27 @@ fn fused_edge_cases() {
         }
         v
     };
-    for a in [Algorithm::OneShotPush, Algorithm::OneShotPull] {
+    for a in [Algorithm::OneShotPush, Algorithm::OneShotPull, Algorithm::TwoShotPush] {
         matrix("fused_edge_cases", &[2, 3], Some(a), cases);
     }
-    // 64 KiB receive regions: 64 rows of 7168 bf16 take 43 launches.
+    let hierarchical = [(4, Config { island_size: Some(2), ..test_config() })];
+    matrix_with("fused_edge_cases", &hierarchical, Some(Algorithm::Hierarchical), false, cases);
+    // 64 KiB receive regions: 64 rows of 7168 bf16 take 43 launches (one-shot
+    // push); 256 KiB chunks: 2731 packs of half a two-shot share position
+    // range at 3 ranks, 9 rows a launch (and 4 + 4 hierarchical: 2048 packs,
+    // 8 rows).
     let _lock = common::gpu_lock();
     let Some(ctx) = common::gpu("fused_edge_cases") else { return };
     let mut rng = common::rng("fused_edge_cases");
     let config = Config { one_shot_push_max_bytes: 64 << 10, max_chunk_bytes: 256 << 10, ..test_config() };
-    for a in [Algorithm::OneShotPush, Algorithm::OneShotPull] {
-        let comms = group(std::slice::from_ref(&ctx), 3, config.clone(), Some(a));
+    let islands = Config { island_size: Some(4), ..config.clone() };
+    for (a, world, config) in [
+        (Algorithm::OneShotPush, 3, &config),
+        (Algorithm::OneShotPull, 3, &config),
+        (Algorithm::TwoShotPush, 3, &config),
+        (Algorithm::Hierarchical, 8, &islands),
+    ] {
+        let comms = group(std::slice::from_ref(&ctx), world, config.clone(), Some(a));
         for dtype in DType::ALL {
             let case = FusedCase::new(64, 7168);
             run_typed(&comms, &mut rng, dtype, &case).unwrap_or_else(|e| panic!("{a} {case:?}: {e}"));
@@ -425,7 +484,8 @@ fn fused_two_ranks_on_two_gpus() {
     let Some(ctx1) = second_gpu(test) else { return };
     let mut rng = common::rng(test);
     let (mut count, mut failures) = (0usize, Vec::new());
-    for algorithm in [Some(Algorithm::OneShotPush), Some(Algorithm::OneShotPull), None] {
+    let algorithms = [Some(Algorithm::OneShotPush), Some(Algorithm::OneShotPull), Some(Algorithm::TwoShotPush), None];
+    for algorithm in algorithms {
         let comms = group(&[ctx0.clone(), ctx1.clone()], 2, test_config(), algorithm);
         for (dtype, case) in full_shapes(2) {
             count += 1;

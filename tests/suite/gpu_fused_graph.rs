@@ -13,10 +13,12 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaGraph};
 use half::bf16;
 use rand::rngs::StdRng;
-use tp_allreduce::{Algorithm, Comm, DeviceBuffer, FusedOptions};
+use tp_allreduce::{Algorithm, Comm, Config, DeviceBuffer, FusedOptions};
 
 use crate::common;
-use crate::gpu_fused::{group, residual_roundings, second_gpu, test_config, uniform, CallData, FusedCase, EPS};
+use crate::gpu_fused::{
+    group, island_groups, residual_roundings, second_gpu, test_config, uniform, CallData, FusedCase, EPS,
+};
 
 const LAYERS: usize = 16;
 const REPLAYS: usize = 1000;
@@ -121,8 +123,19 @@ fn check_layer(
 }
 
 fn replay(test: &str, contexts: &[Arc<CudaContext>], world: usize, algorithm: Option<Algorithm>, opts: FusedOptions) {
+    replay_with(test, contexts, world, test_config(), algorithm, opts);
+}
+
+fn replay_with(
+    test: &str,
+    contexts: &[Arc<CudaContext>],
+    world: usize,
+    config: Config,
+    algorithm: Option<Algorithm>,
+    opts: FusedOptions,
+) {
     let mut rng: StdRng = common::rng(test);
-    let comms = group(contexts, world, test_config(), algorithm);
+    let comms = group(contexts, world, config, algorithm);
     let lo = if opts.weight_offset { -0.5 } else { 0.5 };
     let weights: Vec<Vec<bf16>> = (0..LAYERS).map(|_| uniform(&mut rng, HIDDEN, lo, lo + 1.0)).collect();
     let mut chains: Vec<Chain> = comms.iter().map(|c| chain(c, &weights)).collect();
@@ -168,6 +181,31 @@ fn fused_graph_replays_one_gpu() {
     replay(test, std::slice::from_ref(&ctx), 4, Some(Algorithm::OneShotPull), gemma);
     replay(test, std::slice::from_ref(&ctx), 4, None, FusedOptions::default());
     replay(test, &[ctx], 3, Some(Algorithm::TwoShotPush), gemma);
+}
+
+/// The fused island pushes in graphs: two-shot push over 2, 5 and 8 ranks,
+/// hierarchical over 2+2, 3+2 and 4+4; the path must be fused.
+#[test]
+fn fused_island_graph_replays() {
+    let test = "fused_island_graph_replays";
+    let _lock = common::gpu_lock();
+    let Some(ctx) = common::gpu(test) else { return };
+    let gemma = FusedOptions { weight_offset: true, ..FusedOptions::default() };
+    let mut runs: Vec<(usize, Config, Algorithm)> =
+        [2, 5, 8].into_iter().map(|w| (w, test_config(), Algorithm::TwoShotPush)).collect();
+    // 2+2, 3+2, 4+4 (not 3+3 nor 2+2+2+2: the eager matrix has them).
+    let skipped = |w: usize, c: &Config| w == 6 || (w == 8 && c.island_size == Some(2));
+    for (world, config) in island_groups().into_iter().filter(|(w, c)| !skipped(*w, c)) {
+        runs.push((world, config, Algorithm::Hierarchical));
+    }
+    for (k, (world, config, algorithm)) in runs.into_iter().enumerate() {
+        let comms = group(std::slice::from_ref(&ctx), world, config.clone(), Some(algorithm));
+        let plan = comms[0].plan_fused(ROWS, HIDDEN, tp_allreduce::DType::Bf16, true);
+        assert!(plan.fused, "{test}: {algorithm} over {world} ranks is not fused: {}", plan.reason);
+        drop(comms);
+        let opts = if k % 2 == 1 { gemma } else { FusedOptions::default() };
+        replay_with(test, std::slice::from_ref(&ctx), world, config, Some(algorithm), opts);
+    }
 }
 
 #[test]

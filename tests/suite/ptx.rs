@@ -233,13 +233,16 @@ fn by_value_entries_take_the_parameter_struct_the_host_passes() {
     assert!(failures.is_empty(), "host and device disagree on the parameter struct:\n{}", failures.join("\n"));
 }
 
-/// The fused push entries take `FusedOneShotPushParams` by value, the
-/// fused pull and epilogue entries scalars.
+/// The fused push entries take `FusedOneShotPushParams` (one-shot) or
+/// `FusedIslandPushParams` (two-shot, hierarchical) by value, the fused
+/// pull and epilogue entries scalars.
 #[test]
 fn fused_entries_take_the_parameters_the_host_passes() {
     use tp_allreduce::DType;
-    let host_size = std::mem::size_of::<tp_allreduce_kernels::params::FusedOneShotPushParams>();
-    let align = std::mem::align_of::<tp_allreduce_kernels::params::FusedOneShotPushParams>();
+    use tp_allreduce_kernels::ids::AlgorithmId;
+    use tp_allreduce_kernels::params::{FusedIslandPushParams, FusedOneShotPushParams};
+    let one_shot = (std::mem::size_of::<FusedOneShotPushParams>(), std::mem::align_of::<FusedOneShotPushParams>());
+    let island = (std::mem::size_of::<FusedIslandPushParams>(), std::mem::align_of::<FusedIslandPushParams>());
     let mut failures = Vec::new();
     let mut sources: Vec<(String, String)> =
         kernels::embedded().into_iter().map(|p| (format!("embedded {}", p.arch), p.text.to_string())).collect();
@@ -248,11 +251,19 @@ fn fused_entries_take_the_parameters_the_host_passes() {
     }
     for (what, text) in &sources {
         // Every fused OneShotPush entry (any world or two ranks; long,
-        // short or wide rows) of every dtype: 5 per dtype.
-        let push_entries: Vec<String> =
-            kernels::fused_entries().into_iter().filter(|e| e.starts_with("fused_one_shot_push")).collect();
-        assert_eq!(push_entries.len(), 5 * DType::ALL.len(), "{push_entries:?}");
-        for entry in push_entries {
+        // short or wide rows) of every dtype: 5 per dtype; the fused
+        // island pushes per dtype.
+        let mut by_value: Vec<(String, (usize, usize))> = kernels::fused_entries()
+            .into_iter()
+            .filter(|e| e.starts_with("fused_one_shot_push"))
+            .map(|e| (e, one_shot))
+            .collect();
+        assert_eq!(by_value.len(), 5 * DType::ALL.len(), "{by_value:?}");
+        for dtype in DType::ALL {
+            by_value.push((kernels::fused_island_push_entry(AlgorithmId::TwoShotPush, dtype), island));
+            by_value.push((kernels::fused_island_push_entry(AlgorithmId::Hierarchical, dtype), island));
+        }
+        for (entry, (host_size, align)) in by_value {
             let needle = format!(".param .align {align} .b8 {entry}_param_0[{host_size}]");
             if struct_param_bytes(text, &entry) != Some(host_size) || !text.contains(&needle) {
                 failures.push(format!("{what} {entry}: no `{needle}`"));

@@ -11,29 +11,35 @@
 //! The per-call path is the allreduce's (`call.rs`): validate, order after
 //! the rank's previous call, choose (the fused selection table, whose
 //! times include the epilogue), then run one of the paths of
-//! `algorithm::fused` (fused OneShotPush / OneShotPull kernels, or the
-//! chosen allreduce followed by the separate `add_rms_norm` kernel). Graph
-//! capture and buffer registration work exactly as for `all_reduce`: the
-//! push kernels read only local memory and library scratch, the pull
-//! kernel reads peers' inputs, registered or staged like a plain pull call.
+//! `algorithm::fused` (fused OneShotPush / OneShotPull / TwoShotPush /
+//! Hierarchical kernels, or the chosen allreduce followed by the separate
+//! `add_rms_norm` kernel). Graph capture and buffer registration work
+//! exactly as for `all_reduce`: the push kernels read only local memory
+//! and library scratch, the pull kernel reads peers' inputs, registered or
+//! staged like a plain pull call.
 //! Part of the call room (`comm/call/`, where `unsafe` is allowed): the
 //! raw-pointer forms and the launches.
 
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
-use tp_allreduce_kernels::params::{FusedEpilogue, FusedOneShotPushParams, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET};
+use tp_allreduce_kernels::ids::AlgorithmId;
+use tp_allreduce_kernels::params::{
+    FusedEpilogue, FusedIslandPushParams, FusedOneShotPushParams, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET,
+};
 
 use super::choose;
 use super::{Comm, Element};
 pub use crate::algorithm::fused::FusedOptions;
 use crate::algorithm::fused::{
-    check_call, default_threads, epilogue_threads, fused_path, push_launch, row_blocks, EpiloguePointers,
-    EpilogueShape, FusedPath, PushRowSplit, EPILOGUE_MAX_BLOCKS,
+    check_call, default_threads, epilogue_threads, fused_path, island_blocks, normed_slot_bytes, push_launch,
+    row_blocks, EpiloguePointers, EpilogueShape, FusedCapacities, FusedPath, PushRowSplit, EPILOGUE_MAX_BLOCKS,
 };
 use crate::algorithm::{Algorithm, Transport};
 use crate::comm::registry::InputSource;
 use crate::driver::{self, KernelArgs};
 use crate::error::{Error, Result};
-use crate::kernels::{add_rms_norm_entry, fused_one_shot_pull_entry, fused_one_shot_push_entry};
+use crate::kernels::{
+    add_rms_norm_entry, fused_island_push_entry, fused_one_shot_pull_entry, fused_one_shot_push_entry,
+};
 use crate::DType;
 
 /// What a fused call will do: the allreduce algorithm, whether its kernel
@@ -144,8 +150,12 @@ impl Comm {
     /// [`FusedOptions::weight_offset`]). f32 accumulation, one rounding per
     /// output. `residual` and `weight` must hold the same values on every
     /// rank (as in tensor parallelism); the outputs are then bitwise equal
-    /// on every rank. `input` is left unchanged. Collective, like
-    /// `all_reduce`; capturable in CUDA graphs (see `all_reduce_raw`).
+    /// on every rank. With the fused two-shot push and hierarchical kernels
+    /// the owner of each row adds *its* residual and weight and the other
+    /// ranks copy the result, so ranks that pass different residuals all
+    /// get the owner's (the one-shot kernels add each rank's own). `input`
+    /// is left unchanged unless `normed` is written over it. Collective,
+    /// like `all_reduce`; capturable in CUDA graphs (see `all_reduce_raw`).
     pub fn all_reduce_add_rms_norm<I, R, W, N, T>(
         &self,
         input: &I,
@@ -205,8 +215,13 @@ impl Comm {
 
     /// Allreduce (sum) of `input` (`rows x hidden`) added to `residual`
     /// (no normalisation). `hidden` shapes the work (a block owns whole
-    /// rows) and must divide `input.len()`. `input` is consumed: the fused
-    /// kernels leave it unchanged, the unfused path reduces it in place.
+    /// rows) and must divide `input.len()`. `residual` must hold the same
+    /// values on every rank (with the fused two-shot push and hierarchical
+    /// kernels the owner of each row adds its residual for every rank; see
+    /// [`all_reduce_add_rms_norm`](Self::all_reduce_add_rms_norm)). `input`
+    /// is consumed: the unfused path reduces it in place, the fused
+    /// hierarchical kernel keeps island partial sums in it, the others
+    /// leave it unchanged.
     pub fn all_reduce_add<B, R, T>(
         &self,
         input: &mut B,
@@ -358,8 +373,7 @@ impl Comm {
                 (c.algorithm, c.reason.clone())
             }
         };
-        let (push, pull) = self.fused_capacities();
-        match fused_path(algorithm, &shape, push, pull) {
+        match fused_path(algorithm, &shape, &self.fused_capacities()) {
             FusedPath::Unfused(why) => FusedPlan {
                 algorithm,
                 transport,
@@ -370,11 +384,17 @@ impl Comm {
         }
     }
 
-    /// Packs of one OneShotPush launch (its receive region) and of one pull
-    /// launch (staging).
-    fn fused_capacities(&self) -> (u64, u64) {
+    /// What bounds one launch of each fused kernel: the OneShotPush receive
+    /// region, the pull staging, the island push regions (from the
+    /// templates the kernels run with).
+    fn fused_capacities(&self) -> FusedCapacities {
         let layout = &self.setup.layout;
-        (layout.one_shot_push_max_packs, layout.max_packs)
+        FusedCapacities {
+            push_packs: layout.one_shot_push_max_packs,
+            pull_packs: layout.max_packs,
+            two_shot_push: self.sentinel.island_capacity(false).unwrap_or_default(),
+            hierarchical: self.sentinel.island_capacity(true),
+        }
     }
 
     /// Everything the driver can check of a validated-looking call: the
@@ -443,17 +463,19 @@ impl Comm {
                 }
             }
         };
-        let (push, pull) = self.fused_capacities();
         let path = if call.opts.unfused {
             FusedPath::Unfused("asked for (FusedOptions::unfused)".into())
         } else {
-            fused_path(algorithm, shape, push, pull)
+            fused_path(algorithm, shape, &self.fused_capacities())
         };
         // SAFETY: validated pointers and stream; the call is ordered.
         unsafe {
             match path {
                 FusedPath::Push { rows_per_launch } => self.run_fused_push(call, rows_per_launch, stream),
                 FusedPath::Pull { rows_per_launch } => self.run_fused_pull(call, rows_per_launch, stream, capturing),
+                FusedPath::Island { rows_per_launch } => {
+                    self.run_fused_island(algorithm, call, rows_per_launch, stream)
+                }
                 FusedPath::Unfused(_) => {
                     let sum = call.sum_destination();
                     let count = shape.count();
@@ -500,6 +522,58 @@ impl Comm {
             // the GPU (the fused entries are among those it is computed
             // from), and `threads` covers a row (check_threads).
             unsafe { driver::launch_struct(f, row_blocks(rows, cap), threads, stream, &p)? };
+        }
+        Ok(())
+    }
+
+    /// Fused TwoShotPush or Hierarchical (`algorithm`): launches of
+    /// `rows_per_launch` whole rows, cut into shares of whole rows
+    /// (`algorithm::fused::share_rows`), a grid over this rank's owned rows.
+    /// Hierarchical keeps the island partials of its owned rows in
+    /// `normed` (or `input` without RMSNorm) between its phases B and C.
+    ///
+    /// # Safety
+    /// As `fused_call`, after validation and ordering.
+    unsafe fn run_fused_island(
+        &self,
+        algorithm: Algorithm,
+        call: &EpilogueCall,
+        rows_per_launch: u64,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        self.prepare(algorithm, call.shape.dtype)?;
+        let hierarchical = algorithm == Algorithm::Hierarchical;
+        let kernel = if hierarchical { AlgorithmId::Hierarchical } else { AlgorithmId::TwoShotPush };
+        let f = self.module.function(&fused_island_push_entry(kernel, call.shape.dtype))?;
+        let hidden = call.shape.hidden as u64;
+        let threads = call.threads(call.shape.row_packs().unwrap_or(0));
+        let cap = self.setup.geometry().pull_max_blocks;
+        for (row0, rows) in row_chunks(call.shape.rows, rows_per_launch) {
+            let input = call.input + call.row_offset(row0);
+            let epilogue = call.epilogue(row0, rows);
+            let partials = if call.shape.norm { epilogue.normed } else { input };
+            let push = self
+                .sentinel
+                .island_push(hierarchical, input, partials, rows * hidden)
+                .ok_or_else(|| Error::invalid(format!("{algorithm}: this communicator has no islands")))?;
+            let blocks = island_blocks(rows, push.shares as u64, push.owned as u64, cap);
+            let p = FusedIslandPushParams {
+                push,
+                epilogue,
+                normed_slot_bytes: normed_slot_bytes(push.share_cap),
+                _pad0: 0,
+            };
+            // SAFETY: the entry takes one FusedIslandPushParams by value
+            // (sizes pinned on both sides and checked against the PTX); the
+            // template's addresses are this communicator's mapped regions;
+            // the pointers are validated for every row; a share of `rows`
+            // rows fits half a receive position range (fused_path), which
+            // `normed_slot_bytes` splits; at most `pull_max_blocks` blocks
+            // of at most 512 threads stay resident with the other ranks of
+            // the GPU (the fused entries are among those it is computed
+            // from); `threads` covers a row (check_threads) and is the same
+            // on every rank (the reduction tree).
+            unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
         }
         Ok(())
     }

@@ -43,13 +43,19 @@
 //! its owner (Hierarchical: identically by every island's owner, the same
 //! partials summed in island order) and copied elsewhere; outputs are
 //! canonicalised like every payload.
+//!
+//! `fused_island_push.rs` (the same protocol with the add + RMSNorm
+//! epilogue: shares of whole rows, a block per owned row in the finishing
+//! phase, two packs per all-gather position) shares phase A, the polls of
+//! B and C and phase D through the macros below, and extends this argument
+//! in its header.
 
-use super::pack::{aligned16, any_word_empty, load_pack, store_pack, Acc, Element, Pack, ZERO_PACK};
+use super::pack::{aligned16, load_pack, store_pack, Acc, Element, Pack};
 use super::ptx;
 use super::sentinel::{self, Stall, Trace};
 use crate::for_each_rank;
 use crate::ids::{AlgorithmId, Phase};
-use crate::layout::{ErrorRecord, SENTINEL_EMPTY_WORD};
+use crate::layout::ErrorRecord;
 use crate::params::{Control, IslandPushParams, RegionId, FLAG_TRACE};
 use crate::partition::{div_ceil, elems_in_pack};
 use crate::shares::{MAX_ISLANDS, MAX_OWNED};
@@ -57,10 +63,10 @@ use crate::shares::{MAX_ISLANDS, MAX_OWNED};
 /// Packs loaded (or polled) back to back before any is used: bounds the
 /// packs held in registers (1024-thread blocks have 64 registers a thread;
 /// groups of 4 spilled on every architecture, groups of 2 do not).
-const GROUP: usize = 2;
+pub(super) const GROUP: usize = 2;
 
 /// -0.0: the identity of IEEE addition (see `one_shot_push.rs`).
-const NEG_ZERO_ACC: Acc = [-0.0; 8];
+pub(super) const NEG_ZERO_ACC: Acc = [-0.0; 8];
 
 /// Pack `pack` of the message at `base` (`count` elements): one vector
 /// access when full and `vector`, element-wise otherwise (tails,
@@ -90,13 +96,31 @@ pub(super) unsafe fn store_message_pack<E: Element>(base: *mut u8, count: u64, p
 /// code motion: otherwise it precomputes `share * sh` for every send before
 /// the loops and keeps them all live (spills at 64 registers).
 #[inline(always)]
-fn share_index(share: u8) -> u32 {
+pub(super) fn share_index(share: u8) -> u32 {
     ptx::opaque_u64(share as u64) as u32
 }
 
 /// `row[e]` for a runtime `e < MAX_OWNED`, without a dynamic index into a
 /// parameter array (which would copy the struct to local memory).
+///
+/// `pick_owned!(opaque $row, $e)` hides each candidate from LLVM first (as
+/// u64): otherwise it may fold the chain into one load from a computed
+/// address, and an address computed into the parameter struct copies the
+/// struct to local memory (seen in the fused kernel's phase C).
 macro_rules! pick_owned {
+    (opaque $row:expr, $e:expr) => {{
+        let mut v = $crate::device::ptx::opaque_u64($row[0] as u64);
+        if $e == 1 {
+            v = $crate::device::ptx::opaque_u64($row[1] as u64);
+        }
+        if $e == 2 {
+            v = $crate::device::ptx::opaque_u64($row[2] as u64);
+        }
+        if $e == 3 {
+            v = $crate::device::ptx::opaque_u64($row[3] as u64);
+        }
+        v
+    }};
     ($row:expr, $e:expr) => {{
         let mut v = $row[0];
         if $e == 1 {
@@ -111,10 +135,212 @@ macro_rules! pick_owned {
         v
     }};
 }
+pub(super) use pick_owned;
 const _: () = assert!(MAX_OWNED == 4, "pick_owned! selects among four owned shares");
 const _: () = assert!(4 * GROUP >= crate::layout::MAX_RANKS, "four groups cover every send and slot");
 const _: () = assert!(crate::layout::MAX_RANKS == 8, "the send groups of phase A cover sends 0..8");
 const _: () = assert!(2 * GROUP >= MAX_ISLANDS - 1, "two groups cover the cross slots");
+
+/// Phase A, sends `$from..$to` (at most GROUP) of reduce-scatter position
+/// `$t` (byte offset `$off` in the half): the input packs loaded back to
+/// back, then stored canonicalised to the owners' slots (posted
+/// relaxed.sys stores). `$p`: the `IslandPushParams` (never borrowed).
+macro_rules! send_group {
+    ($E:ty, $p:expr, $t:expr, $sh:expr, $packs:expr, $off:expr, $input:expr, $count:expr, $vin:expr, $live:expr,
+     $from:literal, $to:literal) => {
+        let mut v = [$crate::device::pack::ZERO_PACK; $crate::device::island_push::GROUP];
+        $crate::for_each_rank!(S => {
+            if S >= $from && S < $to && (S as u32) < $p.sends {
+                let i = $crate::device::island_push::share_index($p.send_share[S]) * $sh + $t;
+                if i < $packs {
+                    v[(S - $from) % $crate::device::island_push::GROUP] =
+                        $crate::device::island_push::load_message_pack::<$E>($input, $count, i as u64, $vin);
+                }
+            }
+        });
+        $crate::for_each_rank!(S => {
+            if $live && S >= $from && S < $to && (S as u32) < $p.sends
+                && $crate::device::island_push::share_index($p.send_share[S]) * $sh + $t < $packs
+            {
+                let value = <$E>::canonicalise(v[(S - $from) % $crate::device::island_push::GROUP]);
+                $crate::device::ptx::st_relaxed_sys_v4_u32(($p.rs_to[S] + $off) as *mut u32, value);
+            }
+        });
+    };
+}
+pub(super) use send_group;
+
+/// Phase A at position `$t` of every share: every send, in groups (the
+/// first send alone, so that the first peer store waits for one input
+/// load only). Share `k` covers packs `k * $sh ..` below `$packs`.
+macro_rules! reduce_scatter_sends {
+    ($E:ty, $p:expr, $t:expr, $sh:expr, $packs:expr, $off:expr, $input:expr, $count:expr, $vin:expr, $live:expr) => {
+        $crate::device::island_push::send_group!($E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $live, 0, 1);
+        $crate::device::island_push::send_group!($E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $live, 1, 3);
+        $crate::device::island_push::send_group!($E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $live, 3, 5);
+        $crate::device::island_push::send_group!($E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $live, 5, 7);
+        $crate::device::island_push::send_group!($E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $live, 7, 8);
+    };
+}
+pub(super) use reduce_scatter_sends;
+
+/// Polls `$count` slots of `$Q`-indexed addresses (group `$group` of
+/// GROUP slots), back to back, then per slot: spin while EMPTY, reset
+/// (reset on consume), accumulate into `$acc`; the own term `$mine` goes in
+/// before slot `$own` (sources in order, own position left out). A wait
+/// that gives up runs `$fail` with the `Stall` and the peer's rank (it
+/// must leave the group: `break` or `return`). The failure is handled in
+/// place rather than returned: carrying a `Result` out of the unrolled
+/// groups costs registers (spills at 64).
+macro_rules! poll_group {
+    ($E:ty, $control:expr, $timeout:expr, $acc:ident, $mine:ident, $count:expr, $own:expr, $group:literal,
+     $Q:ident => $addr:expr, $abort:expr, $peer:expr, |$s:ident, $who:ident| $fail:expr) => {
+        let mut got = [$crate::device::pack::ZERO_PACK; $crate::device::island_push::GROUP];
+        $crate::for_each_rank!($Q => {
+            if $Q / $crate::device::island_push::GROUP == $group && ($Q as u32) < $count {
+                got[$Q % $crate::device::island_push::GROUP] =
+                    $crate::device::ptx::ld_relaxed_sys_v4_u32(($addr) as *const u32);
+            }
+        });
+        $crate::for_each_rank!($Q => {
+            // The own term before slot `$own`; when `$own` is past the
+            // last slot `poll_terms!` adds it after the groups.
+            if $Q / $crate::device::island_push::GROUP == $group && $Q as u32 == $own && ($Q as u32) < $count {
+                <$E>::accumulate(&mut $acc, &$mine);
+            }
+            if $Q / $crate::device::island_push::GROUP == $group && ($Q as u32) < $count {
+                let slot = ($addr) as *mut u32;
+                let mut w = got[$Q % $crate::device::island_push::GROUP];
+                if $crate::device::pack::any_word_empty(&w) {
+                    let abort = ($abort) as *const u32;
+                    match $crate::device::sentinel::wait_slot(slot, $Q as u32, abort, $control, $timeout) {
+                        Ok(arrived) => w = arrived,
+                        Err($s) => {
+                            let $who = ($peer) as u32;
+                            $fail
+                        }
+                    }
+                }
+                $crate::device::ptx::st_global_v4_u32(slot, [$crate::layout::SENTINEL_EMPTY_WORD; 4]);
+                <$E>::accumulate(&mut $acc, &w);
+            }
+        });
+    };
+}
+pub(super) use poll_group;
+
+/// The sum into `$acc` of `$count` slots and the own term in source order
+/// (the groups `[..]` of [`poll_group!`], then the own term when it comes
+/// last); `$fail` as there.
+macro_rules! poll_terms {
+    ($E:ty, $control:expr, $timeout:expr, $acc:ident, $mine:ident, $count:expr, $own:expr, [$($group:literal),+],
+     $Q:ident => $addr:expr, $abort:expr, $peer:expr, |$s:ident, $who:ident| $fail:expr) => {
+        $(
+            $crate::device::island_push::poll_group!($E, $control, $timeout, $acc, $mine, $count, $own, $group,
+                $Q => $addr, $abort, $peer, |$s, $who| $fail);
+        )+
+        if $own == $count {
+            <$E>::accumulate(&mut $acc, &$mine);
+        }
+    };
+}
+pub(super) use poll_terms;
+
+/// Phase D at position `$t` (byte offset `$off`), sends of group
+/// `$group`: the all-gather slots polled back to back, then each waited for
+/// while EMPTY, reset, and handed to `$store` as pack `$i` (u32) of the
+/// message with value `$w`; `$fail` as in [`poll_group!`].
+macro_rules! gather_group {
+    ($p:expr, $control:expr, $timeout:expr, $t:expr, $sh:expr, $packs:expr, $off:expr, $group:literal,
+     |$i:ident, $w:ident| $store:expr, |$s:ident, $who:ident| $fail:expr) => {
+        let mut got = [$crate::device::pack::ZERO_PACK; $crate::device::island_push::GROUP];
+        $crate::for_each_rank!(S => {
+            if S / $crate::device::island_push::GROUP == $group && (S as u32) < $p.sends
+                && $crate::device::island_push::share_index($p.send_share[S]) * $sh + $t < $packs
+            {
+                got[S % $crate::device::island_push::GROUP] =
+                    $crate::device::ptx::ld_relaxed_sys_v4_u32(($p.ag_from[S] + $off) as *const u32);
+            }
+        });
+        $crate::for_each_rank!(S => {
+            let $i = $crate::device::island_push::share_index($p.send_share[S]) * $sh + $t;
+            if S / $crate::device::island_push::GROUP == $group && (S as u32) < $p.sends && $i < $packs {
+                let slot = ($p.ag_from[S] + $off) as *mut u32;
+                let mut $w = got[S % $crate::device::island_push::GROUP];
+                if $crate::device::pack::any_word_empty(&$w) {
+                    let abort = $p.ag_abort[S] as *const u32;
+                    match $crate::device::sentinel::wait_slot(slot, S as u32, abort, $control, $timeout) {
+                        Ok(arrived) => $w = arrived,
+                        Err($s) => {
+                            let $who = $p.ag_peer[S] as u32;
+                            $fail
+                        }
+                    }
+                }
+                $crate::device::ptx::st_global_v4_u32(slot, [$crate::layout::SENTINEL_EMPTY_WORD; 4]);
+                $store;
+            }
+        });
+    };
+}
+pub(super) use gather_group;
+
+/// Phase D at position `$t` of every share owned elsewhere in the island
+/// (the groups of [`gather_group!`]).
+macro_rules! gather_sends {
+    ($p:expr, $control:expr, $timeout:expr, $t:expr, $sh:expr, $packs:expr, $off:expr,
+     |$i:ident, $w:ident| $store:expr, |$s:ident, $who:ident| $fail:expr) => {
+        $crate::device::island_push::gather_group!(
+            $p,
+            $control,
+            $timeout,
+            $t,
+            $sh,
+            $packs,
+            $off,
+            0,
+            |$i, $w| $store,
+            |$s, $who| $fail
+        );
+        $crate::device::island_push::gather_group!(
+            $p,
+            $control,
+            $timeout,
+            $t,
+            $sh,
+            $packs,
+            $off,
+            1,
+            |$i, $w| $store,
+            |$s, $who| $fail
+        );
+        $crate::device::island_push::gather_group!(
+            $p,
+            $control,
+            $timeout,
+            $t,
+            $sh,
+            $packs,
+            $off,
+            2,
+            |$i, $w| $store,
+            |$s, $who| $fail
+        );
+        $crate::device::island_push::gather_group!(
+            $p,
+            $control,
+            $timeout,
+            $t,
+            $sh,
+            $packs,
+            $off,
+            3,
+            |$i, $w| $store,
+            |$s, $who| $fail
+        );
+    };
+}
+pub(super) use gather_sends;
 
 /// The kernel body. `CROSS`: Hierarchical (phases A-D); otherwise
 /// TwoShotPush (A, B, D; the partial is the final sum).
@@ -141,7 +367,6 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
     let vin = aligned16(p.h.input);
     let half = (generation & 1) as u64 * p.h.half_bytes;
     let live = abort == 0;
-    let sends = p.sends;
 
     // ---- A: reduce-scatter. Each share not owned here goes to its owner's
     //      reduce-scatter slot of this rank (posted relaxed.sys stores),
@@ -152,33 +377,7 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
     let mut t = first;
     while t < sh {
         let off = ptx::opaque_u64(half + 16 * t as u64);
-        // Sends `$from..$to` (at most GROUP): loads back to back, then
-        // stores. The first send goes alone, so that the first peer store
-        // waits for one input load only.
-        macro_rules! send_group {
-            ($from:literal, $to:literal) => {
-                let mut v = [ZERO_PACK; GROUP];
-                for_each_rank!(S => {
-                    if S >= $from && S < $to && (S as u32) < sends {
-                        let i = share_index(p.send_share[S]) * sh + t;
-                        if i < packs {
-                            v[(S - $from) % GROUP] = load_message_pack::<E>(input, count, i as u64, vin);
-                        }
-                    }
-                });
-                for_each_rank!(S => {
-                    if live && S >= $from && S < $to && (S as u32) < sends && share_index(p.send_share[S]) * sh + t < packs {
-                        let value = E::canonicalise(v[(S - $from) % GROUP]);
-                        ptx::st_relaxed_sys_v4_u32((p.rs_to[S] + off) as *mut u32, value);
-                    }
-                });
-            };
-        }
-        send_group!(0, 1);
-        send_group!(1, 3);
-        send_group!(3, 5);
-        send_group!(5, 7);
-        send_group!(7, 8);
+        reduce_scatter_sends!(E, p, t, sh, packs, off, input, count, vin, live);
         if t == first && live {
             trace.first_store(generation);
         }
@@ -202,44 +401,6 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
     let cap = p.share_cap;
     let mut stall: Option<(Stall, Phase, u32)> = None;
     'kernel: {
-        // Polls `$count` slots of `$Q`-indexed addresses (one group of
-        // GROUP slots), back to back, then per slot: spin while EMPTY,
-        // reset (reset on consume), accumulate; the own term goes in
-        // before slot `$own` (sources in order, own position left out).
-        macro_rules! poll_sum {
-            ($acc:ident, $mine:expr, $count:expr, $own:expr, $group:literal, $phase:expr,
-             $Q:ident => $addr:expr, $abort:expr, $peer:expr) => {
-                let mut got = [ZERO_PACK; GROUP];
-                for_each_rank!($Q => {
-                    if $Q / GROUP == $group && ($Q as u32) < $count {
-                        got[$Q % GROUP] = ptx::ld_relaxed_sys_v4_u32(($addr) as *const u32);
-                    }
-                });
-                for_each_rank!($Q => {
-                    // The own term before slot `$own`; when `$own` is past the
-                    // last slot the caller adds it after the groups.
-                    if $Q / GROUP == $group && $Q as u32 == $own && ($Q as u32) < $count {
-                        E::accumulate(&mut $acc, &$mine);
-                    }
-                    if $Q / GROUP == $group && ($Q as u32) < $count {
-                        let slot = ($addr) as *mut u32;
-                        let mut w = got[$Q % GROUP];
-                        if any_word_empty(&w) {
-                            match sentinel::wait_slot(slot, $Q as u32, ($abort) as *const u32, control, timeout) {
-                                Ok(arrived) => w = arrived,
-                                Err(s) => {
-                                    stall = Some((s, $phase, ($peer) as u32));
-                                    break 'kernel;
-                                }
-                            }
-                        }
-                        ptx::st_global_v4_u32(slot, [SENTINEL_EMPTY_WORD; 4]);
-                        E::accumulate(&mut $acc, &w);
-                    }
-                });
-            };
-        }
-
         // ---- B: partial sums of the owned shares (member order), then on
         //      to the other islands' owners (Hierarchical) or to every
         //      member (TwoShotPush: the partial is the final sum).
@@ -253,13 +414,12 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
                 let mine = E::canonicalise(load_message_pack::<E>(input, count, i, vin));
                 let off = ptx::opaque_u64(half + 16 * (e as u64 * cap + t as u64));
                 let mut acc = NEG_ZERO_ACC;
-                poll_sum!(acc, mine, others, j, 0, Phase::RsPayload, Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q]);
-                poll_sum!(acc, mine, others, j, 1, Phase::RsPayload, Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q]);
-                poll_sum!(acc, mine, others, j, 2, Phase::RsPayload, Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q]);
-                poll_sum!(acc, mine, others, j, 3, Phase::RsPayload, Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q]);
-                if j == others {
-                    E::accumulate(&mut acc, &mine);
-                }
+                poll_terms!(E, control, timeout, acc, mine, others, j, [0, 1, 2, 3],
+                Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q],
+                |s, peer| {
+                    stall = Some((s, Phase::RsPayload, peer));
+                    break 'kernel;
+                });
                 let v = E::canonicalise(E::round(&acc));
                 store_message_pack::<E>(output, count, i, vout, &v);
                 if CROSS {
@@ -295,17 +455,14 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
                     let off = ptx::opaque_u64(half + 16 * pos);
                     let cross = ptx::opaque_u64((generation & 1) as u64 * p.cross_half_bytes + 16 * pos);
                     let mut acc = NEG_ZERO_ACC;
-                    poll_sum!(acc, partial, p.islands - 1, p.island, 0, Phase::CrossPayload,
-                        O => p.cross_from[O % MAX_ISLANDS] + cross,
-                        pick_owned!(p.cross_abort[O % (MAX_ISLANDS - 1)], e),
-                        pick_owned!(p.cross_peer[O % (MAX_ISLANDS - 1)], e));
-                    poll_sum!(acc, partial, p.islands - 1, p.island, 1, Phase::CrossPayload,
-                        O => p.cross_from[O % MAX_ISLANDS] + cross,
-                        pick_owned!(p.cross_abort[O % (MAX_ISLANDS - 1)], e),
-                        pick_owned!(p.cross_peer[O % (MAX_ISLANDS - 1)], e));
-                    if p.island + 1 == p.islands {
-                        E::accumulate(&mut acc, &partial);
-                    }
+                    poll_terms!(E, control, timeout, acc, partial, p.islands - 1, p.island, [0, 1],
+                    O => p.cross_from[O % MAX_ISLANDS] + cross,
+                    pick_owned!(p.cross_abort[O % (MAX_ISLANDS - 1)], e),
+                    pick_owned!(p.cross_peer[O % (MAX_ISLANDS - 1)], e),
+                    |s, peer| {
+                        stall = Some((s, Phase::CrossPayload, peer));
+                        break 'kernel;
+                    });
                     let f = E::canonicalise(E::round(&acc));
                     store_message_pack::<E>(output, count, i, vout, &f);
                     for_each_rank!(Q => {
@@ -324,38 +481,20 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
         let mut t = first;
         while t < sh {
             let off = ptx::opaque_u64(half + 16 * t as u64);
-            macro_rules! gather_group {
-                ($group:literal) => {
-                    let mut got = [ZERO_PACK; GROUP];
-                    for_each_rank!(S => {
-                        if S / GROUP == $group && (S as u32) < sends && share_index(p.send_share[S]) * sh + t < packs {
-                            got[S % GROUP] = ptx::ld_relaxed_sys_v4_u32((p.ag_from[S] + off) as *const u32);
-                        }
-                    });
-                    for_each_rank!(S => {
-                        let i = share_index(p.send_share[S]) * sh + t;
-                        if S / GROUP == $group && (S as u32) < sends && i < packs {
-                            let slot = (p.ag_from[S] + off) as *mut u32;
-                            let mut w = got[S % GROUP];
-                            if any_word_empty(&w) {
-                                match sentinel::wait_slot(slot, S as u32, p.ag_abort[S] as *const u32, control, timeout) {
-                                    Ok(arrived) => w = arrived,
-                                    Err(s) => {
-                                        stall = Some((s, Phase::AgPayload, p.ag_peer[S] as u32));
-                                        break 'kernel;
-                                    }
-                                }
-                            }
-                            ptx::st_global_v4_u32(slot, [SENTINEL_EMPTY_WORD; 4]);
-                            store_message_pack::<E>(output, count, i as u64, vout, &w);
-                        }
-                    });
-                };
-            }
-            gather_group!(0);
-            gather_group!(1);
-            gather_group!(2);
-            gather_group!(3);
+            gather_sends!(
+                p,
+                control,
+                timeout,
+                t,
+                sh,
+                packs,
+                off,
+                |i, w| store_message_pack::<E>(output, count, i as u64, vout, &w),
+                |s, peer| {
+                    stall = Some((s, Phase::AgPayload, peer));
+                    break 'kernel;
+                }
+            );
             t += stride;
         }
         trace.polled(generation);

@@ -12,7 +12,8 @@
 //!   [`island_push`] is the body TwoShotPush and Hierarchical share.
 //! * the fused epilogue (allreduce + residual add + RMSNorm): [`epilogue`]
 //!   (shared pieces and the separate `add_rms_norm` kernel),
-//!   [`fused_one_shot_push`], [`fused_one_shot_pull`].
+//!   [`fused_one_shot_push`], [`fused_one_shot_pull`], [`fused_island_push`]
+//!   (TwoShotPush and Hierarchical).
 //!
 //! Entry points are `#[no_mangle] extern "ptx-kernel"` functions named
 //! `<algorithm>_<dtype>`. Sentinel kernels (OneShotPush, TwoShotPush,
@@ -29,6 +30,7 @@ pub mod sync;
 pub mod copy_engine_ring;
 pub mod elementwise;
 pub mod epilogue;
+pub mod fused_island_push;
 pub mod fused_one_shot_pull;
 pub mod fused_one_shot_push;
 pub mod hierarchical;
