@@ -60,8 +60,19 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
     }
     let mut fused = Vec::new();
     if let Some(shape) = scenarios.fused {
-        notes.push(format!("fused calls select (graph): {}", comms[0].fused_selection().describe(opts.dtype, true)));
+        let forced = super::fused_forced(&selections);
+        for c in comms.iter_mut() {
+            c.set_algorithm(forced)?;
+        }
+        match forced {
+            Some(a) => notes.push(format!("fused scenario forced to {a} (--algorithms)")),
+            None => notes
+                .push(format!("fused calls select (graph): {}", comms[0].fused_selection().describe(opts.dtype, true))),
+        }
         let f = super::fused_runs::in_process(&ranks, &comms, opts, shape, scenarios.verify_pass, &progress)?;
+        for c in comms.iter_mut() {
+            c.set_algorithm(None)?;
+        }
         fused = f.rows;
         verify.extend(f.verify_pass);
         if opts.include_nccl {

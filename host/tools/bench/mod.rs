@@ -77,6 +77,16 @@ impl Selection {
     }
 }
 
+/// The algorithm the fused scenario is forced to (`--algorithms` naming
+/// one algorithm and nothing else): its fused path, or its allreduce
+/// followed by the separate kernel where it has none.
+pub(crate) fn fused_forced(selections: &[Selection]) -> Option<crate::algorithm::Algorithm> {
+    match selections {
+        [one] => one.forced(),
+        _ => None,
+    }
+}
+
 impl std::str::FromStr for Selection {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -168,6 +178,16 @@ pub fn default_sizes() -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fused_scenario_is_forced_only_by_one_named_algorithm() {
+        use crate::algorithm::Algorithm;
+        let two = Selection::Forced(Algorithm::TwoShotPush);
+        assert_eq!(fused_forced(&[two]), Some(Algorithm::TwoShotPush));
+        assert_eq!(fused_forced(&[Selection::Auto]), None);
+        assert_eq!(fused_forced(&[Selection::Auto, two]), None);
+        assert_eq!(fused_forced(&[]), None);
+    }
 
     #[test]
     fn default_sizes_double_from_1_kib_to_64_mib_with_the_verify_pass_message() {

@@ -268,8 +268,16 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
     }
     let mut fused = Vec::new();
     if let Some(shape) = scenarios.fused {
-        notes.push(format!("fused calls select (graph): {}", comm.fused_selection().describe(opts.dtype, true)));
+        let forced = super::fused_forced(&selections);
+        comm.set_algorithm(forced)?;
+        match forced {
+            Some(a) => notes.push(format!("fused scenario forced to {a} (--algorithms)")),
+            None => {
+                notes.push(format!("fused calls select (graph): {}", comm.fused_selection().describe(opts.dtype, true)))
+            }
+        }
         let f = super::fused_runs::per_rank(&comm, env, opts, shape, scenarios.verify_pass)?;
+        comm.set_algorithm(None)?;
         fused = f.rows;
         verify.extend(f.verify_pass);
         trace.extend(f.trace);
