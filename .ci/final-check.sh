@@ -5,7 +5,8 @@
 #      new waits timing out) — the 2-GPU parts skip on a 1-GPU machine and
 #      say so (TP_ALLREDUCE_REQUIRE_GPUS is set only when 2 GPUs are there);
 #   2. on 2 GPUs: a fresh `tune` over 1 KB .. 64 MB, then the tuned
-#      `bench --algorithms all` against NCCL over the same sizes;
+#      `bench --algorithms all` against NCCL over the same sizes; 8 ranks
+#      on GPU 0 under MPS without a tuning table (the model's choice);
 #   3. the candle ops: the suite's candle GPU tests (GPU 0) and, on 2 GPUs,
 #      the candle_tp example against the cudarc NCCL op (.ci/candle-gpu.sh).
 # Binaries from `bash .ci/build-dev.sh` and `bash .ci/candle-gpu.sh --build`.
@@ -32,6 +33,13 @@ if [ "$gpus" -ge 2 ]; then
   step tune 60 "$NEW" tune --gpus 0,1 --sizes default --out "$W/tuning.toml" --report "$W/sweep.json"
   [ -f "$W/tuning.toml" ] && step all 70 env TP_ALLREDUCE_TUNING_FILE="$W/tuning.toml" "$NEW" bench --processes \
     --gpus 0,1 --repeats 5 --sizes default --algorithms all --no-verify-pass --out "$W/all"
+  # 8 ranks sharing GPU 0 under MPS, no tuning table: what the cost model
+  # picks (issue 14: one-shot push at 4-64 KB) against the two pushes.
+  if mps_start; then
+    step mps8 40 env CUDA_DEVICE_MAX_CONNECTIONS=2 "$NEW" bench --processes --gpus 0 --ranks-per-gpu 8 \
+      --sizes 4K,42K,64K --repeats 10 --no-verify-pass --algorithms auto,one-shot-push,two-shot-push --out "$W/mps8"
+    mps_stop
+  fi
 else
   step fixed 150 "$SUITE" --test-threads=1 --exact \
     gpu_allreduce::copy_engine_ring_matrix \

@@ -13,7 +13,7 @@
 # The CPU-only parts (cpu::, ptx::, cli::, sentinel_model::) run in CI and
 # read the repository at its build path, so they are skipped here.
 #
-#   OUT=<dir> bash .ci/gpu-suite.sh
+#   OUT=<dir> [PARTS="main mps new"] bash .ci/gpu-suite.sh
 # $OUT receives summary.txt, log.txt and gpu-suite.tar.gz (every log).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -28,16 +28,20 @@ nvidia-smi --query-gpu=index,name,driver_version --format=csv > "$W/gpus.txt" 2>
 
 T="env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_GPUS=2 .dev/suite --test-threads=1"
 # The new kernels' families run in their own step, after the rest.
-step suite "${SUITE_LIMIT:-270}" $T "${SKIP_CPU[@]}" --skip gpu_fused --skip gpu_pcie_family ${SUITE_FILTER:-}
+# PARTS picks the steps (one device command may not hold them all):
+# "main mps new" by default.
+PARTS=" ${PARTS:-main mps new} "
+[[ $PARTS == *" main "* ]] &&
+  step suite "${SUITE_LIMIT:-270}" $T "${SKIP_CPU[@]}" --skip gpu_fused --skip gpu_pcie_family ${SUITE_FILTER:-}
 
-if mps_start; then
+if [[ $PARTS == *" mps "* ]] && mps_start; then
   step suite-mps 60 env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_MPS=1 CUDA_DEVICE_MAX_CONNECTIONS=2 \
     .dev/suite --test-threads=1 multiprocess::multi_process_selftest_4_ranks_in_islands_of_2 \
     multiprocess::sigkill_of_one_rank_fails_the_others_cleanly
   mps_stop
 fi
 
-step suite-new 200 $T gpu_pcie_family gpu_fused
+[[ $PARTS == *" new "* ]] && step suite-new "${NEW_LIMIT:-330}" $T gpu_pcie_family gpu_fused
 
 if ls .dev/wheels/tp_allreduce-*.whl > /dev/null 2>&1 && [ -n "${WITH_PYTHON:-}" ]; then
   step python 200 env OUT="$W/python" bash python/run-gpu-checks.sh .dev/wheels

@@ -60,6 +60,14 @@ pub struct Config {
     /// Use the two-rank specialisation of OneShotPush when the world size is
     /// 2 (`TP_ALLREDUCE_ONE_SHOT_PUSH_TP2=0` turns it off, to compare).
     pub one_shot_push_tp2: bool,
+    /// Fused calls (`all_reduce_add_rms_norm`) over TwoShotPush or
+    /// Hierarchical run their fused kernels (the owner of a share normalises
+    /// whole rows, the all-gather carries residual and normed rows) instead
+    /// of the allreduce followed by the separate `add_rms_norm` kernel
+    /// (`TP_ALLREDUCE_FUSED_ISLAND_KERNELS=1`). Off by default: on 2 H200
+    /// the fused kernels were slower (docs/RESULTS.md). Every rank must
+    /// use the same value.
+    pub fused_island_kernels: bool,
     /// Sentinel kernels record per-launch timestamps into a ring the host
     /// reads with `Comm::trace_records` (`TP_ALLREDUCE_TRACE=1`; `bench
     /// --trace`). Costs a few instructions per launch.
@@ -110,6 +118,7 @@ impl Default for Config {
             push_blocks: 16,
             launch_shape: None,
             one_shot_push_tp2: true,
+            fused_island_kernels: false,
             trace: false,
             test_initial_counter: None,
             pull_max_blocks: 36,
@@ -142,7 +151,7 @@ impl Config {
     pub(crate) fn shape_fingerprint(&self) -> String {
         format!(
             "chunk={} oneshot={} push_blocks={} pull_blocks={} ring={}x{}x{} islands={:?} {:?} transport={:?} table={} \
-             counters={:?}",
+             counters={:?} fused_island={}",
             self.max_chunk_bytes,
             self.one_shot_push_max_bytes,
             self.push_blocks,
@@ -154,7 +163,8 @@ impl Config {
             self.islands,
             self.transport,
             self.max_registered_buffers,
-            self.test_initial_counter
+            self.test_initial_counter,
+            self.fused_island_kernels
         )
     }
 
@@ -244,6 +254,9 @@ impl Config {
         }
         if let Some(on) = env::one_shot_push_tp2()? {
             c.one_shot_push_tp2 = on;
+        }
+        if let Some(on) = env::fused_island_kernels()? {
+            c.fused_island_kernels = on;
         }
         if let Some(on) = env::trace()? {
             c.trace = on;

@@ -12,7 +12,10 @@
 //! * **Fused one-shot push / pull**: the call's algorithm is OneShotPush or
 //!   OneShotPull. Every rank adds its own residual.
 //! * **Fused island push**: the call's algorithm is TwoShotPush or
-//!   Hierarchical. Shares are whole rows (`S` shares of `ceil(rows / S)`
+//!   Hierarchical and `Config::fused_island_kernels` is on (off by default:
+//!   on 2 H200 these kernels measured slower than the allreduce + the
+//!   separate kernel, 10.50 vs 8.84 us at 3 x 7168 bf16 and 11.32 vs 10.90
+//!   at 64 x 7168; docs/RESULTS.md). Shares are whole rows (`S` shares of `ceil(rows / S)`
 //!   rows, [`share_rows`]); the owner of a share finishes its rows (the
 //!   sum, the residual add, RMSNorm) and the all-gather carries the new residual and
 //!   the normalised rows, two packs per position: a launch's share fits
@@ -22,7 +25,8 @@
 //!   the same residual and weight, as in tensor parallelism (the one-shot
 //!   kernels add each rank's own; the results agree when the residuals
 //!   do).
-//! * **Unfused**: every other algorithm (two-shot pull, ring, NCCL) and
+//! * **Unfused**: every other algorithm (two-shot pull, ring, NCCL; the
+//!   island pushes unless their fused kernels are switched on) and
 //!   every shape the fused kernels do not take: the allreduce (into
 //!   `normed`, or in place into `input` for `all_reduce_add`), then the
 //!   separate `add_rms_norm` kernel. Always correct.
@@ -238,8 +242,21 @@ pub fn island_blocks(rows: u64, shares: u64, owned: u64, cap: u32) -> u32 {
 }
 
 /// The path of a call of `shape` whose allreduce algorithm is `algorithm`,
-/// with the launch capacities `caps`.
-pub fn fused_path(algorithm: Algorithm, shape: &EpilogueShape, caps: &FusedCapacities) -> FusedPath {
+/// with the launch capacities `caps`; `island_kernels`:
+/// `Config::fused_island_kernels` (TwoShotPush and Hierarchical fuse only
+/// with it).
+pub fn fused_path(
+    algorithm: Algorithm,
+    shape: &EpilogueShape,
+    caps: &FusedCapacities,
+    island_kernels: bool,
+) -> FusedPath {
+    if !island_kernels && matches!(algorithm, Algorithm::TwoShotPush | Algorithm::Hierarchical) {
+        return FusedPath::Unfused(format!(
+            "{algorithm}'s fused kernel is off (Config::fused_island_kernels; it measured slower than the allreduce \
+             + the separate kernel on 2 H200)"
+        ));
+    }
     let island = match algorithm {
         Algorithm::OneShotPush | Algorithm::OneShotPull => None,
         Algorithm::TwoShotPush => Some(caps.two_shot_push),
@@ -397,23 +414,23 @@ mod tests {
         assert_eq!(s.row_packs(), Some(896));
         assert_eq!(s.bytes(), 43_008);
         assert_eq!(
-            fused_path(Algorithm::OneShotPush, &s, &caps(1000, 500_000)),
+            fused_path(Algorithm::OneShotPush, &s, &caps(1000, 500_000), true),
             FusedPath::Push { rows_per_launch: 1 }
         );
         assert_eq!(
-            fused_path(Algorithm::OneShotPull, &s, &caps(1000, 500_000)),
+            fused_path(Algorithm::OneShotPull, &s, &caps(1000, 500_000), true),
             FusedPath::Pull { rows_per_launch: 558 }
         );
         // hidden 16384 in bf16 is the largest fused row; f32 stops at 8192.
         assert!(matches!(
-            fused_path(Algorithm::OneShotPush, &shape(1, 16384, DType::Bf16), &caps(1 << 20, 0)),
+            fused_path(Algorithm::OneShotPush, &shape(1, 16384, DType::Bf16), &caps(1 << 20, 0), true),
             FusedPath::Push { .. }
         ));
         assert!(matches!(
-            fused_path(Algorithm::OneShotPush, &shape(1, 8192, DType::F32), &caps(1 << 20, 0)),
+            fused_path(Algorithm::OneShotPush, &shape(1, 8192, DType::F32), &caps(1 << 20, 0), true),
             FusedPath::Push { .. }
         ));
-        let long = fused_path(Algorithm::OneShotPush, &shape(1, 16384, DType::F32), &caps(1 << 20, 0));
+        let long = fused_path(Algorithm::OneShotPush, &shape(1, 16384, DType::F32), &caps(1 << 20, 0), true);
         assert!(matches!(&long, FusedPath::Unfused(why) if why.contains("8192")), "{long:?}");
     }
 
@@ -422,14 +439,14 @@ mod tests {
         let s = shape(7, 4096, DType::F16);
         for a in [Algorithm::TwoShotPull, Algorithm::Ring, Algorithm::Nccl] {
             assert!(
-                matches!(fused_path(a, &s, &caps(1 << 20, 1 << 20)), FusedPath::Unfused(why) if why.contains("no fused kernel"))
+                matches!(fused_path(a, &s, &caps(1 << 20, 1 << 20), true), FusedPath::Unfused(why) if why.contains("no fused kernel"))
             );
         }
         // 13 bf16 elements per row: 26 bytes, not whole packs.
-        let odd = fused_path(Algorithm::OneShotPush, &shape(2, 13, DType::Bf16), &caps(1 << 20, 1 << 20));
+        let odd = fused_path(Algorithm::OneShotPush, &shape(2, 13, DType::Bf16), &caps(1 << 20, 1 << 20), true);
         assert!(matches!(&odd, FusedPath::Unfused(why) if why.contains("16-byte")), "{odd:?}");
         // A receive region smaller than a row.
-        let small = fused_path(Algorithm::OneShotPush, &shape(2, 4096, DType::Bf16), &caps(100, 1 << 20));
+        let small = fused_path(Algorithm::OneShotPush, &shape(2, 4096, DType::Bf16), &caps(100, 1 << 20), true);
         assert!(matches!(&small, FusedPath::Unfused(why) if why.contains("exceeds")), "{small:?}");
     }
 
@@ -461,22 +478,28 @@ mod tests {
         let mut c = caps(0, 0);
         c.two_shot_push = IslandCapacity { share_cap: 4 * 896 + 1, shares: 8 };
         // share_cap / 2 = 1792 packs: two rows per share, 16 rows a launch.
-        assert_eq!(fused_path(Algorithm::TwoShotPush, &s, &c), FusedPath::Island { rows_per_launch: 16 });
+        assert_eq!(fused_path(Algorithm::TwoShotPush, &s, &c, true), FusedPath::Island { rows_per_launch: 16 });
+        // Off (the default): the allreduce, then the separate kernel, saying why.
+        for a in [Algorithm::TwoShotPush, Algorithm::Hierarchical] {
+            let off = fused_path(a, &s, &c, false);
+            assert!(matches!(&off, FusedPath::Unfused(why) if why.contains("fused_island_kernels")), "{off:?}");
+        }
+        assert!(matches!(fused_path(Algorithm::OneShotPush, &s, &caps(1 << 20, 0), false), FusedPath::Push { .. }));
         assert_eq!(
-            fused_path(Algorithm::Hierarchical, &s, &c),
+            fused_path(Algorithm::Hierarchical, &s, &c, true),
             FusedPath::Island { rows_per_launch: 4 * ((1 << 19) / 896) }
         );
         // Half a position range smaller than a row: unfused, saying why.
         c.two_shot_push.share_cap = 2 * 896 - 2;
-        let small = fused_path(Algorithm::TwoShotPush, &s, &c);
+        let small = fused_path(Algorithm::TwoShotPush, &s, &c, true);
         assert!(matches!(&small, FusedPath::Unfused(why) if why.contains("half a share")), "{small:?}");
         // No islands: hierarchical cannot fuse (nor run).
         c.hierarchical = None;
-        assert!(matches!(fused_path(Algorithm::Hierarchical, &s, &c), FusedPath::Unfused(_)));
+        assert!(matches!(fused_path(Algorithm::Hierarchical, &s, &c, true), FusedPath::Unfused(_)));
         // Rows past the fused limit or not whole packs: unfused, as for one-shot.
-        let long = fused_path(Algorithm::TwoShotPush, &shape(1, 16384, DType::F32), &caps(0, 0));
+        let long = fused_path(Algorithm::TwoShotPush, &shape(1, 16384, DType::F32), &caps(0, 0), true);
         assert!(matches!(&long, FusedPath::Unfused(why) if why.contains("8192")), "{long:?}");
-        let odd = fused_path(Algorithm::Hierarchical, &shape(2, 13, DType::Bf16), &caps(0, 0));
+        let odd = fused_path(Algorithm::Hierarchical, &shape(2, 13, DType::Bf16), &caps(0, 0), true);
         assert!(matches!(&odd, FusedPath::Unfused(why) if why.contains("16-byte")), "{odd:?}");
         assert_eq!(normed_slot_bytes(4 * 896 + 1), 1792 * 16);
     }

@@ -242,8 +242,10 @@ pub(crate) fn run_typed(comms: &[Comm], rng: &mut StdRng, dtype: DType, case: &F
     }
 }
 
+/// The fused tests' configuration: the island pushes' fused kernels on
+/// (off by default), so that every fused kernel runs.
 pub(crate) fn test_config() -> Config {
-    Config { timeout: Duration::from_secs(3), ..Config::default() }
+    Config { timeout: Duration::from_secs(3), fused_island_kernels: true, ..Config::default() }
 }
 
 /// `world` in-process ranks on `contexts` (round robin), `algorithm` forced

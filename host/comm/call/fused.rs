@@ -373,7 +373,7 @@ impl Comm {
                 (c.algorithm, c.reason.clone())
             }
         };
-        match fused_path(algorithm, &shape, &self.fused_capacities()) {
+        match fused_path(algorithm, &shape, &self.fused_capacities(), self.config.fused_island_kernels) {
             FusedPath::Unfused(why) => FusedPlan {
                 algorithm,
                 transport,
@@ -466,7 +466,7 @@ impl Comm {
         let path = if call.opts.unfused {
             FusedPath::Unfused("asked for (FusedOptions::unfused)".into())
         } else {
-            fused_path(algorithm, shape, &self.fused_capacities())
+            fused_path(algorithm, shape, &self.fused_capacities(), self.config.fused_island_kernels)
         };
         // SAFETY: validated pointers and stream; the call is ordered.
         unsafe {

@@ -263,8 +263,7 @@ struct Selecting<'a> {
 
 impl Selecting<'_> {
     fn time_of(&self, a: Algorithm) -> Option<Timed> {
-        let epilogue =
-            if self.fused { self.model.epilogue_us(a, self.c.transport, self.bytes, self.opts.capturing) } else { 0.0 };
+        let epilogue = if self.fused { self.model.epilogue_us(a, self.bytes, self.opts.capturing) } else { 0.0 };
         if let Some(us) = self.entry.and_then(|e| e.median_us(a, self.c.transport)) {
             return Some(Timed { us: us + epilogue, source: Source::Tuning });
         }
