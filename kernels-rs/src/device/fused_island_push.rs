@@ -272,39 +272,32 @@ unsafe fn fused_island_push<E: Element, const CROSS: bool>(p: FusedIslandPushPar
 
         // ---- D: all-gather of the rows owned elsewhere in the island: the
         //      new residual, then (RMSNorm) the normalised rows.
-        let mut t = first;
-        while t < sh {
-            let off = ptx::opaque_u64(half + 16 * t as u64);
-            gather_sends!(
-                p.push,
-                control,
-                timeout,
-                t,
-                sh,
-                packs,
-                off,
-                |i, w| store_pack::<E>(residual_out, i as u64, lanes, vector_residual, &w),
-                |s, peer| {
-                    stall = Some((s, Phase::AgPayload, peer));
-                    break 'kernel;
-                }
-            );
-            if norm {
-                let off = ptx::opaque_u64(half + 16 * t as u64 + p.normed_slot_bytes);
+        // The residual packs at a position's offset, the normalised ones
+        // `normed_slot_bytes` further on (one expansion per target).
+        macro_rules! gather_into {
+            ($t:expr, $extra:expr, $base:expr, $vector:expr) => {
+                let off = ptx::opaque_u64(half + 16 * $t as u64 + $extra);
                 gather_sends!(
                     p.push,
                     control,
                     timeout,
-                    t,
+                    $t,
                     sh,
                     packs,
                     off,
-                    |i, w| store_pack::<E>(normed, i as u64, lanes, vector_norm, &w),
+                    |i, w| store_pack::<E>($base, i as u64, lanes, $vector, &w),
                     |s, peer| {
                         stall = Some((s, Phase::AgPayload, peer));
                         break 'kernel;
                     }
                 );
+            };
+        }
+        let mut t = first;
+        while t < sh {
+            gather_into!(t, 0, residual_out, vector_residual);
+            if norm {
+                gather_into!(t, p.normed_slot_bytes, normed, vector_norm);
             }
             t += stride;
         }

@@ -290,54 +290,16 @@ pub(super) use gather_group;
 macro_rules! gather_sends {
     ($p:expr, $control:expr, $timeout:expr, $t:expr, $sh:expr, $packs:expr, $off:expr,
      |$i:ident, $w:ident| $store:expr, |$s:ident, $who:ident| $fail:expr) => {
-        $crate::device::island_push::gather_group!(
-            $p,
-            $control,
-            $timeout,
-            $t,
-            $sh,
-            $packs,
-            $off,
-            0,
-            |$i, $w| $store,
-            |$s, $who| $fail
-        );
-        $crate::device::island_push::gather_group!(
-            $p,
-            $control,
-            $timeout,
-            $t,
-            $sh,
-            $packs,
-            $off,
-            1,
-            |$i, $w| $store,
-            |$s, $who| $fail
-        );
-        $crate::device::island_push::gather_group!(
-            $p,
-            $control,
-            $timeout,
-            $t,
-            $sh,
-            $packs,
-            $off,
-            2,
-            |$i, $w| $store,
-            |$s, $who| $fail
-        );
-        $crate::device::island_push::gather_group!(
-            $p,
-            $control,
-            $timeout,
-            $t,
-            $sh,
-            $packs,
-            $off,
-            3,
-            |$i, $w| $store,
-            |$s, $who| $fail
-        );
+        $crate::device::island_push::gather_sends!(@groups [0 1 2 3] $p, $control, $timeout, $t, $sh, $packs, $off,
+            |$i, $w| $store, |$s, $who| $fail);
+    };
+    (@groups [$($group:literal)*] $p:expr, $control:expr, $timeout:expr, $t:expr, $sh:expr, $packs:expr, $off:expr,
+     |$i:ident, $w:ident| $store:expr, |$s:ident, $who:ident| $fail:expr) => {
+        $(
+            $crate::device::island_push::gather_group!(
+                $p, $control, $timeout, $t, $sh, $packs, $off, $group, |$i, $w| $store, |$s, $who| $fail
+            );
+        )*
     };
 }
 pub(super) use gather_sends;
