@@ -262,6 +262,11 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
     let mut verify = Vec::new();
     if scenarios.verify_pass {
         verify.push(verify_pass(&comm, Runner::Ours(&comm), env, "auto")?);
+        // `--trace`: the verify pass's launches (the gap then spans the
+        // dependent kernel between two allreduces).
+        if let Some(records) = comm.take_trace_records()? {
+            trace.extend(summarize(&records, VERIFY_PASS_BYTES, "verify-pass", env.rank));
+        }
         if let Some(n) = comm.nccl().filter(|_| opts.include_nccl) {
             verify.push(verify_pass(&comm, Runner::Nccl(n), env, "nccl")?);
         }

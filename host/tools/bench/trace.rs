@@ -4,7 +4,9 @@
 //! entry, entry to the control words' arrival, entry to the first peer
 //! store, first store to the last successful poll (waiting for peers), last
 //! poll to exit. Medians over a row's launches, per rank (`%globaltimer`
-//! runs per GPU, so only differences on one rank are meaningful).
+//! runs per GPU, so only differences on one rank are meaningful). The
+//! verify pass's launches form the row `verify-pass` (with `--processes`);
+//! there the gap spans the dependent kernel between two allreduces.
 #![forbid(unsafe_code)]
 
 use std::fmt::Write as _;
