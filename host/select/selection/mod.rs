@@ -428,7 +428,7 @@ pub struct SelectionTable {
 impl SelectionTable {
     /// Evaluates the selection at each bucket's upper bound (the last,
     /// unbounded bucket at twice the previous bound) for every dtype, graph
-    /// replay and eager; the tuning table's measured sizes are bounds too. `tuning` must already be checked to apply to
+    /// replay and eager. `tuning` must already be checked to apply to
     /// `view`.
     pub fn build(
         model: &CostModel,
@@ -459,15 +459,7 @@ impl SelectionTable {
         constraints: &Constraints,
         fused: bool,
     ) -> SelectionTable {
-        // Every measured size is a bound too, so a call of exactly that size
-        // takes the choice (and launch shape) measured for it, not the one
-        // of the next larger entry.
-        let mut bounds = bucket_bounds();
-        if let Some(t) = tuning {
-            bounds.extend(t.entries.iter().map(|e| e.bytes).filter(|&b| b < 1 << 28));
-            bounds.sort_unstable();
-            bounds.dedup();
-        }
+        let bounds = bucket_bounds();
         let at = |i: usize| {
             if bounds[i] == usize::MAX {
                 bounds[i - 1].saturating_mul(2)

@@ -274,38 +274,6 @@ fn table_uses_tuning_only_where_measured() {
     assert_eq!(table.lookup(43008, DType::F32, true).source, Source::Model);
 }
 
-/// A call of exactly a measured size takes that size's entry (its
-/// algorithm and launch shape), not the next larger entry's: 42 KB once ran
-/// with the 64 KB entry's shape because the buckets ended at 46352 bytes.
-#[test]
-fn a_measured_size_is_its_own_bucket() {
-    let view = embedded::by_name("h200-8x-nvswitch").unwrap().for_world(2).unwrap();
-    let c = Constraints::for_topology(&view);
-    let m = |bucket_bytes, algorithm, median_us, shape| Measurement {
-        bucket_bytes,
-        dtype: DType::Bf16,
-        algorithm,
-        transport: Transport::PeerToPeer,
-        median_us,
-        shape,
-    };
-    let tuning = TuningTable::from_measurements(
-        TuningMeta::for_topology(&view, "test"),
-        vec![
-            m(43008, Algorithm::OneShotPush, 2.6, Some((16, 128))),
-            m(43008, Algorithm::Nccl, 7.5, None),
-            m(65536, Algorithm::OneShotPush, 2.9, Some((32, 128))),
-            m(65536, Algorithm::Nccl, 7.2, None),
-        ],
-    )
-    .unwrap();
-    let table = SelectionTable::build(&CostModel::default(), Some(&tuning), &view, &c);
-    assert!(table.bounds().contains(&43008) && table.bounds().windows(2).all(|w| w[0] < w[1]));
-    assert_eq!(table.lookup(43008, DType::Bf16, true).shape, Some((16, 128)));
-    assert_eq!(table.lookup(43009, DType::Bf16, true).shape, Some((32, 128)));
-    assert_eq!(table.lookup(65536, DType::Bf16, true).shape, Some((32, 128)));
-}
-
 #[test]
 fn table_lookup_matches_select_at_bounds() {
     let view = embedded::default_topology();
