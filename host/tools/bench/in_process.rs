@@ -60,24 +60,9 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
     }
     let mut fused = Vec::new();
     if let Some(shape) = scenarios.fused {
-        let forced = super::fused_forced(&selections);
-        for c in comms.iter_mut() {
-            c.set_algorithm(forced)?;
-        }
-        match forced {
-            Some(a) => notes.push(format!("fused scenario forced to {a} (--algorithms)")),
-            None => notes
-                .push(format!("fused calls select (graph): {}", comms[0].fused_selection().describe(opts.dtype, true))),
-        }
-        let f = super::fused_runs::in_process(&ranks, &comms, opts, shape, scenarios.verify_pass, &progress)?;
-        for c in comms.iter_mut() {
-            c.set_algorithm(None)?;
-        }
+        let f = fused_scenario(&ranks, &mut comms, (opts, scenarios, &selections), shape, &progress, &mut notes)?;
         fused = f.rows;
         verify.extend(f.verify_pass);
-        if opts.include_nccl {
-            notes.push("fused scenario: nccl+separate runs with one process per rank (--processes)".into());
-        }
     }
     drop(comms);
     let launch_floor_us = if scenarios.launch_floor {
@@ -105,6 +90,36 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
         fused,
         ..Report::for_run("tp-allreduce bench", command_line, &ranks.contexts[0])
     })
+}
+
+/// The fused scenario (`--fused`) over `shape`, forced to the one
+/// algorithm `--algorithms` names, if it names one.
+fn fused_scenario(
+    ranks: &Ranks,
+    comms: &mut [Comm],
+    (opts, scenarios, selections): (&Options, &Scenarios, &[Selection]),
+    shape: (usize, usize),
+    progress: &Progress,
+    notes: &mut Vec<String>,
+) -> Result<super::fused_runs::FusedResults> {
+    let forced = super::fused_forced(selections);
+    for c in comms.iter_mut() {
+        c.set_algorithm(forced)?;
+    }
+    match forced {
+        Some(a) => notes.push(format!("fused scenario forced to {a} (--algorithms)")),
+        None => {
+            notes.push(format!("fused calls select (graph): {}", comms[0].fused_selection().describe(opts.dtype, true)))
+        }
+    }
+    let f = super::fused_runs::in_process(ranks, comms, opts, shape, scenarios.verify_pass, progress)?;
+    for c in comms.iter_mut() {
+        c.set_algorithm(None)?;
+    }
+    if opts.include_nccl {
+        notes.push("fused scenario: nccl+separate runs with one process per rank (--processes)".into());
+    }
+    Ok(f)
 }
 
 /// The verify pass with `auto`, then with NCCL where it can be captured
