@@ -80,7 +80,7 @@ pub const SENTINEL_MAX_REGISTERS: u32 = 64;
 
 /// Register budget (`.maxnreg`) build.rs gives entry `name`.
 pub fn max_registers(name: &str) -> u32 {
-    if ANY_SHAPE_PREFIXES.iter().any(|a| name.starts_with(a.kernel_prefix())) || name.contains("_wide_") {
+    if ANY_SHAPE_PREFIXES.iter().any(|a| name.starts_with(a.kernel_prefix())) || name.contains(WIDE_MARK) {
         SENTINEL_MAX_REGISTERS
     } else {
         65_536 / tp_allreduce_kernels::layout::THREADS_PER_BLOCK
@@ -124,6 +124,10 @@ pub fn param_struct(name: &str) -> Option<(usize, usize)> {
         None
     }
 }
+
+/// What names a fused entry with one pack per thread (blocks of up to 1024
+/// threads, the sentinel register budget; build.rs states the same).
+const WIDE_MARK: &str = "_wide_";
 
 /// Entry of the fused (allreduce + residual add + RMSNorm) OneShotPush:
 /// `fused_one_shot_push[2][_short|_wide]_<dtype>`: `2` for two ranks, the

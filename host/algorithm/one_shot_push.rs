@@ -71,9 +71,8 @@ impl AlgorithmHost for OneShotPush {
     }
 }
 
-/// Receive slots the kernel polls back to back (`POLL_GROUP` in
-/// `kernels-rs/src/device/one_shot_push.rs`).
-const POLL_GROUP: usize = 4;
+/// Receive slots the kernel polls back to back.
+const POLL_GROUP: usize = tp_allreduce_kernels::params::ONE_SHOT_PUSH_POLL_GROUP;
 
 /// Block sizes of the default rule by message size: 256 threads up to
 /// 64 KiB, 512 up to 2 MiB, 1024 above.

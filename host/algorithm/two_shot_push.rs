@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 use tp_allreduce_kernels::ids::AlgorithmId;
+use tp_allreduce_kernels::params::ISLAND_PUSH_GROUP;
 use tp_allreduce_kernels::partition::div_ceil;
 use tp_allreduce_kernels::shares::owned_count;
 
@@ -71,10 +72,6 @@ impl AlgorithmHost for TwoShotPush {
 pub(crate) fn share_shape(packs: u64, shares: u64, resident: &ResidentBlocks) -> (u32, u32) {
     default_shape(div_ceil(packs, shares.max(1)), resident)
 }
-
-/// Slots the island push kernel loads or polls back to back (`GROUP` in
-/// `kernels-rs/src/device/island_push.rs`).
-const ISLAND_PUSH_GROUP: usize = 2;
 
 /// Dependent memory round trips of an island push launch beyond one poll
 /// per hop, per phase, for its slowest member (see

@@ -268,6 +268,16 @@ const _: () = assert!(RegionId::Hierarchical as usize + 1 == 3);
 
 // ---------------------------------------------------------------- fused epilogue
 
+/// Receive slots a OneShotPush thread (plain and fused) polls back to back
+/// before waiting on any. The cost model counts its rounds from it.
+pub const ONE_SHOT_PUSH_POLL_GROUP: usize = 4;
+/// Packs an island push thread (TwoShotPush, Hierarchical) loads or polls
+/// back to back before any is used: bounds the packs held in registers
+/// (1024-thread blocks have 64 registers a thread; groups of 4 spilled on
+/// every architecture, groups of 2 do not). The cost model counts its
+/// rounds from it.
+pub const ISLAND_PUSH_GROUP: usize = 2;
+
 /// [`FusedEpilogue::flags`] bit: normalise (RMSNorm) after the residual add;
 /// without it the epilogue only adds the residual (`all_reduce_add`).
 pub const EPILOGUE_NORM: u32 = 1;

@@ -57,7 +57,7 @@ const K: usize = FUSED_PACKS_PER_THREAD as usize;
 /// SHORT_K * threads`).
 const SHORT_K: usize = FUSED_SHORT_ROW_PACKS_PER_THREAD as usize;
 /// Receive slots polled together (as in OneShotPush).
-const POLL_GROUP: usize = 4;
+const POLL_GROUP: usize = crate::params::ONE_SHOT_PUSH_POLL_GROUP;
 /// See `one_shot_push.rs`: -0.0 is the identity of IEEE addition.
 const NEG_ZERO_ACC: Acc = [-0.0; 8];
 

@@ -60,10 +60,9 @@ use crate::params::{Control, IslandPushParams, RegionId, FLAG_TRACE};
 use crate::partition::{div_ceil, elems_in_pack};
 use crate::shares::{MAX_ISLANDS, MAX_OWNED};
 
-/// Packs loaded (or polled) back to back before any is used: bounds the
-/// packs held in registers (1024-thread blocks have 64 registers a thread;
-/// groups of 4 spilled on every architecture, groups of 2 do not).
-pub(super) const GROUP: usize = 2;
+/// Packs loaded (or polled) back to back before any is used
+/// ([`ISLAND_PUSH_GROUP`]).
+pub(super) const GROUP: usize = crate::params::ISLAND_PUSH_GROUP;
 
 /// -0.0: the identity of IEEE addition (see `one_shot_push.rs`).
 pub(super) const NEG_ZERO_ACC: Acc = [-0.0; 8];

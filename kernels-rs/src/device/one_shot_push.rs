@@ -198,7 +198,7 @@ unsafe fn one_shot_push<E: Element, const W: u32>(p: OneShotPushParams) {
 }
 
 /// Receive slots polled together (see the poll phase).
-const POLL_GROUP: usize = 4;
+const POLL_GROUP: usize = crate::params::ONE_SHOT_PUSH_POLL_GROUP;
 
 /// The accumulator every sum starts from: -0.0 is the identity of IEEE
 /// addition for every value (-0.0 + +0.0 = +0.0, -0.0 + -0.0 = -0.0), so the
