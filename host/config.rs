@@ -68,6 +68,12 @@ pub struct Config {
     /// the fused kernels were slower (docs/RESULTS.md). Every rank must
     /// use the same value.
     pub fused_island_kernels: bool,
+    /// Fused OneShotPush calls over a few long rows spread each row over the
+    /// blocks of a thread-block cluster (sm_90 and newer, every rank's GPU;
+    /// `TP_ALLREDUCE_FUSED_CLUSTERS=0` turns it off, to compare or to test
+    /// the block-per-row kernels that older GPUs run). Every rank must use
+    /// the same value.
+    pub fused_clusters: bool,
     /// Sentinel kernels record per-launch timestamps into a ring the host
     /// reads with `Comm::trace_records` (`TP_ALLREDUCE_TRACE=1`; `bench
     /// --trace`). Costs a few instructions per launch.
@@ -119,6 +125,7 @@ impl Default for Config {
             launch_shape: None,
             one_shot_push_tp2: true,
             fused_island_kernels: false,
+            fused_clusters: true,
             trace: false,
             test_initial_counter: None,
             pull_max_blocks: 36,
@@ -151,7 +158,7 @@ impl Config {
     pub(crate) fn shape_fingerprint(&self) -> String {
         format!(
             "chunk={} oneshot={} push_blocks={} pull_blocks={} ring={}x{}x{} islands={:?} {:?} transport={:?} table={} \
-             counters={:?} fused_island={}",
+             counters={:?} fused_island={} fused_clusters={}",
             self.max_chunk_bytes,
             self.one_shot_push_max_bytes,
             self.push_blocks,
@@ -164,7 +171,8 @@ impl Config {
             self.transport,
             self.max_registered_buffers,
             self.test_initial_counter,
-            self.fused_island_kernels
+            self.fused_island_kernels,
+            self.fused_clusters
         )
     }
 
@@ -257,6 +265,9 @@ impl Config {
         }
         if let Some(on) = env::fused_island_kernels()? {
             c.fused_island_kernels = on;
+        }
+        if let Some(on) = env::fused_clusters()? {
+            c.fused_clusters = on;
         }
         if let Some(on) = env::trace()? {
             c.trace = on;

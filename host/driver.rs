@@ -553,3 +553,39 @@ pub unsafe fn launch_struct<P: Copy>(
     let mut args = [params as *const P as *mut c_void];
     cu!(cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut()))
 }
+
+/// [`launch_struct`] with the grid cut into thread-block clusters of
+/// `cluster` blocks (`cuLaunchKernelEx` with the cluster-dimension
+/// attribute; sm_90 and newer). A graph capture records the attribute.
+///
+/// # Safety
+/// As [`launch_struct`]; `grid` is a multiple of `cluster`, `cluster` at
+/// most 8 (the portable cluster size), and `f` is an entry written for
+/// clusters.
+pub unsafe fn launch_struct_clustered<P: Copy>(
+    f: sys::CUfunction,
+    grid: u32,
+    block: u32,
+    cluster: u32,
+    stream: sys::CUstream,
+    params: &P,
+) -> Result<()> {
+    let mut args = [params as *const P as *mut c_void];
+    // SAFETY: an all-zero launch attribute is a valid (ignored) value.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attribute.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 };
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream,
+        attrs: &mut attribute,
+        numAttrs: 1,
+    };
+    cu!(cuLaunchKernelEx(&config, f, args.as_mut_ptr(), std::ptr::null_mut()))
+}

@@ -130,14 +130,16 @@ pub fn param_struct(name: &str) -> Option<(usize, usize)> {
 const WIDE_MARK: &str = "_wide_";
 
 /// Entry of the fused (allreduce + residual add + RMSNorm) OneShotPush:
-/// `fused_one_shot_push[2][_short|_wide]_<dtype>`: `2` for two ranks, the
-/// suffix by packs of a row per thread (`_wide`: one, two ranks only;
-/// `_short`: two; none: four). One `FusedOneShotPushParams` by value.
+/// `fused_one_shot_push[2][_short|_wide|_cluster]_<dtype>`: `2` for two
+/// ranks, the suffix by packs of a row per thread (`_wide`: one, two ranks
+/// only; `_short`: two; none: four; `_cluster`: one, a row over a
+/// cluster's blocks, sm_90+ only). One `FusedOneShotPushParams` by value.
 pub fn fused_one_shot_push_entry(dtype: DType, two_ranks: bool, split: PushRowSplit) -> String {
     let suffix = match split {
         PushRowSplit::Wide => "_wide",
         PushRowSplit::Short => "_short",
         PushRowSplit::Long => "",
+        PushRowSplit::Cluster => "_cluster",
     };
     format!("fused_one_shot_push{}{suffix}_{}", if two_ranks { "2" } else { "" }, dtype.name())
 }
@@ -188,8 +190,34 @@ pub fn fused_entries() -> Vec<String> {
         .collect()
 }
 
-/// Names of every kernel entry the host may launch; each must be present in
-/// every embedded PTX.
+/// Lowest compute capability (`major * 10 + minor`) whose PTX has the
+/// [`cluster_entries`] (thread-block clusters: sm_90).
+pub const CLUSTER_MIN_SM: u32 = 90;
+
+/// The fused OneShotPush entries that spread a row over a thread-block
+/// cluster (every dtype, any world and two ranks): only in the PTX of
+/// `CLUSTER_MIN_SM` and newer, launched with at most `FUSED_MAX_THREADS`
+/// threads and the default register budget.
+pub fn cluster_entries() -> Vec<String> {
+    DType::ALL
+        .into_iter()
+        .flat_map(|d| [false, true].map(|two| fused_one_shot_push_entry(d, two, PushRowSplit::Cluster)))
+        .collect()
+}
+
+/// Every entry the PTX of compute capability `sm` must have: the
+/// [`expected_entries`], and the [`cluster_entries`] from sm_90 on.
+pub fn expected_entries_for(sm: u32) -> Vec<String> {
+    let mut names = expected_entries();
+    if sm >= CLUSTER_MIN_SM {
+        names.extend(cluster_entries());
+        names.sort();
+    }
+    names
+}
+
+/// Names of every kernel entry the host may launch on any architecture;
+/// each must be present in every embedded PTX.
 pub fn expected_entries() -> Vec<String> {
     let mut names = fused_entries();
     for dtype in DType::ALL {

@@ -40,8 +40,8 @@
 #![forbid(unsafe_code)]
 
 use tp_allreduce_kernels::params::{
-    FUSED_MAX_ROW_PACKS, FUSED_MAX_THREADS, FUSED_PACKS_PER_THREAD, FUSED_SHORT_ROW_PACKS_PER_THREAD,
-    FUSED_WIDE_MAX_THREADS,
+    CLUSTER_SLICE_PACKS, FUSED_MAX_ROW_PACKS, FUSED_MAX_THREADS, FUSED_PACKS_PER_THREAD,
+    FUSED_SHORT_ROW_PACKS_PER_THREAD, FUSED_WIDE_MAX_THREADS, MAX_CLUSTER_BLOCKS,
 };
 use tp_allreduce_kernels::partition::PACK_BYTES;
 
@@ -320,13 +320,17 @@ pub enum PushRowSplit {
     Short,
     /// Up to `FUSED_PACKS_PER_THREAD`.
     Long,
+    /// One pack per thread, a row spread over the blocks of a thread-block
+    /// cluster (`fused_one_shot_push[2]_cluster_<dt>`, sm_90 and newer):
+    /// see [`cluster_launch`].
+    Cluster,
 }
 
 impl PushRowSplit {
     /// Packs of a row per thread at most.
     pub fn packs_per_thread(self) -> u32 {
         match self {
-            PushRowSplit::Wide => 1,
+            PushRowSplit::Wide | PushRowSplit::Cluster => 1,
             PushRowSplit::Short => FUSED_SHORT_ROW_PACKS_PER_THREAD,
             PushRowSplit::Long => FUSED_PACKS_PER_THREAD,
         }
@@ -350,6 +354,39 @@ pub fn push_launch(row_packs: u64, two_ranks: bool, threads_override: Option<u32
         PushRowSplit::Long
     };
     (split, threads)
+}
+
+/// A fused OneShotPush launch that spreads each row over the blocks of a
+/// cluster: `blocks_per_cluster` blocks of `threads` threads, one cluster
+/// per row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClusterLaunch {
+    pub blocks_per_cluster: u32,
+    pub threads: u32,
+}
+
+impl ClusterLaunch {
+    /// Blocks of the launch over `rows` rows.
+    pub fn blocks(&self, rows: u64) -> u32 {
+        rows as u32 * self.blocks_per_cluster
+    }
+}
+
+/// The cluster launch over `rows` rows of `row_packs` packs, when it
+/// applies: about `CLUSTER_SLICE_PACKS` packs per block (one per thread),
+/// at most `MAX_CLUSTER_BLOCKS` blocks a cluster, and a cluster for every
+/// row within `cap` resident blocks (more rows than that fill the GPU with
+/// whole-row blocks anyway: the block-per-row kernels take them).
+/// A few rows of a long hidden size are the case it is for: a block per
+/// row leaves most SMs idle and makes each one issue a whole row
+/// (docs/RESULTS.md, fused epilogue). The same on every rank.
+pub fn cluster_launch(row_packs: u64, rows: u64, cap: u32) -> Option<ClusterLaunch> {
+    let blocks_per_cluster = row_packs.div_ceil(CLUSTER_SLICE_PACKS as u64).clamp(1, MAX_CLUSTER_BLOCKS as u64);
+    let threads = row_packs.div_ceil(blocks_per_cluster).max(1).div_ceil(32) * 32;
+    if threads > FUSED_MAX_THREADS as u64 || rows == 0 || rows * blocks_per_cluster > cap as u64 {
+        return None;
+    }
+    Some(ClusterLaunch { blocks_per_cluster: blocks_per_cluster as u32, threads: threads as u32 })
 }
 
 /// `Ok` when `threads` can run a fused kernel over rows of `row_packs`.
@@ -469,6 +506,29 @@ mod tests {
                 let max = if split == PushRowSplit::Wide { FUSED_WIDE_MAX_THREADS } else { FUSED_MAX_THREADS };
                 assert!(threads <= max, "{packs}: {threads}");
             }
+        }
+    }
+
+    #[test]
+    fn cluster_launches_spread_a_few_long_rows_and_cover_every_pack() {
+        let launch = |blocks_per_cluster, threads| Some(ClusterLaunch { blocks_per_cluster, threads });
+        // hidden 7168 bf16 = 896 packs: 7 blocks of 128 threads per row.
+        assert_eq!(cluster_launch(896, 3, 36), launch(7, 128));
+        assert_eq!(cluster_launch(896, 3, 36).map(|c| c.blocks(3)), Some(21));
+        assert_eq!(cluster_launch(896, 5, 36), launch(7, 128));
+        // More rows than clusters fit: the block-per-row kernels.
+        assert_eq!(cluster_launch(896, 6, 36), None);
+        assert_eq!(cluster_launch(896, 64, 36), None);
+        assert_eq!(cluster_launch(896, 0, 36), None);
+        assert_eq!(cluster_launch(1024, 1, 36), launch(8, 128));
+        assert_eq!(cluster_launch(2048, 1, 36), launch(8, 256));
+        assert_eq!(cluster_launch(16, 2, 36), launch(1, 32));
+        for packs in 1..=FUSED_MAX_ROW_PACKS as u64 {
+            let c = cluster_launch(packs, 1, 36).unwrap_or_else(|| panic!("{packs}: no cluster launch"));
+            assert!((1..=MAX_CLUSTER_BLOCKS).contains(&c.blocks_per_cluster), "{packs}: {c:?}");
+            assert!(c.threads % 32 == 0 && c.threads <= FUSED_MAX_THREADS, "{packs}: {c:?}");
+            // The kernel's slice: ceil(packs / blocks) packs, one per thread.
+            assert!(packs.div_ceil(c.blocks_per_cluster as u64) <= c.threads as u64, "{packs}: {c:?}");
         }
     }
 

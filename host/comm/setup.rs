@@ -95,6 +95,9 @@ pub(crate) struct Setup {
     pub offsets: RegionOffsets,
     pub pull_max_blocks: u32,
     pub ring_blocks: u32,
+    /// Fused calls may spread rows over thread-block clusters (agreed by
+    /// every rank: `Placement::fused_clusters`).
+    pub fused_clusters: bool,
     /// Shared with the teardown, which frees it once no peer can touch it.
     pub region: Arc<Region>,
     /// Held for their `Drop` (peers' regions stay mapped while we run).
@@ -440,6 +443,7 @@ impl Attempt {
             offsets: self.offsets,
             pull_max_blocks: placement.pull_max_blocks,
             ring_blocks: placement.ring_blocks,
+            fused_clusters: placement.fused_clusters,
             region: Arc::new(self.region),
             peer_mappings: self.peer_mappings,
             local_group: None,

@@ -17,6 +17,9 @@ pub struct KernelModule {
     module: sys::CUmodule,
     functions: HashMap<String, sys::CUfunction>,
     pub arch: &'static str,
+    /// The PTX has the cluster entries (`kernels::cluster_entries`) and
+    /// the device launches thread-block clusters.
+    pub clusters: bool,
 }
 
 // SAFETY: CUmodule/CUfunction handles are usable from any thread once the
@@ -77,8 +80,11 @@ impl KernelModule {
             )));
         }
         // Owned from here on, so an error below unloads it again.
-        let mut loaded = KernelModule { ctx: ctx.clone(), module, functions: HashMap::new(), arch: ptx.arch };
-        for name in crate::kernels::expected_entries() {
+        let clusters = ptx.sm >= crate::kernels::CLUSTER_MIN_SM
+            && super::device_attribute(ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH)? == 1;
+        let mut loaded =
+            KernelModule { ctx: ctx.clone(), module, functions: HashMap::new(), arch: ptx.arch, clusters };
+        for name in crate::kernels::expected_entries_for(ptx.sm) {
             let cname = std::ffi::CString::new(name.clone())
                 .map_err(|_| Error::Unsupported(format!("kernel name {name:?} contains NUL")))?;
             let mut f: sys::CUfunction = std::ptr::null_mut();

@@ -300,6 +300,12 @@ pub const FUSED_SHORT_ROW_PACKS_PER_THREAD: u32 = 2;
 /// hidden 8192 in f16/bf16, 4096 in f32), built with the sentinel kernels'
 /// register budget (65536 / 1024).
 pub const FUSED_WIDE_MAX_THREADS: u32 = 1024;
+/// Blocks per cluster of the `fused_one_shot_push*_cluster_<dt>` entries
+/// (sm_90+) at most: the portable cluster size.
+pub const MAX_CLUSTER_BLOCKS: u32 = 8;
+/// Packs of a row per block the host aims for when it spreads a row over
+/// a cluster (one pack per thread: four warps per block).
+pub const CLUSTER_SLICE_PACKS: u32 = 128;
 /// Longest row (in 16-byte packs) a fused kernel normalises: hidden 16384
 /// in f16/bf16, 8192 in f32. Longer rows take the unfused path.
 pub const FUSED_MAX_ROW_PACKS: u32 = FUSED_MAX_THREADS * FUSED_PACKS_PER_THREAD;

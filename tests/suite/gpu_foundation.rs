@@ -15,9 +15,12 @@ fn embedded_ptx_for_this_device_loads() {
     let chosen = tp_allreduce::kernels::choose(major as u32, minor as u32).unwrap();
     assert_eq!(module.arch, chosen.arch);
     eprintln!("device cc {major}.{minor}: loaded {} PTX ({})", module.arch, tp_allreduce::kernels::PTX_ORIGIN);
-    for name in tp_allreduce::kernels::expected_entries() {
+    for name in tp_allreduce::kernels::expected_entries_for(chosen.sm) {
         module.function(&name).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
+    // H200 and newer run thread-block clusters (the fused calls' cluster
+    // entries); older GPUs must not claim to.
+    assert_eq!(module.clusters, chosen.sm >= tp_allreduce::kernels::CLUSTER_MIN_SM, "{}", module.arch);
 }
 
 fn sum_case<T: TestElem + bytemuck::Pod>(

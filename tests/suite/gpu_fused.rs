@@ -277,18 +277,19 @@ fn matrix(
 
 /// [`matrix`] over `(world, config)` groups; `expect_fused`: the forced
 /// algorithm must take its fused kernel for 3 x 7168 bf16 (so that a path
-/// decision gone wrong cannot pass as the unfused path).
+/// decision gone wrong cannot pass as the unfused path). Returns how many
+/// cases spread rows over thread-block clusters (`None`: no GPU, skipped).
 fn matrix_with(
     test: &str,
     groups: &[(usize, Config)],
     algorithm: Option<Algorithm>,
     expect_fused: bool,
     cases: impl Fn(usize) -> Vec<(DType, FusedCase)>,
-) {
+) -> Option<usize> {
     let _lock = common::gpu_lock();
-    let Some(ctx) = common::gpu(test) else { return };
+    let ctx = common::gpu(test)?;
     let mut rng = common::rng(test);
-    let (mut count, mut fused, mut failures) = (0usize, 0usize, Vec::new());
+    let (mut count, mut fused, mut clustered, mut failures) = (0usize, 0usize, 0usize, Vec::new());
     for (world, config) in groups {
         let world = *world;
         let comms = group(std::slice::from_ref(&ctx), world, config.clone(), algorithm);
@@ -298,7 +299,9 @@ fn matrix_with(
         }
         for (dtype, case) in cases(world) {
             count += 1;
-            fused += comms[0].plan_fused(case.rows, case.hidden, dtype, false).fused as usize;
+            let plan = comms[0].plan_fused(case.rows, case.hidden, dtype, false);
+            fused += plan.fused as usize;
+            clustered += plan.reason.contains("thread-block cluster") as usize;
             if let Err(e) = run_typed(&comms, &mut rng, dtype, &case) {
                 failures.push(format!("world {world} {} {case:?}: {e}", dtype.name()));
                 if failures.len() > 20 {
@@ -307,8 +310,9 @@ fn matrix_with(
             }
         }
     }
-    eprintln!("{test}: {count} cases ({fused} fused), {} failures", failures.len());
+    eprintln!("{test}: {count} cases ({fused} fused, {clustered} over clusters), {} failures", failures.len());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    Some(clustered)
 }
 
 /// rows x hidden x dtype, in place and Gemma's offset alternating.
@@ -328,9 +332,23 @@ fn full_shapes(_world: usize) -> Vec<(DType, FusedCase)> {
     v
 }
 
+/// With thread-block clusters (the default where every rank's GPU runs
+/// them: a few long rows spread over a cluster's blocks) and without (a
+/// block per row, what GPUs before sm_90 run); on an sm_90+ GPU some cases
+/// must take the clusters, and none without them.
 #[test]
 fn fused_one_shot_push_matrix() {
-    matrix("fused_one_shot_push_matrix", &[2, 3, 4, 5, 6, 7, 8], Some(Algorithm::OneShotPush), full_shapes);
+    let test = "fused_one_shot_push_matrix";
+    let on: Vec<(usize, Config)> = (2..=8).map(|w| (w, test_config())).collect();
+    let off: Vec<(usize, Config)> =
+        [2, 3, 5, 8].into_iter().map(|w| (w, Config { fused_clusters: false, ..test_config() })).collect();
+    let Some(clustered_on) = matrix_with(test, &on, Some(Algorithm::OneShotPush), true, full_shapes) else { return };
+    let clustered_off = matrix_with(test, &off, Some(Algorithm::OneShotPush), true, full_shapes).unwrap_or(0);
+    assert_eq!(clustered_off, 0, "fused_clusters: false took clusters");
+    let ctx = common::gpu(test).expect("ran above");
+    if ctx.compute_capability().unwrap().0 >= 9 {
+        assert!(clustered_on > 0, "no case took the thread-block clusters on an sm_90+ GPU");
+    }
 }
 
 #[test]

@@ -66,3 +66,55 @@ fn missing_rank_times_out_with_its_name() {
         drop(comms);
     }
 }
+
+/// The fused push (allreduce + residual add + RMSNorm) with a rank that
+/// never calls: every other rank's wait gives up within the bound and names
+/// it, with rows spread over thread-block clusters (the cluster leaves
+/// together at the row's reduction) and with a block per row.
+#[test]
+fn missing_rank_times_out_in_fused_calls() {
+    let test = "missing_rank_times_out_in_fused_calls";
+    let _lock = common::gpu_lock();
+    let Some(ctx) = common::gpu(test) else { return };
+    let (major, _) = ctx.compute_capability().unwrap();
+    let (world, rows, hidden) = (4, 3, 7168);
+    let missing = world - 1;
+    let timeout = Duration::from_millis(400);
+    for clusters in [true, false] {
+        let config = Config { timeout, launch_timeout: timeout, fused_clusters: clusters, ..Config::default() };
+        let mut comms = Comm::from_streams(common::streams(&ctx, world), config).unwrap();
+        for c in comms.iter_mut() {
+            c.set_algorithm(Some(Algorithm::OneShotPush)).unwrap();
+        }
+        let plan = comms[0].plan_fused(rows, hidden, DType::Bf16, false);
+        let clustered = plan.reason.contains("thread-block cluster");
+        assert!(plan.fused, "{}", plan.reason);
+        assert_eq!(clustered, clusters && major >= 9, "{}", plan.reason);
+        let n = rows * hidden;
+        let zeros = |c: &Comm| c.stream().alloc_zeros::<half::bf16>(n).unwrap();
+        let inputs: Vec<_> = comms.iter().map(zeros).collect();
+        let mut residuals: Vec<_> = comms.iter().map(zeros).collect();
+        let mut normed: Vec<_> = comms.iter().map(zeros).collect();
+        let weight: Vec<_> = comms.iter().map(|c| c.stream().alloc_zeros::<half::bf16>(hidden).unwrap()).collect();
+        let started = Instant::now();
+        for r in 0..missing {
+            let opts = tp_allreduce::FusedOptions::default();
+            comms[r].all_reduce_add_rms_norm(&inputs[r], &mut residuals[r], &weight[r], 1e-6, &mut normed[r], &opts).unwrap();
+        }
+        let mut named_missing = 0;
+        for (r, c) in comms.iter().enumerate().take(missing) {
+            let e = c.synchronize().expect_err("must time out");
+            let elapsed = started.elapsed();
+            eprintln!("clusters {clustered}: rank {r} after {:.0} ms: {e}", elapsed.as_secs_f64() * 1e3);
+            assert!(elapsed < timeout * 4 + Duration::from_secs(1), "clusters {clustered}: took {elapsed:?}");
+            match &e {
+                Error::Timeout(f) | Error::PeerAborted(f) => named_missing += (f.peer == Some(missing as u32)) as usize,
+                other => panic!("clusters {clustered} rank {r}: expected a timeout, got {other}"),
+            }
+            assert!(matches!(c.check(), Err(Error::Broken(_))));
+        }
+        assert!(named_missing >= 1, "clusters {clustered}: no rank named the missing rank {missing}");
+        drop((inputs, residuals, normed, weight));
+        drop(comms);
+    }
+}

@@ -104,11 +104,22 @@ fn no_extern_functions() {
 
 #[test]
 fn every_expected_entry_in_every_ptx() {
-    let expected = kernels::expected_entries();
-    assert!(!expected.is_empty());
+    assert!(!kernels::expected_entries().is_empty());
+    let clusters = kernels::cluster_entries();
+    assert_eq!(clusters.len(), 2 * 3, "{clusters:?}");
     let mut missing = Vec::new();
     for p in kernels::embedded() {
+        let expected = kernels::expected_entries_for(p.sm);
         let present: BTreeSet<String> = inspect::entry_names(p.text).into_iter().collect();
+        // The cluster entries exist from sm_90 on, and only there (ptxas
+        // rejects cluster instructions below sm_90).
+        let has_clusters = clusters.iter().all(|e| present.contains(e));
+        let has_any_cluster_entry = clusters.iter().any(|e| present.contains(e));
+        if p.sm >= kernels::CLUSTER_MIN_SM {
+            assert!(has_clusters, "{}: cluster entries missing", p.arch);
+        } else {
+            assert!(!has_any_cluster_entry, "{}: cluster entries below sm_90", p.arch);
+        }
         let absent: Vec<&str> = expected.iter().filter(|e| !present.contains(*e)).map(String::as_str).collect();
         if !absent.is_empty() {
             missing.push(format!("{}: {}", p.arch, absent.join(", ")));
@@ -125,8 +136,10 @@ fn every_expected_entry_in_every_ptx() {
 fn hot_kernels_use_no_local_memory() {
     let Some(ptxas) = ptxas() else { return };
     let results = assemblies(&ptxas);
-    let hot: BTreeSet<String> = kernels::hot_entries().into_iter().collect();
+    let mut hot: BTreeSet<String> = kernels::hot_entries().into_iter().collect();
+    hot.extend(kernels::cluster_entries());
     let archs: Vec<&str> = kernels::embedded().iter().map(|p| p.arch).collect();
+    let sm_of = |arch: &str| kernels::for_arch(arch).map_or(0, |p| p.sm);
     let mut failures = Vec::new();
 
     // Table: registers per kernel and arch; local memory as +stack/spill-st/spill-ld bytes.
@@ -135,10 +148,14 @@ fn hot_kernels_use_no_local_memory() {
         table += &format!(" {arch:>14}");
     }
     table.push('\n');
-    for name in kernels::expected_entries() {
+    for name in kernels::expected_entries_for(u32::MAX) {
         let is_hot = hot.contains(&name);
         table += &format!("{:<28}", format!("{name}{}", if is_hot { "*" } else { "" }));
         for arch in &archs {
+            if !kernels::expected_entries_for(sm_of(arch)).contains(&name) {
+                table += &format!(" {:>14}", "-");
+                continue;
+            }
             let cell = match &results[arch] {
                 Err(_) => {
                     if is_hot {
@@ -262,10 +279,13 @@ fn fused_entries_take_the_parameters_the_host_passes() {
         by_value.push((kernels::fused_island_push_entry(AlgorithmId::TwoShotPush, dtype), island));
         by_value.push((kernels::fused_island_push_entry(AlgorithmId::Hierarchical, dtype), island));
     }
+    let clusters = kernels::cluster_entries();
     for (what, text) in &sources {
-        for (entry, (host_size, align)) in &by_value {
+        let with_clusters = text.contains(&format!(".entry {}(", clusters[0]));
+        let cluster_params = clusters.iter().filter(|_| with_clusters).map(|e| (e.clone(), one_shot));
+        for (entry, (host_size, align)) in by_value.iter().cloned().chain(cluster_params) {
             let needle = format!(".param .align {align} .b8 {entry}_param_0[{host_size}]");
-            if struct_param_bytes(text, entry) != Some(*host_size) || !text.contains(&needle) {
+            if struct_param_bytes(text, &entry) != Some(host_size) || !text.contains(&needle) {
                 failures.push(format!("{what} {entry}: no `{needle}`"));
             }
         }
@@ -283,7 +303,7 @@ fn fused_entries_take_the_parameters_the_host_passes() {
 #[test]
 fn register_budgets_are_stated_per_entry_in_the_ptx() {
     for p in kernels::embedded() {
-        for name in kernels::expected_entries() {
+        for name in kernels::expected_entries_for(p.sm) {
             let start = p.text.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("{} {name}", p.arch));
             let body = &p.text[start..];
             let line = body.lines().find(|l| l.starts_with(".maxnreg")).unwrap_or("(none)");

@@ -30,8 +30,8 @@ use super::choose;
 use super::{Comm, Element};
 pub use crate::algorithm::fused::FusedOptions;
 use crate::algorithm::fused::{
-    check_call, default_threads, epilogue_threads, fused_path, island_blocks, normed_slot_bytes, push_launch,
-    row_blocks, EpiloguePointers, EpilogueShape, FusedCapacities, FusedPath, PushRowSplit, EPILOGUE_MAX_BLOCKS,
+    check_call, cluster_launch, default_threads, epilogue_threads, fused_path, island_blocks, normed_slot_bytes, push_launch,
+    row_blocks, ClusterLaunch, EpiloguePointers, EpilogueShape, FusedCapacities, FusedPath, PushRowSplit, EPILOGUE_MAX_BLOCKS,
 };
 use crate::algorithm::{Algorithm, Transport};
 use crate::comm::registry::InputSource;
@@ -380,8 +380,30 @@ impl Comm {
                 fused: false,
                 reason: format!("{reason}; then the separate add_rms_norm kernel: {why}"),
             },
+            FusedPath::Push { rows_per_launch } => {
+                let rows = (rows as u64).min(rows_per_launch);
+                let spread = match self.push_cluster(shape.row_packs().unwrap_or(0), rows, None) {
+                    Some(c) => format!(
+                        "; each row over a thread-block cluster of {} blocks x {} threads",
+                        c.blocks_per_cluster, c.threads
+                    ),
+                    None => String::new(),
+                };
+                FusedPlan { algorithm, transport, fused: true, reason: format!("{reason}; epilogue fused{spread}") }
+            }
             _ => FusedPlan { algorithm, transport, fused: true, reason: format!("{reason}; epilogue fused") },
         }
+    }
+
+    /// The cluster launch of a fused OneShotPush launch over `rows` rows of
+    /// `row_packs` packs, if it takes one: every rank's GPU runs clusters
+    /// (`Setup::fused_clusters`, the same choice on every rank) and the
+    /// call does not fix the block size.
+    fn push_cluster(&self, row_packs: u64, rows: u64, threads_override: Option<u32>) -> Option<ClusterLaunch> {
+        if !self.setup.fused_clusters || threads_override.is_some() {
+            return None;
+        }
+        cluster_launch(row_packs, rows, self.setup.geometry().pull_max_blocks)
     }
 
     /// What bounds one launch of each fused kernel: the OneShotPush receive
@@ -508,11 +530,24 @@ impl Comm {
         let cap = match split {
             // Blocks of up to 1024 threads: the resident bound of that size.
             PushRowSplit::Wide => geometry.pull_max_blocks.min(geometry.sentinel_resident.cap(threads)),
-            PushRowSplit::Short | PushRowSplit::Long => geometry.pull_max_blocks,
+            PushRowSplit::Short | PushRowSplit::Long | PushRowSplit::Cluster => geometry.pull_max_blocks,
         };
         for (row0, rows) in row_chunks(call.shape.rows, rows_per_launch) {
             let push = self.sentinel.one_shot_push(call.input + call.row_offset(row0), 0, rows * hidden);
             let p = FusedOneShotPushParams { push, epilogue: call.epilogue(row0, rows) };
+            if let Some(c) = self.push_cluster(row_packs, rows, call.opts.threads) {
+                let entry = fused_one_shot_push_entry(call.shape.dtype, two_ranks, PushRowSplit::Cluster);
+                let f = self.module.function(&entry)?;
+                // SAFETY: as below; the entry is a cluster entry (loaded only
+                // where the device runs clusters: `fused_clusters`), the grid
+                // is one cluster of `blocks_per_cluster <= 8` blocks per row,
+                // at most `pull_max_blocks` blocks of at most 512 threads,
+                // and a thread per pack of its block's slice of a row.
+                unsafe {
+                    driver::launch_struct_clustered(f, c.blocks(rows), c.threads, c.blocks_per_cluster, stream, &p)?
+                };
+                continue;
+            }
             // SAFETY: the entry takes one FusedOneShotPushParams by value
             // (sizes pinned on both sides and checked against the PTX); the
             // template's addresses are this communicator's mapped regions;

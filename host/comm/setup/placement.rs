@@ -28,6 +28,9 @@ pub(super) struct Hello {
     pub(super) blocks_per_sm: u32,
     pub(super) shape: String,
     pub(super) salt: u32,
+    /// This rank's GPU runs the cluster entries (`KernelModule::clusters`).
+    #[serde(default)]
+    pub(super) clusters: bool,
     pub(super) job: String,
     pub(super) nccl_fallback: bool,
     /// This rank's process (the watchdog of other processes' ranks).
@@ -47,6 +50,11 @@ pub(super) struct Placement {
     pub(super) one_rank_per_gpu: bool,
     pub(super) pull_max_blocks: u32,
     pub(super) ring_blocks: u32,
+    /// Fused calls spread rows over thread-block clusters: asked for
+    /// (`Config::fused_clusters`) and every rank's GPU runs them, so every
+    /// rank launches the same kernels (the same reduction tree, the same
+    /// bits).
+    pub(super) fused_clusters: bool,
     /// Rank 0's salt (P2P check patterns) and job id (shared-memory names).
     pub(super) salt: u32,
     pub(super) job: String,
@@ -74,6 +82,7 @@ pub(super) fn agree_placement(
         blocks_per_sm,
         shape: config.shape_fingerprint(),
         salt,
+        clusters: module.clusters,
         job: format!("{:016x}", (salt as u64) << 32 | rand_u32() as u64),
         nccl_fallback: config.nccl_fallback,
         process_identity: ProcessIdentity::of_self(),
@@ -122,6 +131,7 @@ impl Placement {
             one_rank_per_gpu,
             pull_max_blocks: config.pull_max_blocks.min(resident_limit),
             ring_blocks: config.ring_blocks.min(resident_limit),
+            fused_clusters: config.fused_clusters && hellos.iter().all(|h| h.clusters),
             salt: hellos[0].salt,
             job: hellos[0].job.clone(),
             hellos,
@@ -152,6 +162,7 @@ mod tests {
             blocks_per_sm: 1,
             shape: String::new(),
             salt: 7,
+            clusters: true,
             job: "job".into(),
             nccl_fallback: true,
             process_identity: None,

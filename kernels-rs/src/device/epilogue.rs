@@ -22,7 +22,7 @@
 
 use super::pack::{aligned16, load_pack, store_pack, Acc, Element, Pack};
 use super::ptx;
-use crate::params::{EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_WIDE_MAX_THREADS};
+use crate::params::{EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FUSED_WIDE_MAX_THREADS, MAX_CLUSTER_BLOCKS};
 use crate::partition::{div_ceil, elems_in_pack};
 
 /// Unrolls `$body` for `$k` in `0..FUSED_PACKS_PER_THREAD` (a thread's
@@ -136,6 +136,56 @@ pub unsafe fn block_sum(value: f32, stop: bool, scratch: u32, parity: u32) -> (f
         }
     }
     (total, stop)
+}
+
+/// Cluster-wide sum of every thread's `value` (sm_90+ entries launched
+/// with a cluster), returned bitwise the same to every thread of the
+/// cluster, and whether any thread of the cluster passed `stop`. Every
+/// thread of every block of the cluster calls it, the same number of times
+/// (the rows of a cluster and its stops are cluster-uniform).
+///
+/// Tree: [`block_sum`] in each block, then every thread adds the blocks'
+/// totals in cluster-rank order, read from each block's `slot` through
+/// distributed shared memory.
+///
+/// Barriers (split arrive / wait, so a block never waits for a slow one
+/// longer than it must): `owes_wait` says this thread arrived after its
+/// previous call's reads and has not waited since.
+/// 1. wait (previous call's arrival): every block finished reading the
+///    slots, so thread 0 may overwrite its own;
+/// 2. arrive + wait: every block's slot is written (release / acquire);
+/// 3. read the slots, arrive: this block's reads are done. The caller owes
+///    a wait before the next call and before it exits (a block's shared
+///    memory must outlive every read of it by the cluster).
+#[inline(always)]
+pub unsafe fn cluster_sum(value: f32, stop: bool, scratch: u32, parity: u32, slot: u32, owes_wait: bool) -> (f32, bool) {
+    let (block_total, block_stop) = block_sum(value, stop, scratch, parity);
+    if owes_wait {
+        ptx::barrier_cluster_wait();
+    }
+    if ptx::thread_idx_x() == 0 {
+        ptx::st_shared_v2_u32(slot, [block_total.to_bits(), block_stop as u32]);
+    }
+    ptx::barrier_cluster_arrive();
+    ptx::barrier_cluster_wait();
+    let blocks = ptx::cluster_nctarank();
+    // Every block's slot in flight at once (constant indices: registers).
+    let mut slots = [[0u32; 2]; MAX_CLUSTER_BLOCKS as usize];
+    for (cta, s) in slots.iter_mut().enumerate() {
+        if (cta as u32) < blocks {
+            *s = ptx::ld_shared_cluster_v2_u32(ptx::map_shared_to_cta(slot, cta as u32));
+        }
+    }
+    ptx::barrier_cluster_arrive();
+    let mut total = f32::from_bits(slots[0][0]);
+    let mut any_stop = slots[0][1] != 0;
+    for (cta, s) in slots.iter().enumerate().skip(1) {
+        if (cta as u32) < blocks {
+            total += f32::from_bits(s[0]);
+            any_stop |= s[1] != 0;
+        }
+    }
+    (total, any_stop)
 }
 
 /// The rows of this block: `first, first + stride, ...` below `rows`.

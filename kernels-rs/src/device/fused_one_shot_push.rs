@@ -39,7 +39,7 @@
 //! failure), and the failing threads record it. Without `EPILOGUE_NORM`
 //! there is no barrier and a failing thread leaves at once.
 
-use super::epilogue::{block_rows, block_sum, inv_rms, normalise, sum_squares};
+use super::epilogue::{block_rows, block_sum, cluster_sum, inv_rms, normalise, sum_squares};
 use super::pack::{aligned16, any_word_empty, load_pack, store_pack, Acc, Element, Pack, ZERO_PACK};
 use super::ptx;
 use super::sentinel::{self, Stall, Trace};
@@ -67,21 +67,40 @@ fn pack_offset(row: u64, row_packs: u64, j: u64) -> u64 {
     16 * (row * row_packs + j)
 }
 
+/// The packs `lo..hi` of every row this block works on, and this thread's
+/// place among them: pack `j = lo + tid + k * threads` (`k < P`, `j < hi`).
+/// A block owns whole rows (`lo = 0, hi = row_packs`), or, in a cluster
+/// entry, the slice of each of its cluster's rows at its cluster rank.
+#[derive(Clone, Copy)]
+struct RowSlice {
+    row_packs: u64,
+    lo: u64,
+    hi: u64,
+    tid: u64,
+    threads: u64,
+}
+
+impl RowSlice {
+    /// Pack `k` of this thread, if it has one.
+    #[inline(always)]
+    fn pack(&self, k: usize) -> Option<u64> {
+        let j = self.lo + self.tid + k as u64 * self.threads;
+        if j < self.hi {
+            Some(j)
+        } else {
+            None
+        }
+    }
+}
+
 /// Loads this thread's packs of `row` from `base` (all in flight at once;
 /// element by element unless `vector`).
 #[inline(always)]
-unsafe fn load_row_packs<E: Element, const P: usize>(
-    base: u64,
-    row: u64,
-    row_packs: u64,
-    tid: u64,
-    threads: u64,
-    vector: bool,
-) -> [Pack; K] {
+unsafe fn load_row_packs<E: Element, const P: usize>(base: u64, row: u64, s: RowSlice, vector: bool) -> [Pack; K] {
+    let row_packs = s.row_packs;
     let mut v = [ZERO_PACK; K];
     for_each_row_pack!(KI => {
-        let j = tid + KI as u64 * threads;
-        if KI < P && j < row_packs {
+        if let (true, Some(j)) = (KI < P, s.pack(KI)) {
             v[KI] = load_pack::<E>(base as *const u8, row * row_packs + j, E::LANES as u64, vector);
         }
     });
@@ -165,7 +184,7 @@ const fn preloaded_slots(w: u32, p: usize) -> usize {
 /// for the TP2 entry points), 0 for "read it from the parameters"; `P`
 /// packs of a row per thread at most (`K` or `SHORT_K`).
 #[inline(always)]
-unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: FusedOneShotPushParams) {
+unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CLUSTER: bool>(p: FusedOneShotPushParams) {
     let trace = Trace::start(p.push.h.flags & FLAG_TRACE != 0, p.push.h.trace);
     let control = p.push.h.control as *mut Control;
 
@@ -176,7 +195,17 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
     let rows = p.epilogue.rows as u64;
     let threads = ptx::block_dim_x() as u64;
     let tid = ptx::thread_idx_x() as u64;
-    let (first_row, row_stride) = block_rows();
+    // A cluster works on rows `clusterid, clusterid + clusters, ...`, each
+    // block on its slice of them; otherwise a block owns whole rows.
+    let (first_row, row_stride, lo, hi) = if CLUSTER {
+        let slice = row_packs.div_ceil(ptx::cluster_nctarank() as u64);
+        let lo = ptx::cluster_ctarank() as u64 * slice;
+        (ptx::cluster_id_x() as u64, ptx::cluster_count_x() as u64, lo, row_packs.min(lo + slice))
+    } else {
+        let (first, stride) = block_rows();
+        (first, stride, 0, row_packs)
+    };
+    let slice = RowSlice { row_packs, lo, hi, tid, threads };
     let input = p.push.h.input;
     // Rows are whole packs (host-checked), so a pointer's alignment is that
     // of every row in it; a misaligned view goes element by element (every
@@ -185,7 +214,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
     let mut values = [ZERO_PACK; K];
     let mut values_row = first_row;
     if first_row < rows {
-        values = load_row_packs::<E, P>(input, first_row, row_packs, tid, threads, vector_in);
+        values = load_row_packs::<E, P>(input, first_row, slice, vector_in);
     }
     let world = if W == 0 { p.push.h.world } else { W };
     let rank = p.push.h.rank;
@@ -204,8 +233,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
         let mut row = first_row;
         while row < rows {
             for_each_row_pack!(KI => {
-                let j = tid + KI as u64 * threads;
-                if KI < P && j < row_packs {
+                if let (true, Some(j)) = (KI < P, slice.pack(KI)) {
                     let v = E::canonicalise(values[KI]);
                     let off = ptx::opaque_u64(half + pack_offset(row, row_packs, j));
                     for_each_rank!(D => {
@@ -220,7 +248,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
             }
             row += row_stride;
             if row < rows {
-                values = load_row_packs::<E, P>(input, row, row_packs, tid, threads, vector_in);
+                values = load_row_packs::<E, P>(input, row, slice, vector_in);
                 if P > 1 {
                     values_row = row;
                 }
@@ -244,15 +272,20 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
     let mut weights = [ZERO_PACK; K];
     let mut residual = [ZERO_PACK; K];
     if early && first_row < rows {
-        residual = load_row_packs::<E, P>(residual_in, first_row, row_packs, tid, threads, vector_residual);
+        residual = load_row_packs::<E, P>(residual_in, first_row, slice, vector_residual);
         if norm {
-            weights = load_row_packs::<E, P>(weight, 0, row_packs, tid, threads, vector_norm);
+            weights = load_row_packs::<E, P>(weight, 0, slice, vector_norm);
         }
     }
 
     // ---- Generation: block barrier (block-uniform stop on abort); the last
-    //      block of the launch advances it.
-    if sentinel::advance_generation(control, RegionId::OneShotPush, generation, abort != 0) {
+    //      block of the launch advances it. In a cluster with RMSNorm every
+    //      block takes part in every cluster barrier: a block that saw the
+    //      abort polls nothing and makes its cluster leave together at the
+    //      first row's reduction.
+    let cluster_barriers = CLUSTER && norm;
+    let aborted = sentinel::advance_generation(control, RegionId::OneShotPush, generation, abort != 0);
+    if aborted && !cluster_barriers {
         return;
     }
 
@@ -260,23 +293,24 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
     let lanes = E::LANES as u64;
     let preloaded = preloaded_slots(W, P);
     let scratch = ptx::reduction_scratch();
+    let cluster_slot = if cluster_barriers { ptx::cluster_slot() } else { 0 };
+    let mut owes_cluster_wait = false;
     let mut parity = 0u32;
     let mut stall: Option<Stall> = None;
     let mut row = first_row;
     while row < rows {
         if early && row != first_row {
-            residual = load_row_packs::<E, P>(residual_in, row, row_packs, tid, threads, vector_residual);
+            residual = load_row_packs::<E, P>(residual_in, row, slice, vector_residual);
         }
         if early && row != values_row {
-            values = load_row_packs::<E, P>(input, row, row_packs, tid, threads, vector_in);
+            values = load_row_packs::<E, P>(input, row, slice, vector_in);
             values_row = row;
         }
         // First polls of the preloaded slots for every pack, back to back:
         // one round trip for the row, not one per pack.
         let mut first_polls = [[ZERO_PACK; MAX_RANKS]; K];
         for_each_row_pack!(KI => {
-            let j = tid + KI as u64 * threads;
-            if KI < P && j < row_packs {
+            if let (true, Some(j), false) = (KI < P, slice.pack(KI), aborted) {
                 let off = ptx::opaque_u64(half + pack_offset(row, row_packs, j));
                 for_each_rank!(S => {
                     if S < preloaded && (S as u32) + 1 < world {
@@ -288,8 +322,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
         let mut kept = [ZERO_PACK; K];
         let mut squares = 0.0f32;
         for_each_row_pack!(KI => {
-            let j = tid + KI as u64 * threads;
-            if KI < P && j < row_packs && stall.is_none() {
+            if let (true, Some(j), true) = (KI < P, slice.pack(KI), stall.is_none() && !aborted) {
                 let pack = row * row_packs + j;
                 let mut own = values[KI];
                 if !early {
@@ -323,14 +356,19 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
                 break;
             }
         } else {
-            let (total, stop) = block_sum(squares, stall.is_some(), scratch, parity);
+            let (total, stop) = if CLUSTER {
+                let sum = cluster_sum(squares, stall.is_some() || aborted, scratch, parity, cluster_slot, owes_cluster_wait);
+                owes_cluster_wait = true;
+                sum
+            } else {
+                block_sum(squares, stall.is_some(), scratch, parity)
+            };
             if stop {
                 break;
             }
             let inv = inv_rms(total, p.epilogue.hidden, p.epilogue.eps);
             for_each_row_pack!(KI => {
-                let j = tid + KI as u64 * threads;
-                if KI < P && j < row_packs {
+                if let (true, Some(j)) = (KI < P, slice.pack(KI)) {
                     let out = normalise::<E>(&kept[KI], &weights[KI], inv, offset);
                     store_pack::<E>(normed, row * row_packs + j, lanes, vector_norm, &out);
                 }
@@ -338,6 +376,13 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
             parity ^= 1;
         }
         row += row_stride;
+    }
+    if owes_cluster_wait {
+        // Every block of the cluster read this block's slot.
+        ptx::barrier_cluster_wait();
+    }
+    if aborted {
+        return;
     }
     if let Some(s) = stall {
         let record = p.push.h.error_record as *mut ErrorRecord;
@@ -349,17 +394,20 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize>(p: Fused
 
 macro_rules! fused_one_shot_push_entries {
     ($w:literal, $p:expr, $f32:ident, $f16:ident, $bf16:ident) => {
+        fused_one_shot_push_entries!($w, $p, false, $f32, $f16, $bf16);
+    };
+    ($w:literal, $p:expr, $cluster:literal, $f32:ident, $f16:ident, $bf16:ident) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $f32(p: FusedOneShotPushParams) {
-            fused_one_shot_push::<super::pack::F32, $w, { $p }>(p)
+            fused_one_shot_push::<$crate::device::pack::F32, $w, { $p }, $cluster>(p)
         }
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $f16(p: FusedOneShotPushParams) {
-            fused_one_shot_push::<super::pack::F16, $w, { $p }>(p)
+            fused_one_shot_push::<$crate::device::pack::F16, $w, { $p }, $cluster>(p)
         }
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $bf16(p: FusedOneShotPushParams) {
-            fused_one_shot_push::<super::pack::Bf16, $w, { $p }>(p)
+            fused_one_shot_push::<$crate::device::pack::Bf16, $w, { $p }, $cluster>(p)
         }
     };
 }
@@ -395,3 +443,28 @@ fused_one_shot_push_entries!(
     fused_one_shot_push2_wide_f16,
     fused_one_shot_push2_wide_bf16
 );
+
+/// A row spread over the blocks of a cluster, one pack per thread (sm_90
+/// and newer: launched with a cluster dimension of up to
+/// `MAX_CLUSTER_BLOCKS` and at most `FUSED_MAX_THREADS` threads; the row's
+/// sum of squares is reduced through distributed shared memory).
+#[cfg(target_feature = "sm_90")]
+mod cluster_entries {
+    use super::*;
+    fused_one_shot_push_entries!(
+        0,
+        1,
+        true,
+        fused_one_shot_push_cluster_f32,
+        fused_one_shot_push_cluster_f16,
+        fused_one_shot_push_cluster_bf16
+    );
+    fused_one_shot_push_entries!(
+        2,
+        1,
+        true,
+        fused_one_shot_push2_cluster_f32,
+        fused_one_shot_push2_cluster_f16,
+        fused_one_shot_push2_cluster_bf16
+    );
+}

@@ -473,6 +473,106 @@ pub unsafe fn ld_shared_v4_f32(addr: u32) -> [f32; 4] {
     [a, b, c, d]
 }
 
+// ---------------------------------------------------------------- clusters (sm_90+)
+//
+// Thread-block clusters (PTX ISA 7.8, sm_90): the blocks of a cluster are
+// scheduled together on one GPC and read each other's shared memory
+// (docs/SOURCES.md [F40]). Only entries compiled for sm_90 or newer call
+// these (`cfg(target_feature = "sm_90")`); ptxas rejects them below.
+
+/// `%cluster_ctarank`: this block's rank in its cluster.
+#[inline(always)]
+pub fn cluster_ctarank() -> u32 {
+    let r: u32;
+    // SAFETY: reads a special register.
+    unsafe { asm!("mov.u32 {r}, %cluster_ctarank;", r = out(reg32) r, options(nomem, nostack, pure)) };
+    r
+}
+
+/// `%cluster_nctarank`: blocks per cluster.
+#[inline(always)]
+pub fn cluster_nctarank() -> u32 {
+    let r: u32;
+    // SAFETY: reads a special register.
+    unsafe { asm!("mov.u32 {r}, %cluster_nctarank;", r = out(reg32) r, options(nomem, nostack, pure)) };
+    r
+}
+
+/// `%clusterid.x`: this cluster's index in the grid.
+#[inline(always)]
+pub fn cluster_id_x() -> u32 {
+    let r: u32;
+    // SAFETY: reads a special register.
+    unsafe { asm!("mov.u32 {r}, %clusterid.x;", r = out(reg32) r, options(nomem, nostack, pure)) };
+    r
+}
+
+/// `%nclusterid.x`: clusters in the grid.
+#[inline(always)]
+pub fn cluster_count_x() -> u32 {
+    let r: u32;
+    // SAFETY: reads a special register.
+    unsafe { asm!("mov.u32 {r}, %nclusterid.x;", r = out(reg32) r, options(nomem, nostack, pure)) };
+    r
+}
+
+/// `barrier.cluster.arrive.aligned;` — this thread arrives at the cluster
+/// barrier (release semantics, the PTX default: its prior memory accesses
+/// are ordered before the matching wait of every thread of the cluster).
+/// Every thread of the cluster executes it, converged within its warp.
+#[inline(always)]
+pub unsafe fn barrier_cluster_arrive() {
+    asm!("barrier.cluster.arrive.aligned;", options(nostack));
+}
+
+/// `barrier.cluster.wait.aligned;` — waits until every thread of the
+/// cluster arrived (acquire semantics, the PTX default). Pairs with this
+/// thread's previous [`barrier_cluster_arrive`].
+#[inline(always)]
+pub unsafe fn barrier_cluster_wait() {
+    asm!("barrier.cluster.wait.aligned;", options(nostack));
+}
+
+/// `mapa.shared::cluster.u32 d, addr, cta;` — the address of shared-window
+/// address `addr` in block `cta` of this cluster (for the `::cluster` loads).
+#[inline(always)]
+pub fn map_shared_to_cta(addr: u32, cta: u32) -> u32 {
+    let d: u32;
+    // SAFETY: address arithmetic only.
+    unsafe {
+        asm!("mapa.shared::cluster.u32 {d}, {a}, {c};", d = out(reg32) d, a = in(reg32) addr, c = in(reg32) cta, options(pure, nomem, nostack))
+    };
+    d
+}
+
+/// `ld.shared::cluster.v2.b32 {a, b}, [addr];` (`addr` from
+/// [`map_shared_to_cta`], 8-byte aligned; `readonly`, ordered after the
+/// cluster barrier by its clobber)
+#[inline(always)]
+pub unsafe fn ld_shared_cluster_v2_u32(addr: u32) -> [u32; 2] {
+    let (a, b): (u32, u32);
+    asm!("ld.shared::cluster.v2.b32 {{{a}, {b}}}, [{p}];", p = in(reg32) addr, a = out(reg32) a, b = out(reg32) b, options(nostack, readonly));
+    [a, b]
+}
+
+/// `st.shared.v2.b32 [addr], {a, b};` (`addr` 8-byte aligned, shared window)
+#[inline(always)]
+pub unsafe fn st_shared_v2_u32(addr: u32, v: [u32; 2]) {
+    asm!("st.shared.v2.b32 [{p}], {{{a}, {b}}};", p = in(reg32) addr, a = in(reg32) v[0], b = in(reg32) v[1], options(nostack));
+}
+
+/// Shared-window address of this block's cluster-reduction slot (one
+/// `{f32 partial, u32 stop}` pair), declared by this asm block.
+#[inline(always)]
+pub fn cluster_slot() -> u32 {
+    let a: u32;
+    // SAFETY: declares a block-scoped shared array and takes its address.
+    unsafe {
+        asm!("{{ .shared .align 8 .b8 tp_cluster_slot[8];", "mov.u32 {a}, tp_cluster_slot; }}", a = out(reg32) a, options(pure, nomem, nostack))
+    };
+    a
+}
+
 /// `nanosleep.u32 ns;` — back off inside a long spin (sm_70+).
 #[inline(always)]
 pub fn nanosleep(ns: u32) {
