@@ -7,9 +7,10 @@
 #   2. `bench --processes --gpus 0,1 --fused`: bf16, 3 x 7168 (42 KB), graph
 #      replay: fused vs allreduce alone vs allreduce + separate kernel vs
 #      NCCL + separate kernel, and the verify pass (122 layers) of each;
-#   3. the same with one-shot-push forced (the fused kernel whatever the
-#      selection says), and with two-shot-push forced (its fused kernel) at
-#      3 x 7168 and 64 x 7168 (917 KB), next to `auto` at 64 x 7168.
+#   3. the same with thread-block clusters off (the block-per-row kernels
+#      older GPUs run), `auto` at 64 x 7168 (917 KB); with ISLAND=1 also
+#      one-shot-push forced, and two-shot-push forced (its fused kernel) at
+#      3 x 7168 and 64 x 7168.
 #   TESTS=0 skips step 1 (when .ci/gpu-suite.sh runs the same tests).
 # Every step is bounded (its own limit and a global budget). Writes
 # $OUT/summary.json (the figures against the issue's targets),
@@ -24,7 +25,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_DEVICE_MAX_CONNECTIONS=32 TP_ALLREDUCE_TIMEOUT_MS=5000
 OUT=${OUT:-results/fused-exp}
-BUDGET=${BUDGET:-540}          # seconds for all steps together
+BUDGET=${BUDGET:-575}          # seconds for all steps together
 B=.dev/tp-allreduce SUITE=.dev/suite
 mkdir -p "$OUT"
 W=$(mktemp -d /tmp/fused-exp.XXXXXX)
@@ -41,25 +42,33 @@ T="env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_GPUS=2 $SUITE --test-thre
 if [ "${TESTS:-1}" = 1 ]; then
   step tests-2gpu 130 $T gpu_fused::fused_two_ranks_on_two_gpus gpu_fused_graph::fused_graph_replays_two_gpus \
     gpu_fused::fused_calls_refuse_bad_arguments gpu_fused::fused_edge_cases gpu_fused::fused_world_of_one
-  step tests-1gpu 250 $T gpu_fused::fused_one_shot_push_matrix gpu_fused::fused_one_shot_pull_matrix \
+  step tests-1gpu 300 $T gpu_fused::fused_one_shot_push_matrix gpu_fused::fused_one_shot_pull_matrix \
     gpu_fused::fused_two_shot_push_matrix gpu_fused::fused_hierarchical_matrix \
     gpu_fused::fused_calls_on_every_algorithm gpu_fused_graph::fused_graph_replays_one_gpu \
-    gpu_fused_graph::fused_island_graph_replays
+    gpu_fused_graph::fused_island_graph_replays gpu_timeout::missing_rank_times_out_in_fused_calls \
+    gpu_foundation::embedded_ptx_for_this_device_loads
 fi
 
 # 2. The targets: one process per GPU, graph replay, bf16, 3 x 7168, with
 #    the in-kernel trace of each variant (where the time goes).
 F="bench --processes --gpus 0,1 --sizes 42K --dtype bf16 --repeats 20 --fused --fused-shape 3x7168"
 step bench 120 "$B" $F --algorithms auto,nccl --trace --out "$W/bench"
-step bench-1sp 80 "$B" $F --algorithms one-shot-push --out "$W/bench-1sp" --no-verify-pass
-# 3. The fused TwoShotPush (forced), at 3 rows and at 64 rows (917 KB).
-# (Their fused kernels are opt-in: TP_ALLREDUCE_FUSED_ISLAND_KERNELS=1.)
-step bench-2sp 80 env TP_ALLREDUCE_FUSED_ISLAND_KERNELS=1 "$B" $F --algorithms two-shot-push --out "$W/bench-2sp" \
-  --no-verify-pass
+# The block-per-row kernels (what GPUs before sm_90 run), for comparison
+# with the thread-block clusters the default takes on sm_90+.
+step bench-noclusters 100 env TP_ALLREDUCE_FUSED_CLUSTERS=0 "$B" $F --algorithms auto --trace \
+  --out "$W/bench-noclusters"
 F64="bench --processes --gpus 0,1 --sizes 896K --dtype bf16 --repeats 20 --fused --fused-shape 64x7168 --no-verify-pass"
 step bench64 80 "$B" $F64 --algorithms auto --out "$W/bench64"
-step bench64-2sp 80 env TP_ALLREDUCE_FUSED_ISLAND_KERNELS=1 "$B" $F64 --algorithms two-shot-push \
-  --out "$W/bench64-2sp"
+# 3. The fused TwoShotPush (forced), at 3 rows and at 64 rows (917 KB)
+#    (ISLAND=1; their fused kernels are opt-in:
+#    TP_ALLREDUCE_FUSED_ISLAND_KERNELS=1).
+if [ "${ISLAND:-0}" = 1 ]; then
+  step bench-1sp 80 "$B" $F --algorithms one-shot-push --out "$W/bench-1sp" --no-verify-pass
+  step bench-2sp 80 env TP_ALLREDUCE_FUSED_ISLAND_KERNELS=1 "$B" $F --algorithms two-shot-push \
+    --out "$W/bench-2sp" --no-verify-pass
+  step bench64-2sp 80 env TP_ALLREDUCE_FUSED_ISLAND_KERNELS=1 "$B" $F64 --algorithms two-shot-push \
+    --out "$W/bench64-2sp"
+fi
 
 python3 - "$W" > "$W/summary.txt" 2>&1 <<'PY'
 import json, os, sys
@@ -81,7 +90,7 @@ def steps():
 summary = {"targets": {"fused_minus_allreduce_us_max": 0.5, "saved_vs_ours_separate_us_min": 1.5,
                        "fused_verify_pass_ms_max": 0.55},
            "steps": [{"name": s[0], "status": s[1], "seconds": int(s[2])} for s in steps() if len(s) == 3]}
-for name in ("bench", "bench-1sp", "bench-2sp", "bench64", "bench64-2sp"):
+for name in ("bench", "bench-noclusters", "bench-1sp", "bench-2sp", "bench64", "bench64-2sp"):
     rep = load(f"{name}/results.json")
     if not rep:
         continue
@@ -107,7 +116,7 @@ for name in ("bench", "bench-1sp", "bench-2sp", "bench64", "bench64-2sp"):
 print(json.dumps(summary, indent=1))
 with open(os.path.join(w, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
-for name in ("bench", "bench-1sp", "bench-2sp", "bench64", "bench64-2sp"):
+for name in ("bench", "bench-noclusters", "bench-1sp", "bench-2sp", "bench64", "bench64-2sp"):
     r = summary.get(name)
     if not r:
         print(f"\n{name}: no results")
