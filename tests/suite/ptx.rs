@@ -391,3 +391,29 @@ fn committed_ptx_is_identical_to_built_ptx() {
         differences.join("\n")
     );
 }
+
+/// Each asm block that takes the address of a named shared array
+/// (`ptx::reduction_scratch`, `ptx::cluster_inbox`) declares it: an entry
+/// whose code took it twice (or that LLVM duplicated) would zero one copy
+/// and poll the other. Every entry declares each at most once.
+#[test]
+fn shared_arrays_are_declared_at_most_once_per_entry() {
+    let mut failures = Vec::new();
+    let mut seen_inbox = 0;
+    for p in kernels::embedded() {
+        for body in p.text.split("\n.visible .entry ").skip(1) {
+            let name = body.split('(').next().unwrap_or("?");
+            for array in ["tp_reduction_scratch[", "tp_cluster_inbox["] {
+                let n = body.matches(array).count();
+                if n > 1 {
+                    failures.push(format!("{} {name}: {array}] declared {n} times", p.arch));
+                }
+                seen_inbox += (array == "tp_cluster_inbox[" && n == 1) as usize;
+            }
+        }
+    }
+    // The cluster entries of every sm_90+ PTX use the inbox.
+    let cluster_ptx = kernels::embedded().iter().filter(|p| p.sm >= kernels::CLUSTER_MIN_SM).count();
+    assert_eq!(seen_inbox, cluster_ptx * kernels::cluster_entries().len());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

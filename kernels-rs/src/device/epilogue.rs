@@ -138,51 +138,74 @@ pub unsafe fn block_sum(value: f32, stop: bool, scratch: u32, parity: u32) -> (f
     (total, stop)
 }
 
+/// Readies this block's cluster inbox (sm_90+ cluster entries; every
+/// thread of every block of the cluster calls it once, at entry): zeroes
+/// it and arrives at the cluster barrier. [`cluster_sum`] may send into a
+/// peer's inbox only after [`cluster_inbox_ready`]'s wait: every inbox is
+/// zeroed before any partial lands in it.
+#[inline(always)]
+pub unsafe fn cluster_inbox_open(inbox: u32) {
+    let tid = ptx::thread_idx_x();
+    if tid < 2 * MAX_CLUSTER_BLOCKS {
+        ptx::st_shared_u64(inbox + 8 * tid, 0);
+    }
+    // Release: the zeroing before every peer's wait.
+    ptx::barrier_cluster_arrive();
+}
+
+/// The wait that pairs with [`cluster_inbox_open`]'s arrive (by then
+/// usually long complete: every block of a cluster starts together).
+#[inline(always)]
+pub unsafe fn cluster_inbox_ready() {
+    ptx::barrier_cluster_wait();
+}
+
 /// Cluster-wide sum of every thread's `value` (sm_90+ entries launched
 /// with a cluster), returned bitwise the same to every thread of the
 /// cluster, and whether any thread of the cluster passed `stop`. Every
 /// thread of every block of the cluster calls it, the same number of times
-/// (the rows of a cluster and its stops are cluster-uniform).
+/// (the rows of a cluster and its stops are cluster-uniform); `round` is
+/// the call's number, counting from 1.
 ///
 /// Tree: [`block_sum`] in each block, then every thread adds the blocks'
-/// totals in cluster-rank order, read from each block's `slot` through
-/// distributed shared memory.
+/// totals in cluster-rank order.
 ///
-/// Barriers (split arrive / wait, so a block never waits for a slow one
-/// longer than it must): `owes_wait` says this thread arrived after its
-/// previous call's reads and has not waited since.
-/// 1. wait (previous call's arrival): every block finished reading the
-///    slots, so thread 0 may overwrite its own;
-/// 2. arrive + wait: every block's slot is written (release / acquire);
-/// 3. read the slots, arrive: this block's reads are done. The caller owes
-///    a wait before the next call and before it exits (a block's shared
-///    memory must outlive every read of it by the cluster).
+/// Exchange, one way (no barrier round trip): thread `c` of each block
+/// stores `{round, stop, total}` as one 64-bit word into slot `[round & 1][rank]`
+/// of block `c`'s inbox (release, cluster scope), then every thread polls
+/// its own inbox (acquire) until every block's word of this round is there.
+/// Two buffers: a block sends round `n + 2` into a slot only after it has
+/// every block's round `n + 1` word, which each block sends only after
+/// reading all of round `n` — so no word is overwritten unread. No block
+/// exits while another may still send to it: each waits for every block's
+/// word of every round it takes part in. The polls wait on blocks of the
+/// same cluster, which are resident together and reach every round
+/// (their own waits are bounded).
 #[inline(always)]
-pub unsafe fn cluster_sum(value: f32, stop: bool, scratch: u32, parity: u32, slot: u32, owes_wait: bool) -> (f32, bool) {
-    let (block_total, block_stop) = block_sum(value, stop, scratch, parity);
-    if owes_wait {
-        ptx::barrier_cluster_wait();
-    }
-    if ptx::thread_idx_x() == 0 {
-        ptx::st_shared_v2_u32(slot, [block_total.to_bits(), block_stop as u32]);
-    }
-    ptx::barrier_cluster_arrive();
-    ptx::barrier_cluster_wait();
+pub unsafe fn cluster_sum(value: f32, stop: bool, scratch: u32, inbox: u32, round: u32) -> (f32, bool) {
+    let (block_total, block_stop) = block_sum(value, stop, scratch, round & 1);
     let blocks = ptx::cluster_nctarank();
-    // Every block's slot in flight at once (constant indices: registers).
-    let mut slots = [[0u32; 2]; MAX_CLUSTER_BLOCKS as usize];
-    for (cta, s) in slots.iter_mut().enumerate() {
-        if (cta as u32) < blocks {
-            *s = ptx::ld_shared_cluster_v2_u32(ptx::map_shared_to_cta(slot, cta as u32));
-        }
+    let buffer = inbox + 8 * MAX_CLUSTER_BLOCKS * (round & 1);
+    let tid = ptx::thread_idx_x();
+    let tag = (round as u64) << 33;
+    if tid < blocks {
+        let word = tag | (block_stop as u64) << 32 | block_total.to_bits() as u64;
+        let slot = buffer + 8 * ptx::cluster_ctarank();
+        ptx::st_release_cluster_shared_cluster_u64(ptx::map_shared_to_cta(slot, tid), word);
     }
-    ptx::barrier_cluster_arrive();
-    let mut total = f32::from_bits(slots[0][0]);
-    let mut any_stop = slots[0][1] != 0;
-    for (cta, s) in slots.iter().enumerate().skip(1) {
-        if (cta as u32) < blocks {
-            total += f32::from_bits(s[0]);
-            any_stop |= s[1] != 0;
+    let mut total = 0.0f32;
+    let mut any_stop = false;
+    for cta in 0..MAX_CLUSTER_BLOCKS {
+        if cta < blocks {
+            let word = loop {
+                let w = ptx::ld_acquire_cluster_shared_u64(buffer + 8 * cta);
+                if w >> 33 == round as u64 {
+                    break w;
+                }
+            };
+            let partial = f32::from_bits(word as u32);
+            total = if cta == 0 { partial } else { total + partial };
+            any_stop |= (word >> 32) & 1 != 0;
         }
     }
     (total, any_stop)

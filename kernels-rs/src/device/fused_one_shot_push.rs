@@ -21,6 +21,25 @@
 //!       normed = round(x * inv_rms * w)                  (x, w kept in registers)
 //! ```
 //!
+//! **Cluster entries** (`fused_one_shot_push[2]_cluster_<dt>`, sm_90 and
+//! newer; the host takes them for a few long rows: `cluster_launch`): a
+//! row is spread over the blocks of a thread-block cluster, one pack per
+//! thread, so that a 14 KB row is pushed, polled and normalised by up to 8
+//! SMs instead of one. The same phases on each block's slice of the row;
+//! the row's sum of squares is `epilogue::cluster_sum` (each block's total
+//! sent one way into every block's shared-memory inbox, polled there):
+//!
+//! ```text
+//!   entry (RMSNorm): zero the inbox, barrier.cluster.arrive     (nothing outstanding yet)
+//!   ... push, advance_generation as above ...
+//!   barrier.cluster.wait                                        (every inbox zeroed)
+//!   per row: poll + add as above; block_sum; cluster_sum (one-way inbox exchange)
+//! ```
+//!
+//! Every block of a cluster takes part in every round: a block that saw
+//! the abort does not return at the generation barrier but sends `stop`
+//! in the first round, and the cluster leaves together.
+//!
 //! Trace (`Config::trace`): thread 0 of block 0 stamps entry, control
 //! loaded, first peer store, its first row polled (before the epilogue's
 //! reduction) and exit, as the plain kernel does.
@@ -39,7 +58,9 @@
 //! failure), and the failing threads record it. Without `EPILOGUE_NORM`
 //! there is no barrier and a failing thread leaves at once.
 
-use super::epilogue::{block_rows, block_sum, cluster_sum, inv_rms, normalise, sum_squares};
+use super::epilogue::{
+    block_rows, block_sum, cluster_inbox_open, cluster_inbox_ready, cluster_sum, inv_rms, normalise, sum_squares,
+};
 use super::pack::{aligned16, any_word_empty, load_pack, store_pack, Acc, Element, Pack, ZERO_PACK};
 use super::ptx;
 use super::sentinel::{self, Stall, Trace};
@@ -187,6 +208,14 @@ const fn preloaded_slots(w: u32, p: usize) -> usize {
 unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CLUSTER: bool>(p: FusedOneShotPushParams) {
     let trace = Trace::start(p.push.h.flags & FLAG_TRACE != 0, p.push.h.trace);
     let control = p.push.h.control as *mut Control;
+    // A cluster with RMSNorm readies its inbox first, while no load of this
+    // thread is outstanding (the arrive's release would wait for them). The
+    // inbox's address is taken once: each asm block that takes it declares
+    // the array.
+    let cluster_inbox = ptx::cluster_inbox();
+    if CLUSTER && p.epilogue.flags & EPILOGUE_NORM != 0 {
+        cluster_inbox_open(cluster_inbox);
+    }
 
     // ---- Entry: the control words and this thread's first input packs are
     //      in flight together.
@@ -197,8 +226,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
     let tid = ptx::thread_idx_x() as u64;
     // A cluster works on rows `clusterid, clusterid + clusters, ...`, each
     // block on its slice of them; otherwise a block owns whole rows.
+    // (32-bit division: rows are at most FUSED_MAX_ROW_PACKS packs.)
     let (first_row, row_stride, lo, hi) = if CLUSTER {
-        let slice = row_packs.div_ceil(ptx::cluster_nctarank() as u64);
+        let slice = (row_packs as u32).div_ceil(ptx::cluster_nctarank()) as u64;
         let lo = ptx::cluster_ctarank() as u64 * slice;
         (ptx::cluster_id_x() as u64, ptx::cluster_count_x() as u64, lo, row_packs.min(lo + slice))
     } else {
@@ -293,8 +323,10 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
     let lanes = E::LANES as u64;
     let preloaded = preloaded_slots(W, P);
     let scratch = ptx::reduction_scratch();
-    let cluster_slot = if cluster_barriers { ptx::cluster_slot() } else { 0 };
-    let mut owes_cluster_wait = false;
+    if cluster_barriers {
+        cluster_inbox_ready();
+    }
+    let mut round = 0u32;
     let mut parity = 0u32;
     let mut stall: Option<Stall> = None;
     let mut row = first_row;
@@ -357,9 +389,8 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
             }
         } else {
             let (total, stop) = if CLUSTER {
-                let sum = cluster_sum(squares, stall.is_some() || aborted, scratch, parity, cluster_slot, owes_cluster_wait);
-                owes_cluster_wait = true;
-                sum
+                round += 1;
+                cluster_sum(squares, stall.is_some() || aborted, scratch, cluster_inbox, round)
             } else {
                 block_sum(squares, stall.is_some(), scratch, parity)
             };
@@ -376,10 +407,6 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
             parity ^= 1;
         }
         row += row_stride;
-    }
-    if owes_cluster_wait {
-        // Every block of the cluster read this block's slot.
-        ptx::barrier_cluster_wait();
     }
     if aborted {
         return;

@@ -545,30 +545,42 @@ pub fn map_shared_to_cta(addr: u32, cta: u32) -> u32 {
     d
 }
 
-/// `ld.shared::cluster.v2.b32 {a, b}, [addr];` (`addr` from
-/// [`map_shared_to_cta`], 8-byte aligned; `readonly`, ordered after the
-/// cluster barrier by its clobber)
+/// `st.release.cluster.shared::cluster.u64 [addr], v;` — a store into the
+/// shared memory of a block of this cluster (`addr` from
+/// [`map_shared_to_cta`], 8-byte aligned), ordered after this thread's
+/// prior accesses for every thread of the cluster (one 64-bit access:
+/// single-copy atomic).
 #[inline(always)]
-pub unsafe fn ld_shared_cluster_v2_u32(addr: u32) -> [u32; 2] {
-    let (a, b): (u32, u32);
-    asm!("ld.shared::cluster.v2.b32 {{{a}, {b}}}, [{p}];", p = in(reg32) addr, a = out(reg32) a, b = out(reg32) b, options(nostack, readonly));
-    [a, b]
+pub unsafe fn st_release_cluster_shared_cluster_u64(addr: u32, v: u64) {
+    asm!("st.release.cluster.shared::cluster.u64 [{a}], {v};", a = in(reg32) addr, v = in(reg64) v, options(nostack));
 }
 
-/// `st.shared.v2.b32 [addr], {a, b};` (`addr` 8-byte aligned, shared window)
+/// `ld.acquire.cluster.shared.u64 v, [addr];` — a load of this block's
+/// shared memory (`addr` 8-byte aligned) that later accesses cannot pass;
+/// pairs with [`st_release_cluster_shared_cluster_u64`]. Never hoisted out
+/// of a polling loop (not `pure`).
 #[inline(always)]
-pub unsafe fn st_shared_v2_u32(addr: u32, v: [u32; 2]) {
-    asm!("st.shared.v2.b32 [{p}], {{{a}, {b}}};", p = in(reg32) addr, a = in(reg32) v[0], b = in(reg32) v[1], options(nostack));
+pub unsafe fn ld_acquire_cluster_shared_u64(addr: u32) -> u64 {
+    let v: u64;
+    asm!("ld.acquire.cluster.shared.u64 {v}, [{a}];", v = out(reg64) v, a = in(reg32) addr, options(nostack, readonly));
+    v
 }
 
-/// Shared-window address of this block's cluster-reduction slot (one
-/// `{f32 partial, u32 stop}` pair), declared by this asm block.
+/// `st.shared.u64 [addr], v;` (`addr` 8-byte aligned, shared window)
 #[inline(always)]
-pub fn cluster_slot() -> u32 {
+pub unsafe fn st_shared_u64(addr: u32, v: u64) {
+    asm!("st.shared.u64 [{a}], {v};", a = in(reg32) addr, v = in(reg64) v, options(nostack));
+}
+
+/// Shared-window address of this block's cluster inbox: 16 u64 (two
+/// buffers of one word per block of the cluster), declared by this asm
+/// block.
+#[inline(always)]
+pub fn cluster_inbox() -> u32 {
     let a: u32;
     // SAFETY: declares a block-scoped shared array and takes its address.
     unsafe {
-        asm!("{{ .shared .align 8 .b8 tp_cluster_slot[8];", "mov.u32 {a}, tp_cluster_slot; }}", a = out(reg32) a, options(pure, nomem, nostack))
+        asm!("{{ .shared .align 8 .b8 tp_cluster_inbox[128];", "mov.u32 {a}, tp_cluster_inbox; }}", a = out(reg32) a, options(pure, nomem, nostack))
     };
     a
 }
