@@ -11,6 +11,16 @@ use tp_allreduce::{Algorithm, Comm, DType, Element};
 
 /// Serialises GPU tests: the residency limits assume one group per device
 /// at a time, and concurrent groups could starve each other's barriers.
+/// Prints `skipped: <why>` (`why` ends with the test's name in
+/// parentheses; `.ci/count-skips` counts them) to the stderr handle
+/// directly: libtest's capture only intercepts the print macros, and a skip
+/// must be visible. One `write_all` of the whole line, so that concurrent
+/// output cannot split it (`writeln!` writes its pieces separately).
+pub fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("skipped: {why}\n").as_bytes());
+}
+
 pub fn gpu_lock() -> MutexGuard<'static, ()> {
     static LOCK: OnceLock<Mutex<()>> = OnceLock::new();
     LOCK.get_or_init(|| Mutex::new(())).lock().unwrap_or_else(|e| e.into_inner())
@@ -32,10 +42,7 @@ pub fn gpu(test: &str) -> Option<Arc<CudaContext>> {
         if std::env::var("TP_ALLREDUCE_REQUIRE_GPU").as_deref() == Ok("1") {
             panic!("{test}: no CUDA device, but TP_ALLREDUCE_REQUIRE_GPU=1");
         }
-        // Written to the stderr handle directly: libtest's capture only
-        // intercepts the print macros, and a skip must be visible.
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({test})");
+        skipped(&format!("no CUDA device ({test})"));
         return None;
     }
     let ctx = CudaContext::new(0).expect("CudaContext::new(0)");

@@ -485,8 +485,7 @@ pub(crate) fn second_gpu(test: &str) -> Option<Arc<CudaContext>> {
     if tp_allreduce::driver::device_count() < 2 {
         let required: usize = std::env::var("TP_ALLREDUCE_REQUIRE_GPUS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
         assert!(required < 2, "{test}: one GPU visible, but TP_ALLREDUCE_REQUIRE_GPUS={required}");
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "skipped: fewer than two GPUs ({test})");
+        common::skipped(&format!("fewer than two GPUs ({test})"));
         return None;
     }
     let ctx = CudaContext::new(1).expect("CudaContext::new(1)");

@@ -139,7 +139,7 @@ fn rank_script(mut comm: Comm, seed: u64) -> Result<String, String> {
 #[ignore = "a child process of mixed_placement_across_processes, which runs it"]
 fn mixed_placement_child() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
-        eprintln!("skipped: mixed_placement_child runs only as a child of mixed_placement_across_processes");
+        common::skipped("mixed_placement_child runs only as a child of mixed_placement_across_processes");
         return;
     };
     let parts: Vec<&str> = spec.split(';').collect();

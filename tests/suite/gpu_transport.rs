@@ -217,8 +217,7 @@ fn p2p_between_non_primary_contexts_of_two_gpus() {
     let _lock = common::gpu_lock();
     let Some(ctxs) = fresh_contexts(test) else { return };
     if !tp_allreduce::driver::can_access_peer(ctxs[0].cu_device(), ctxs[1].cu_device()).unwrap() {
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "skipped: GPUs 0 and 1 have no P2P access ({test})");
+        common::skipped(&format!("GPUs 0 and 1 have no P2P access ({test})"));
         return;
     }
     let mut rng = common::rng(test);

@@ -210,8 +210,7 @@ fn in_process_pair(test: &str) -> Option<(Vec<Arc<CudaContext>>, Vec<Comm>)> {
     };
     let mut comms = Comm::from_streams(streams, config).unwrap();
     if comms[0].transport() != Transport::PeerToPeer {
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "skipped: the GPUs have no P2P, pull algorithms are unavailable ({test})");
+        common::skipped(&format!("the GPUs have no P2P, pull algorithms are unavailable ({test})"));
         return None;
     }
     for c in comms.iter_mut() {

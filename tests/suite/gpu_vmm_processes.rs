@@ -68,8 +68,7 @@ fn two_processes(test: &str, scenario: &str) {
     let (outputs, text) = common::wait_for_children(children, started, Duration::from_secs(300));
     id.remove_files();
     if let Some(skip) = text.lines().find(|l| l.starts_with("skipped:")) {
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "{skip} ({test})");
+        common::skipped(&format!("{} ({test})", skip.trim_start_matches("skipped: ")));
         return;
     }
     for (rank, o) in outputs.iter().enumerate() {
@@ -266,7 +265,7 @@ fn fallback(mut r: Rank) -> Result<String, String> {
 #[ignore = "a child process of the vmm_*_across_processes tests, which run it"]
 fn vmm_child() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
-        eprintln!("skipped: vmm_child runs only as a child of the vmm_*_across_processes tests");
+        common::skipped("vmm_child runs only as a child of the vmm_*_across_processes tests");
         return;
     };
     let parts: Vec<&str> = spec.split(';').collect();

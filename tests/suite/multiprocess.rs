@@ -111,8 +111,7 @@ pub(crate) fn placement(test: &str, world: usize) -> Option<Placement> {
                  CUDA_MPS_PIPE_DIRECTORY is unset"
             );
         }
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "skipped: {world} processes on {gpus} GPU(s) need MPS ({test})");
+        common::skipped(&format!("{world} processes on {gpus} GPU(s) need MPS ({test})"));
         return None;
     }
     Some(Placement { gpus: (0..gpus).map(|g| g.to_string()).collect::<Vec<_>>().join(","), ranks_per_gpu })

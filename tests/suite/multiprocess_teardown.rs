@@ -170,7 +170,7 @@ fn afterwards(ctx: &Arc<CudaContext>, rank: usize, id: Id, seed: u64) -> Result<
 #[ignore = "a child process of a_rank_dropping_while_its_peer_has_calls_in_flight, which runs it"]
 fn teardown_child() {
     let (Ok(spec), Ok(ids)) = (std::env::var(CHILD_ENV), std::env::var(IDS_ENV)) else {
-        eprintln!("skipped: teardown_child runs only as a child of a_rank_dropping_while_its_peer_has_calls_in_flight");
+        common::skipped("teardown_child runs only as a child of a_rank_dropping_while_its_peer_has_calls_in_flight");
         return;
     };
     let parts: Vec<&str> = spec.split(';').collect();

@@ -30,7 +30,7 @@ fn skip(why: &str, require_var: &str) {
     if env::var(require_var).as_deref() == Ok("1") {
         panic!("{why}, and {require_var}=1 requires this check to run");
     }
-    eprintln!("skipped: {why}");
+    crate::common::skipped(why);
 }
 
 fn ptxas() -> Option<PathBuf> {

@@ -439,10 +439,7 @@ impl Comm {
         let dtype = call.shape.dtype;
         let extent = |name: &str, ptr: u64, bytes: u64| {
             let count = bytes as usize / dtype.size_bytes();
-            self.validate_device_range(name, ptr, bytes as usize, count, dtype, capturing).map_err(|e| match e {
-                Error::InvalidUsage(m) => m.strip_prefix("all_reduce: ").map(str::to_string).unwrap_or(m),
-                other => other.to_string(),
-            })
+            self.validate_device_range(name, ptr, bytes as usize, count, dtype, capturing)
         };
         check_call(what, &p, &call.shape, call.eps, &call.opts, &extent).map_err(|m| {
             if m.starts_with(what) {

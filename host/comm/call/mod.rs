@@ -147,7 +147,8 @@ impl Comm {
         // Ranges first: an overrun (wrong count or dtype) is the root cause
         // of an overlap with a neighbouring allocation and says so.
         for (what, ptr) in [("send", send), ("recv", recv)] {
-            self.validate_device_range(what, ptr, bytes, count, dtype, capturing)?;
+            self.validate_device_range(what, ptr, bytes, count, dtype, capturing)
+                .map_err(|m| Error::invalid(format!("all_reduce: {m}")))?;
         }
         let overlap = send != recv && ranges_overlap(send, recv, bytes as u64);
         if overlap {
@@ -172,7 +173,7 @@ impl Comm {
         count: usize,
         dtype: DType,
         capturing: bool,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), String> {
         match driver::allocation_range(ptr) {
             Ok((base, size)) => {
                 let end = ptr.saturating_add(bytes as u64);
@@ -181,12 +182,11 @@ impl Comm {
                     mapped_end = driver::vmm::mapped_end(mapped_end, end);
                 }
                 if end > mapped_end {
-                    return Err(Error::invalid(format!(
-                        "all_reduce: {what} holds {} bytes from {ptr:#x}, but {count} x {} needs {bytes} \
-                         (wrong count or dtype?)",
+                    return Err(format!(
+                        "{what} holds {} bytes from {ptr:#x}, but {count} x {} needs {bytes} (wrong count or dtype?)",
                         mapped_end.saturating_sub(ptr),
                         dtype.name()
-                    )));
+                    ));
                 }
                 Ok(())
             }
@@ -199,9 +199,7 @@ impl Comm {
             Err(_) => match driver::pointer_context(ptr) {
                 Some(c) if c == self.ctx.cu_ctx() => Ok(()),
                 None if capturing => Ok(()),
-                _ => Err(Error::invalid(format!(
-                    "all_reduce: {what} ({ptr:#x}) is not device memory of the communicator's context"
-                ))),
+                _ => Err(format!("{what} ({ptr:#x}) is not device memory of the communicator's context")),
             },
         }
     }
