@@ -377,10 +377,16 @@ impl ClusterLaunch {
 /// at most `MAX_CLUSTER_BLOCKS` blocks a cluster, and a cluster for every
 /// row within `cap` resident blocks (more rows than that fill the GPU with
 /// whole-row blocks anyway: the block-per-row kernels take them).
-/// A few rows of a long hidden size are the case it is for: a block per
-/// row leaves most SMs idle and makes each one issue a whole row
-/// (docs/RESULTS.md, fused epilogue). The same on every rank.
-pub fn cluster_launch(row_packs: u64, rows: u64, cap: u32) -> Option<ClusterLaunch> {
+/// A few rows that a block per row would hold at more than one pack per
+/// thread are the case it is for (every row with more than two ranks, rows
+/// over `FUSED_WIDE_MAX_THREADS` packs with two): such a block issues a
+/// whole row on one SM while most SMs idle. With two ranks and one pack per
+/// thread the block-per-row `_wide` kernel measured as fast or faster on 2
+/// H200 (docs/RESULTS.md, fused epilogue). The same on every rank.
+pub fn cluster_launch(row_packs: u64, rows: u64, cap: u32, two_ranks: bool) -> Option<ClusterLaunch> {
+    if push_launch(row_packs, two_ranks, None).0 == PushRowSplit::Wide {
+        return None;
+    }
     let blocks_per_cluster = row_packs.div_ceil(CLUSTER_SLICE_PACKS as u64).clamp(1, MAX_CLUSTER_BLOCKS as u64);
     let threads = row_packs.div_ceil(blocks_per_cluster).max(1).div_ceil(32) * 32;
     if threads > FUSED_MAX_THREADS as u64 || rows == 0 || rows * blocks_per_cluster > cap as u64 {
@@ -513,18 +519,23 @@ mod tests {
     fn cluster_launches_spread_a_few_long_rows_and_cover_every_pack() {
         let launch = |blocks_per_cluster, threads| Some(ClusterLaunch { blocks_per_cluster, threads });
         // hidden 7168 bf16 = 896 packs: 7 blocks of 128 threads per row.
-        assert_eq!(cluster_launch(896, 3, 36), launch(7, 128));
-        assert_eq!(cluster_launch(896, 3, 36).map(|c| c.blocks(3)), Some(21));
-        assert_eq!(cluster_launch(896, 5, 36), launch(7, 128));
+        assert_eq!(cluster_launch(896, 3, 36, false), launch(7, 128));
+        assert_eq!(cluster_launch(896, 3, 36, false).map(|c| c.blocks(3)), Some(21));
+        assert_eq!(cluster_launch(896, 5, 36, false), launch(7, 128));
+        // Two ranks: one pack per thread in a block per row up to 1024
+        // packs (the `_wide` kernel), clusters beyond.
+        assert_eq!(cluster_launch(896, 3, 36, true), None);
+        assert_eq!(cluster_launch(1024, 1, 36, true), None);
+        assert_eq!(cluster_launch(2048, 3, 36, true), launch(8, 256));
         // More rows than clusters fit: the block-per-row kernels.
-        assert_eq!(cluster_launch(896, 6, 36), None);
-        assert_eq!(cluster_launch(896, 64, 36), None);
-        assert_eq!(cluster_launch(896, 0, 36), None);
-        assert_eq!(cluster_launch(1024, 1, 36), launch(8, 128));
-        assert_eq!(cluster_launch(2048, 1, 36), launch(8, 256));
-        assert_eq!(cluster_launch(16, 2, 36), launch(1, 32));
+        assert_eq!(cluster_launch(896, 6, 36, false), None);
+        assert_eq!(cluster_launch(896, 64, 36, false), None);
+        assert_eq!(cluster_launch(896, 0, 36, false), None);
+        assert_eq!(cluster_launch(1024, 1, 36, false), launch(8, 128));
+        assert_eq!(cluster_launch(2048, 1, 36, false), launch(8, 256));
+        assert_eq!(cluster_launch(16, 2, 36, false), launch(1, 32));
         for packs in 1..=FUSED_MAX_ROW_PACKS as u64 {
-            let c = cluster_launch(packs, 1, 36).unwrap_or_else(|| panic!("{packs}: no cluster launch"));
+            let c = cluster_launch(packs, 1, 36, false).unwrap_or_else(|| panic!("{packs}: no cluster launch"));
             assert!((1..=MAX_CLUSTER_BLOCKS).contains(&c.blocks_per_cluster), "{packs}: {c:?}");
             assert!(c.threads % 32 == 0 && c.threads <= FUSED_MAX_THREADS, "{packs}: {c:?}");
             // The kernel's slice: ceil(packs / blocks) packs, one per thread.

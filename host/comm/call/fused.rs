@@ -403,7 +403,8 @@ impl Comm {
         if !self.setup.fused_clusters || threads_override.is_some() {
             return None;
         }
-        cluster_launch(row_packs, rows, self.setup.geometry().pull_max_blocks)
+        let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
+        cluster_launch(row_packs, rows, self.setup.geometry().pull_max_blocks, two_ranks)
     }
 
     /// What bounds one launch of each fused kernel: the OneShotPush receive
