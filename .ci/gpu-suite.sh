@@ -56,7 +56,7 @@ fi
     [ -f "$f" ] || continue
     echo "-- $(basename "$f"): $(grep -E '^test result' "$f" | tail -1)"
     grep -E '^test .* FAILED|^failures:' "$f" | head -20
-    echo "   skipped lines: $(grep -c '^skipped:' "$f")"
+    echo "   skipped tests: $(bash .ci/count-skips "$f")"
   done
   [ -f "$W/python/pytest.log" ] && echo "-- python: $(grep -E '[0-9]+ passed' "$W/python/pytest.log" | tail -1)"
   [ -f "$W/python/tp_decode_step.log" ] && tail -n 15 "$W/python/tp_decode_step.log"

@@ -142,14 +142,15 @@ fn the_test_script_counts_distinct_skipped_tests() {
     std::fs::write(
         &log,
         "skipped: no CUDA device (gpu_a)\nskipped: no CUDA device (gpu_a)\ntest gpu_a ... ok\n\
-         skipped: several processes on one GPU need MPS (mp_b)\nskipped: ptxas not found\n",
+         skipped: several processes on one GPU need MPS (mp_b)\nskipped: ptxas not found\n\
+         test mp_c ... skipped: 4 processes on 2 GPU(s) need MPS (mp_c)\nok\n",
     )
     .unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/.ci/count-skips");
     let out = Command::new("bash").arg(script).arg(&log).output().unwrap();
     std::fs::remove_file(&log).unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(text(&out.stdout).trim(), "3");
+    assert_eq!(text(&out.stdout).trim(), "4");
 }
 
 #[test]
