@@ -78,7 +78,7 @@ use crate::select::topology::Topology;
 pub use calibration::{
     calibration_points, residual_table, residuals, CalibrationPoint, Residual, Role, Subject, Target, TOLERANCE,
 };
-pub use fused::{BLOCK_REDUCTION_US, SEPARATE_KERNEL_EAGER_US, SEPARATE_KERNEL_GRAPH_US};
+pub use fused::{FUSED_EPILOGUE_US, SEPARATE_KERNEL_EAGER_US, SEPARATE_KERNEL_GRAPH_US};
 pub use nccl::{NcclAlgo, NcclProto, NcclVariant};
 pub use params::{CostParams, ParamRow};
 
