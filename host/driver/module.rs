@@ -82,8 +82,7 @@ impl KernelModule {
         // Owned from here on, so an error below unloads it again.
         let clusters = ptx.sm >= crate::kernels::CLUSTER_MIN_SM
             && super::device_attribute(ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH)? == 1;
-        let mut loaded =
-            KernelModule { ctx: ctx.clone(), module, functions: HashMap::new(), arch: ptx.arch, clusters };
+        let mut loaded = KernelModule { ctx: ctx.clone(), module, functions: HashMap::new(), arch: ptx.arch, clusters };
         for name in crate::kernels::expected_entries_for(ptx.sm) {
             let cname = std::ffi::CString::new(name.clone())
                 .map_err(|_| Error::Unsupported(format!("kernel name {name:?} contains NUL")))?;

@@ -8,6 +8,30 @@ use tp_allreduce::{Algorithm, Comm, Config, DType, Error};
 
 use crate::common;
 
+/// Every rank of `waiting` (all but rank `missing` issued a call at
+/// `started`) fails within the bound with a timeout or a peer's abort, at
+/// least one naming `missing`, and is broken afterwards: later calls fail
+/// without touching the device.
+fn expect_named_timeouts(waiting: &[Comm], missing: usize, started: Instant, timeout: Duration, what: &str) {
+    let mut named_missing = 0;
+    for (r, c) in waiting.iter().enumerate() {
+        let e = c.synchronize().expect_err("must time out");
+        let elapsed = started.elapsed();
+        eprintln!("{what}: rank {r} after {:.0} ms: {e}", elapsed.as_secs_f64() * 1e3);
+        assert!(elapsed < timeout * 4 + Duration::from_secs(1), "{what}: took {elapsed:?}");
+        match &e {
+            Error::Timeout(f) | Error::PeerAborted(f) => named_missing += (f.peer == Some(missing as u32)) as usize,
+            other => panic!("{what} rank {r}: expected a timeout, got {other}"),
+        }
+        let again = c.check();
+        assert!(matches!(again, Err(Error::Broken(_))), "{again:?}");
+        // SAFETY: rejected before any device access.
+        let call = unsafe { c.all_reduce_raw(0x1000, 0x1000, 1, DType::F32, c.stream().cu_stream()) };
+        assert!(matches!(call, Err(Error::Broken(_))), "{call:?}");
+    }
+    assert!(named_missing >= 1, "{what}: no rank named the missing rank {missing}");
+}
+
 #[test]
 fn missing_rank_times_out_with_its_name() {
     let _lock = common::gpu_lock();
@@ -38,28 +62,7 @@ fn missing_rank_times_out_with_its_name() {
         for r in 0..missing {
             comms[r].all_reduce(&bufs[r], &mut outs[r], &tp_allreduce::ReduceOp::Sum).unwrap();
         }
-        let mut named_missing = 0;
-        for (r, c) in comms.iter().enumerate().take(missing) {
-            let e = c.synchronize().expect_err("must time out");
-            let elapsed = started.elapsed();
-            eprintln!("{algorithm} rank {r} after {:.0} ms: {e}", elapsed.as_secs_f64() * 1e3);
-            assert!(elapsed < timeout * 4 + Duration::from_secs(1), "{algorithm}: took {elapsed:?}");
-            match &e {
-                Error::Timeout(f) | Error::PeerAborted(f) => {
-                    if f.peer == Some(missing as u32) {
-                        named_missing += 1;
-                    }
-                }
-                other => panic!("{algorithm} rank {r}: expected a timeout, got {other}"),
-            }
-            // Broken from now on, without touching the device.
-            let again = c.check();
-            assert!(matches!(again, Err(Error::Broken(_))), "{again:?}");
-            // SAFETY: rejected before any device access.
-            let call = unsafe { c.all_reduce_raw(0x1000, 0x1000, 1, DType::F32, c.stream().cu_stream()) };
-            assert!(matches!(call, Err(Error::Broken(_))), "{call:?}");
-        }
-        assert!(named_missing >= 1, "{algorithm}: no rank named the missing rank {missing}");
+        expect_named_timeouts(&comms[..missing], missing, started, timeout, &algorithm.to_string());
         // The missing rank's stream is idle; dropping the group must not hang.
         drop(outs);
         drop(bufs);
@@ -99,21 +102,11 @@ fn missing_rank_times_out_in_fused_calls() {
         let started = Instant::now();
         for r in 0..missing {
             let opts = tp_allreduce::FusedOptions::default();
-            comms[r].all_reduce_add_rms_norm(&inputs[r], &mut residuals[r], &weight[r], 1e-6, &mut normed[r], &opts).unwrap();
+            comms[r]
+                .all_reduce_add_rms_norm(&inputs[r], &mut residuals[r], &weight[r], 1e-6, &mut normed[r], &opts)
+                .unwrap();
         }
-        let mut named_missing = 0;
-        for (r, c) in comms.iter().enumerate().take(missing) {
-            let e = c.synchronize().expect_err("must time out");
-            let elapsed = started.elapsed();
-            eprintln!("clusters {clustered}: rank {r} after {:.0} ms: {e}", elapsed.as_secs_f64() * 1e3);
-            assert!(elapsed < timeout * 4 + Duration::from_secs(1), "clusters {clustered}: took {elapsed:?}");
-            match &e {
-                Error::Timeout(f) | Error::PeerAborted(f) => named_missing += (f.peer == Some(missing as u32)) as usize,
-                other => panic!("clusters {clustered} rank {r}: expected a timeout, got {other}"),
-            }
-            assert!(matches!(c.check(), Err(Error::Broken(_))));
-        }
-        assert!(named_missing >= 1, "clusters {clustered}: no rank named the missing rank {missing}");
+        expect_named_timeouts(&comms[..missing], missing, started, timeout, &format!("fused, clusters {clustered}"));
         drop((inputs, residuals, normed, weight));
         drop(comms);
     }

@@ -30,8 +30,9 @@ use super::choose;
 use super::{Comm, Element};
 pub use crate::algorithm::fused::FusedOptions;
 use crate::algorithm::fused::{
-    check_call, cluster_launch, default_threads, epilogue_threads, fused_path, island_blocks, normed_slot_bytes, push_launch,
-    row_blocks, ClusterLaunch, EpiloguePointers, EpilogueShape, FusedCapacities, FusedPath, PushRowSplit, EPILOGUE_MAX_BLOCKS,
+    check_call, cluster_launch, default_threads, epilogue_threads, fused_path, island_blocks, normed_slot_bytes,
+    push_launch, row_blocks, ClusterLaunch, EpiloguePointers, EpilogueShape, FusedCapacities, FusedPath, PushRowSplit,
+    EPILOGUE_MAX_BLOCKS,
 };
 use crate::algorithm::{Algorithm, Transport};
 use crate::comm::registry::InputSource;

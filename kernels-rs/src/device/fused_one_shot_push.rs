@@ -205,7 +205,9 @@ const fn preloaded_slots(w: u32, p: usize) -> usize {
 /// for the TP2 entry points), 0 for "read it from the parameters"; `P`
 /// packs of a row per thread at most (`K` or `SHORT_K`).
 #[inline(always)]
-unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CLUSTER: bool>(p: FusedOneShotPushParams) {
+unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CLUSTER: bool>(
+    p: FusedOneShotPushParams,
+) {
     let trace = Trace::start(p.push.h.flags & FLAG_TRACE != 0, p.push.h.trace);
     let control = p.push.h.control as *mut Control;
     // A cluster with RMSNorm readies its inbox first, while no load of this
