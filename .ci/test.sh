@@ -28,7 +28,7 @@ cargo test --workspace -- --test-threads=2 2>&1 | tee target/test.log
 # Distinct tests that skipped: the name in parentheses ends each skip line
 # ("skipped: no CUDA device (name)"); a test may print several such lines.
 skipped=$(bash .ci/count-skips target/test.log)
-echo "tests passed; tests that skipped on this machine: ${skipped} (lines starting with 'skipped:' above)"
+echo "tests passed; tests that skipped on this machine: ${skipped} (the 'skipped:' lines above)"
 
 # Python package (python/): build the wheel (dev profile), install it with
 # pytest into a venv, run its tests. No torch or GPU here: those tests skip
