@@ -177,6 +177,12 @@ fn fused_graph_replays_one_gpu() {
     let _lock = common::gpu_lock();
     let Some(ctx) = common::gpu(test) else { return };
     let gemma = FusedOptions { weight_offset: true, ..FusedOptions::default() };
+    // Four ranks on one GPU: rows over thread-block clusters on sm_90+.
+    let comms = group(std::slice::from_ref(&ctx), 4, test_config(), Some(Algorithm::OneShotPush));
+    let plan = comms[0].plan_fused(ROWS, HIDDEN, tp_allreduce::DType::Bf16, true);
+    let clusters = ctx.compute_capability().expect("compute capability").0 >= 9;
+    assert_eq!(plan.reason.contains("thread-block cluster"), clusters, "{test}: {}", plan.reason);
+    drop(comms);
     replay(test, std::slice::from_ref(&ctx), 4, Some(Algorithm::OneShotPush), FusedOptions::default());
     replay(test, std::slice::from_ref(&ctx), 4, Some(Algorithm::OneShotPull), gemma);
     replay(test, std::slice::from_ref(&ctx), 4, None, FusedOptions::default());
