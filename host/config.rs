@@ -158,7 +158,7 @@ impl Config {
     pub(crate) fn shape_fingerprint(&self) -> String {
         format!(
             "chunk={} oneshot={} push_blocks={} pull_blocks={} ring={}x{}x{} islands={:?} {:?} transport={:?} table={} \
-             counters={:?} fused_island={} fused_clusters={}",
+             counters={:?} fused_island={} fused_clusters={} tp2={}",
             self.max_chunk_bytes,
             self.one_shot_push_max_bytes,
             self.push_blocks,
@@ -172,7 +172,8 @@ impl Config {
             self.max_registered_buffers,
             self.test_initial_counter,
             self.fused_island_kernels,
-            self.fused_clusters
+            self.fused_clusters,
+            self.one_shot_push_tp2
         )
     }
 

@@ -378,13 +378,16 @@ impl ClusterLaunch {
 /// row within `cap` resident blocks (more rows than that fill the GPU with
 /// whole-row blocks anyway: the block-per-row kernels take them).
 /// A few rows that a block per row would hold at more than one pack per
-/// thread are the case it is for (every row with more than two ranks, rows
-/// over `FUSED_WIDE_MAX_THREADS` packs with two): such a block issues a
-/// whole row on one SM while most SMs idle. With two ranks and one pack per
+/// thread are the case it is for (rows over `FUSED_MAX_THREADS` packs with
+/// more than two ranks, over `FUSED_WIDE_MAX_THREADS` with two): such a
+/// block issues a whole row on one SM while most SMs idle. With two ranks and one pack per
 /// thread the block-per-row `_wide` kernel measured as fast or faster on 2
 /// H200 (docs/RESULTS.md, fused epilogue). The same on every rank.
 pub fn cluster_launch(row_packs: u64, rows: u64, cap: u32, two_ranks: bool) -> Option<ClusterLaunch> {
-    if push_launch(row_packs, two_ranks, None).0 == PushRowSplit::Wide {
+    // One pack per thread in a block per row (the `_wide` entry, or a
+    // short row): no cluster.
+    let (_, block_threads) = push_launch(row_packs, two_ranks, None);
+    if row_packs <= block_threads as u64 {
         return None;
     }
     let blocks_per_cluster = row_packs.div_ceil(CLUSTER_SLICE_PACKS as u64).clamp(1, MAX_CLUSTER_BLOCKS as u64);
@@ -533,10 +536,16 @@ mod tests {
         assert_eq!(cluster_launch(896, 0, 36, false), None);
         assert_eq!(cluster_launch(1024, 1, 36, false), launch(8, 128));
         assert_eq!(cluster_launch(2048, 1, 36, false), launch(8, 256));
-        assert_eq!(cluster_launch(16, 2, 36, false), launch(1, 32));
+        // Rows a block holds at one pack per thread: no cluster.
+        assert_eq!(cluster_launch(16, 2, 36, false), None);
+        assert_eq!(cluster_launch(512, 2, 36, false), None);
+        assert_eq!(cluster_launch(513, 2, 36, false), launch(5, 128));
         for packs in 1..=FUSED_MAX_ROW_PACKS as u64 {
-            let c = cluster_launch(packs, 1, 36, false).unwrap_or_else(|| panic!("{packs}: no cluster launch"));
-            assert!((1..=MAX_CLUSTER_BLOCKS).contains(&c.blocks_per_cluster), "{packs}: {c:?}");
+            let Some(c) = cluster_launch(packs, 1, 36, false) else {
+                assert!(packs <= push_launch(packs, false, None).1 as u64, "{packs}: no cluster launch");
+                continue;
+            };
+            assert!((2..=MAX_CLUSTER_BLOCKS).contains(&c.blocks_per_cluster), "{packs}: {c:?}");
             assert!(c.threads % 32 == 0 && c.threads <= FUSED_MAX_THREADS, "{packs}: {c:?}");
             // The kernel's slice: ceil(packs / blocks) packs, one per thread.
             assert!(packs.div_ceil(c.blocks_per_cluster as u64) <= c.threads as u64, "{packs}: {c:?}");

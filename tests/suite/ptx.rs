@@ -395,9 +395,10 @@ fn committed_ptx_is_identical_to_built_ptx() {
 /// Each asm block that takes the address of a named shared array
 /// (`ptx::reduction_scratch`, `ptx::cluster_inbox`) declares it: an entry
 /// whose code took it twice (or that LLVM duplicated) would zero one copy
-/// and poll the other. Every entry declares each at most once.
+/// and poll the other. Every entry declares each at most once, and each
+/// cluster entry passes each cluster barrier instruction once.
 #[test]
-fn shared_arrays_are_declared_at_most_once_per_entry() {
+fn shared_arrays_and_cluster_barriers_appear_once_per_entry() {
     let mut failures = Vec::new();
     let mut seen_inbox = 0;
     for p in kernels::embedded() {
@@ -409,6 +410,22 @@ fn shared_arrays_are_declared_at_most_once_per_entry() {
                     failures.push(format!("{} {name}: {array}] declared {n} times", p.arch));
                 }
                 seen_inbox += (array == "tp_cluster_inbox[" && n == 1) as usize;
+            }
+        }
+    }
+    // Each cluster entry arrives at and waits on the cluster barrier
+    // exactly once (`.aligned`: an instruction LLVM duplicated into
+    // divergent paths would break it).
+    for p in kernels::embedded().iter().filter(|p| p.sm >= kernels::CLUSTER_MIN_SM) {
+        for name in kernels::cluster_entries() {
+            let start = p.text.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("{} {name}", p.arch));
+            let body = &p.text[start..];
+            let body = &body[..body[1..].find(".entry ").map_or(body.len(), |e| e + 1)];
+            for barrier in ["barrier.cluster.arrive.aligned;", "barrier.cluster.wait.aligned;"] {
+                let n = body.matches(barrier).count();
+                if n != 1 {
+                    failures.push(format!("{} {name}: `{barrier}` {n} times", p.arch));
+                }
             }
         }
     }
