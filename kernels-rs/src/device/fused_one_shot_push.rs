@@ -328,8 +328,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
     if cluster_barriers {
         cluster_inbox_ready();
     }
+    // The row's reduction number, from 1: its parity picks the buffers of
+    // `block_sum` (and of the cluster inbox).
     let mut round = 0u32;
-    let mut parity = 0u32;
     let mut stall: Option<Stall> = None;
     let mut row = first_row;
     while row < rows {
@@ -390,11 +391,11 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
                 break;
             }
         } else {
+            round += 1;
             let (total, stop) = if CLUSTER {
-                round += 1;
                 cluster_sum(squares, stall.is_some() || aborted, scratch, cluster_inbox, round)
             } else {
-                block_sum(squares, stall.is_some(), scratch, parity)
+                block_sum(squares, stall.is_some(), scratch, round & 1)
             };
             if stop {
                 break;
@@ -406,7 +407,6 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
                     store_pack::<E>(normed, row * row_packs + j, lanes, vector_norm, &out);
                 }
             });
-            parity ^= 1;
         }
         row += row_stride;
     }
