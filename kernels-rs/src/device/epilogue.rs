@@ -172,11 +172,15 @@ pub unsafe fn cluster_inbox_ready() {
 ///
 /// Exchange, one way (no barrier round trip): thread `c` of each block
 /// stores `{round, stop, total}` as one 64-bit word into slot `[round & 1][rank]`
-/// of block `c`'s inbox (release, cluster scope), then every thread polls
-/// its own inbox (acquire) until every block's word of this round is there.
-/// Two buffers: a block sends round `n + 2` into a slot only after it has
-/// every block's round `n + 1` word, which each block sends only after
-/// reading all of round `n` — so no word is overwritten unread. No block
+/// of block `c`'s inbox, then every thread polls its own inbox until every
+/// block's word of this round is there (cluster scope: relaxed in round 1,
+/// release and acquire from round 2). Two buffers: a block sends round
+/// `n + 2` into a slot only after it has every block's round `n + 1` word,
+/// which each block sends (release) only after reading all of round `n` —
+/// so no word is overwritten unread. Round 1 writes a buffer nobody read
+/// since the zeroing, which the cluster barrier orders before every send:
+/// its words carry nothing but themselves, so they need no release (which
+/// would wait for the block's residual stores to reach memory). No block
 /// exits while another may still send to it: each waits for every block's
 /// word of every round it takes part in. The polls wait on blocks of the
 /// same cluster, which are resident together and reach every round
@@ -188,17 +192,26 @@ pub unsafe fn cluster_sum(value: f32, stop: bool, scratch: u32, inbox: u32, roun
     let buffer = inbox + 8 * MAX_CLUSTER_BLOCKS * (round & 1);
     let tid = ptx::thread_idx_x();
     let tag = (round as u64) << 33;
+    // Relaxed in round 1, release/acquire after (the exchange above): a
+    // release compiles to MEMBAR.ALL.GPU before the store.
+    let first = round == 1;
     if tid < blocks {
         let word = tag | (block_stop as u64) << 32 | block_total.to_bits() as u64;
-        let slot = buffer + 8 * ptx::cluster_ctarank();
-        ptx::st_release_cluster_shared_cluster_u64(ptx::map_shared_to_cta(slot, tid), word);
+        let slot = ptx::map_shared_to_cta(buffer + 8 * ptx::cluster_ctarank(), tid);
+        if first {
+            ptx::st_relaxed_cluster_shared_cluster_u64(slot, word);
+        } else {
+            ptx::st_release_cluster_shared_cluster_u64(slot, word);
+        }
     }
     let mut total = 0.0f32;
     let mut any_stop = false;
     for cta in 0..MAX_CLUSTER_BLOCKS {
         if cta < blocks {
             let word = loop {
-                let w = ptx::ld_acquire_cluster_shared_u64(buffer + 8 * cta);
+                let at = buffer + 8 * cta;
+                let w =
+                    if first { ptx::ld_relaxed_cluster_shared_u64(at) } else { ptx::ld_acquire_cluster_shared_u64(at) };
                 if w >> 33 == round as u64 {
                     break w;
                 }

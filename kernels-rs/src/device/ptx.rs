@@ -566,6 +566,24 @@ pub unsafe fn ld_acquire_cluster_shared_u64(addr: u32) -> u64 {
     v
 }
 
+/// `st.relaxed.cluster.shared::cluster.u64 [addr], v;` — as
+/// [`st_release_cluster_shared_cluster_u64`] without the release: no wait
+/// for this thread's (and its block's) earlier stores to global memory.
+#[inline(always)]
+pub unsafe fn st_relaxed_cluster_shared_cluster_u64(addr: u32, v: u64) {
+    asm!("st.relaxed.cluster.shared::cluster.u64 [{a}], {v};", a = in(reg32) addr, v = in(reg64) v, options(nostack));
+}
+
+/// `ld.relaxed.cluster.shared.u64 v, [addr];` — as
+/// [`ld_acquire_cluster_shared_u64`] without the acquire. Never hoisted
+/// out of a polling loop (not `pure`).
+#[inline(always)]
+pub unsafe fn ld_relaxed_cluster_shared_u64(addr: u32) -> u64 {
+    let v: u64;
+    asm!("ld.relaxed.cluster.shared.u64 {v}, [{a}];", v = out(reg64) v, a = in(reg32) addr, options(nostack, readonly));
+    v
+}
+
 /// `st.shared.u64 [addr], v;` (`addr` 8-byte aligned, shared window)
 #[inline(always)]
 pub unsafe fn st_shared_u64(addr: u32, v: u64) {
