@@ -74,6 +74,12 @@ pub struct Config {
     /// the block-per-row kernels that older GPUs run). Every rank must use
     /// the same value.
     pub fused_clusters: bool,
+    /// Fused OneShotPush calls of a block per row over at least two rows
+    /// spread their push over a grid of more blocks than rows, where the
+    /// outputs do not overlap the input (`TP_ALLREDUCE_FUSED_SPREAD_PUSH=0`
+    /// turns it off, to compare). The same output bits either way, so
+    /// ranks may differ.
+    pub fused_spread_push: bool,
     /// Sentinel kernels record per-launch timestamps into a ring the host
     /// reads with `Comm::trace_records` (`TP_ALLREDUCE_TRACE=1`; `bench
     /// --trace`). Costs a few instructions per launch.
@@ -126,6 +132,7 @@ impl Default for Config {
             one_shot_push_tp2: true,
             fused_island_kernels: false,
             fused_clusters: true,
+            fused_spread_push: true,
             trace: false,
             test_initial_counter: None,
             pull_max_blocks: 36,
@@ -269,6 +276,9 @@ impl Config {
         }
         if let Some(on) = env::fused_clusters()? {
             c.fused_clusters = on;
+        }
+        if let Some(on) = env::fused_spread_push()? {
+            c.fused_spread_push = on;
         }
         if let Some(on) = env::trace()? {
             c.trace = on;

@@ -19,6 +19,7 @@
 //! | `TP_ALLREDUCE_ONE_SHOT_PUSH_TP2` | `1`/`0`: use the two-rank specialisation of one-shot-push at 2 ranks | `1` |
 //! | `TP_ALLREDUCE_FUSED_ISLAND_KERNELS` | `1`/`0`: fused calls over two-shot-push / hierarchical run their fused kernels (else the allreduce + the separate kernel) | `0` |
 //! | `TP_ALLREDUCE_FUSED_CLUSTERS` | `1`/`0`: fused one-shot-push calls over a few long rows spread each row over a thread-block cluster (sm_90+) | `1` |
+//! | `TP_ALLREDUCE_FUSED_SPREAD_PUSH` | `1`/`0`: fused one-shot-push calls of a block per row over two or more rows spread their push over more blocks than rows (outputs apart from the input) | `1` |
 //! | `TP_ALLREDUCE_CE_PUBLISH` | how the copy-engine ring raises its flags: `memop` (`cuStreamWriteValue32`, where the device supports stream memory operations) or `kernel` (a one-thread kernel) | `memop` where supported |
 //! | `TP_ALLREDUCE_TRACE` | `1`: one-shot-push launches record timestamps (`bench --trace`) | `0` |
 //! | `TP_ALLREDUCE_RANK` | rank of a process started by `tp-allreduce launch` | set by the launcher |
@@ -63,6 +64,7 @@ pub const SHAPE: &str = "TP_ALLREDUCE_SHAPE";
 pub const ONE_SHOT_PUSH_TP2: &str = "TP_ALLREDUCE_ONE_SHOT_PUSH_TP2";
 pub const FUSED_ISLAND_KERNELS: &str = "TP_ALLREDUCE_FUSED_ISLAND_KERNELS";
 pub const FUSED_CLUSTERS: &str = "TP_ALLREDUCE_FUSED_CLUSTERS";
+pub const FUSED_SPREAD_PUSH: &str = "TP_ALLREDUCE_FUSED_SPREAD_PUSH";
 pub const TRACE: &str = "TP_ALLREDUCE_TRACE";
 pub const RANK: &str = "TP_ALLREDUCE_RANK";
 pub const WORLD_SIZE: &str = "TP_ALLREDUCE_WORLD_SIZE";
@@ -132,6 +134,11 @@ pub const VARS: &[EnvVar] = &[
     EnvVar {
         name: FUSED_CLUSTERS,
         meaning: "1/0: fused one-shot-push calls over a few long rows spread each row over a thread-block cluster",
+        default: "1",
+    },
+    EnvVar {
+        name: FUSED_SPREAD_PUSH,
+        meaning: "1/0: fused one-shot-push calls of a block per row spread their push over more blocks than rows",
         default: "1",
     },
     EnvVar { name: TRACE, meaning: "1: one-shot-push launches record timestamps", default: "0" },
@@ -271,6 +278,11 @@ pub fn fused_island_kernels() -> Result<Option<bool>> {
 /// `TP_ALLREDUCE_FUSED_CLUSTERS`, if set.
 pub fn fused_clusters() -> Result<Option<bool>> {
     flag(FUSED_CLUSTERS)
+}
+
+/// `TP_ALLREDUCE_FUSED_SPREAD_PUSH`, if set.
+pub fn fused_spread_push() -> Result<Option<bool>> {
+    flag(FUSED_SPREAD_PUSH)
 }
 
 /// `TP_ALLREDUCE_TRACE`, if set.

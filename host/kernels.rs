@@ -130,13 +130,14 @@ pub fn param_struct(name: &str) -> Option<(usize, usize)> {
 const WIDE_MARK: &str = "_wide_";
 
 /// Entry of the fused (allreduce + residual add + RMSNorm) OneShotPush:
-/// `fused_one_shot_push[2][_short|_wide|_cluster]_<dtype>`: `2` for two
-/// ranks, the suffix by packs of a row per thread (`_wide`: one, two ranks
-/// only; `_short`: two; none: four; `_cluster`: one, a row over a
+/// `fused_one_shot_push[2][_short|_wide|_wide_spread|_cluster]_<dtype>`:
+/// `2` for two ranks, the suffix by packs of a row per thread (`_wide`:
+/// one, two ranks only; `_wide_spread`: the same, the push spread; `_short`: two; none: four; `_cluster`: one, a row over a
 /// cluster's blocks, sm_90+ only). One `FusedOneShotPushParams` by value.
 pub fn fused_one_shot_push_entry(dtype: DType, two_ranks: bool, split: PushRowSplit) -> String {
     let suffix = match split {
         PushRowSplit::Wide => "_wide",
+        PushRowSplit::WideSpread => "_wide_spread",
         PushRowSplit::Short => "_short",
         PushRowSplit::Long => "",
         PushRowSplit::Cluster => "_cluster",
@@ -147,7 +148,10 @@ pub fn fused_one_shot_push_entry(dtype: DType, two_ranks: bool, split: PushRowSp
 /// The fused OneShotPush entries with one pack per thread (blocks of up to
 /// 1024 threads, the sentinel kernels' register budget).
 pub fn fused_wide_entries() -> Vec<String> {
-    DType::ALL.into_iter().map(|d| fused_one_shot_push_entry(d, true, PushRowSplit::Wide)).collect()
+    DType::ALL
+        .into_iter()
+        .flat_map(|d| [PushRowSplit::Wide, PushRowSplit::WideSpread].map(|s| fused_one_shot_push_entry(d, true, s)))
+        .collect()
 }
 
 /// Entry of the fused island push of `algorithm` (TwoShotPush or
@@ -181,6 +185,7 @@ pub fn fused_entries() -> Vec<String> {
                 fused_one_shot_push_entry(d, false, PushRowSplit::Short),
                 fused_one_shot_push_entry(d, true, PushRowSplit::Short),
                 fused_one_shot_push_entry(d, true, PushRowSplit::Wide),
+                fused_one_shot_push_entry(d, true, PushRowSplit::WideSpread),
                 fused_island_push_entry(AlgorithmId::TwoShotPush, d),
                 fused_island_push_entry(AlgorithmId::Hierarchical, d),
                 fused_one_shot_pull_entry(d),

@@ -316,6 +316,10 @@ pub enum PushRowSplit {
     /// One pack per thread, blocks of up to `FUSED_WIDE_MAX_THREADS`
     /// (`fused_one_shot_push2_wide_<dt>`; two ranks, default threads).
     Wide,
+    /// `Wide` with the push spread over the grid
+    /// (`fused_one_shot_push2_wide_spread_<dt>`, `EPILOGUE_SPREAD_PUSH`):
+    /// the same output bits; see [`spread_push_blocks`].
+    WideSpread,
     /// Up to `FUSED_SHORT_ROW_PACKS_PER_THREAD` (`*_short_<dt>`).
     Short,
     /// Up to `FUSED_PACKS_PER_THREAD`.
@@ -330,7 +334,7 @@ impl PushRowSplit {
     /// Packs of a row per thread at most.
     pub fn packs_per_thread(self) -> u32 {
         match self {
-            PushRowSplit::Wide | PushRowSplit::Cluster => 1,
+            PushRowSplit::Wide | PushRowSplit::WideSpread | PushRowSplit::Cluster => 1,
             PushRowSplit::Short => FUSED_SHORT_ROW_PACKS_PER_THREAD,
             PushRowSplit::Long => FUSED_PACKS_PER_THREAD,
         }
@@ -396,6 +400,23 @@ pub fn cluster_launch(row_packs: u64, rows: u64, cap: u32, two_ranks: bool) -> O
         return None;
     }
     Some(ClusterLaunch { blocks_per_cluster: blocks_per_cluster as u32, threads: threads as u32 })
+}
+
+/// Packs per block the spread push aims at: one per thread of a block of
+/// 256, the plain OneShotPush's geometry at these sizes.
+pub const SPREAD_PUSH_PACKS_PER_BLOCK: u64 = 256;
+
+/// Blocks of a fused OneShotPush launch (a block per row) over `rows` rows
+/// of `row_packs` packs whose push is spread over the whole grid
+/// (`EPILOGUE_SPREAD_PUSH`), when that grid has more blocks than rows:
+/// about `SPREAD_PUSH_PACKS_PER_BLOCK` packs a block, at most `cap`.
+/// Which block pushes a pack does not change any output bit.
+/// One row keeps its block (measured slower spread, 4.31 against 4.20 us
+/// at 1 x 7168 bf16 with two ranks on one H200; 4.33-4.41 against
+/// 4.45-4.68 at 3 x 7168: docs/RESULTS.md).
+pub fn spread_push_blocks(rows: u64, row_packs: u64, cap: u32) -> Option<u32> {
+    let blocks = (rows * row_packs).div_ceil(SPREAD_PUSH_PACKS_PER_BLOCK).min(cap as u64);
+    (rows >= 2 && blocks > rows).then_some(blocks as u32)
 }
 
 /// `Ok` when `threads` can run a fused kernel over rows of `row_packs`.
@@ -516,6 +537,20 @@ mod tests {
                 assert!(threads <= max, "{packs}: {threads}");
             }
         }
+    }
+
+    #[test]
+    fn the_push_spreads_over_more_blocks_than_rows_only() {
+        // 3 x 7168 bf16 (2688 packs): 11 blocks, as the plain kernel.
+        assert_eq!(spread_push_blocks(3, 896, 36), Some(11));
+        assert_eq!(spread_push_blocks(2, 896, 36), Some(7));
+        assert_eq!(spread_push_blocks(1, 896, 36), None);
+        // Capped by residency; never fewer blocks than rows.
+        assert_eq!(spread_push_blocks(64, 896, 36), None);
+        assert_eq!(spread_push_blocks(3, 896, 3), None);
+        assert_eq!(spread_push_blocks(2, 128, 36), None);
+        assert_eq!(spread_push_blocks(0, 896, 36), None);
+        assert_eq!(spread_push_blocks(8, 4096, 36), Some(36));
     }
 
     #[test]

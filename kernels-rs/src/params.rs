@@ -285,6 +285,15 @@ pub const EPILOGUE_NORM: u32 = 1;
 /// `weight`.
 pub const EPILOGUE_WEIGHT_OFFSET: u32 = 2;
 
+/// [`FusedEpilogue::flags`] bit, fused OneShotPush block-per-row entries
+/// only: the **spread push**. Every block of the grid pushes an equal
+/// share of the whole message (`packs_per_block` consecutive packs), and
+/// block `b < rows` then owns row `b` (polls, adds, normalises it) as
+/// without the bit. The host sets it only where the grid has more blocks
+/// than rows and neither `normed` nor `residual_out` overlaps `input` (a
+/// block may still push a row its owner has finished).
+pub const EPILOGUE_SPREAD_PUSH: u32 = 4;
+
 /// Threads per block of the fused kernels at most (their register budget is
 /// that of every kernel but the plain sentinel ones: 65536 / 512).
 pub const FUSED_MAX_THREADS: u32 = 512;

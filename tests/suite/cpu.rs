@@ -204,11 +204,12 @@ fn ptx_choice_follows_compute_capability() {
     assert_eq!(pick(7, 5), None);
     let entries = tp_allreduce::kernels::expected_entries();
     // Seven allreduce kernels, the two-rank OneShotPush, sum and affine, the
-    // nine fused-epilogue entries (five fused OneShotPush: any world or
-    // two ranks with long or short rows, two ranks with wide rows; fused
-    // TwoShotPush and Hierarchical; fused OneShotPull; add_rms_norm), per
-    // dtype; the P2P check; the copy-engine ring's handshake and publish.
-    assert_eq!(entries.len(), 7 * 3 + 3 * 3 + 9 * 3 + 1 + 2);
+    // ten fused-epilogue entries (six fused OneShotPush: any world or two
+    // ranks with long or short rows, two ranks with wide rows, pushed by
+    // their rows or spread; fused TwoShotPush and Hierarchical; fused
+    // OneShotPull; add_rms_norm), per dtype; the P2P check; the copy-engine
+    // ring's handshake and publish.
+    assert_eq!(entries.len(), 7 * 3 + 3 * 3 + 10 * 3 + 1 + 2);
 }
 
 #[test]

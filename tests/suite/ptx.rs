@@ -267,14 +267,14 @@ fn fused_entries_take_the_parameters_the_host_passes() {
         sources.push((format!("committed {arch}"), fs::read_to_string(&file).unwrap_or_default()));
     }
     // Every fused OneShotPush entry (any world or two ranks; long, short or
-    // wide rows) of every dtype: 5 per dtype; the fused island pushes per
-    // dtype.
+    // wide rows, the wide ones also with the spread push) of every dtype: 6
+    // per dtype; the fused island pushes per dtype.
     let mut by_value: Vec<(String, (usize, usize))> = kernels::fused_entries()
         .into_iter()
         .filter(|e| e.starts_with("fused_one_shot_push"))
         .map(|e| (e, one_shot))
         .collect();
-    assert_eq!(by_value.len(), 5 * DType::ALL.len(), "{by_value:?}");
+    assert_eq!(by_value.len(), 6 * DType::ALL.len(), "{by_value:?}");
     for dtype in DType::ALL {
         by_value.push((kernels::fused_island_push_entry(AlgorithmId::TwoShotPush, dtype), island));
         by_value.push((kernels::fused_island_push_entry(AlgorithmId::Hierarchical, dtype), island));

@@ -23,7 +23,8 @@
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
 use tp_allreduce_kernels::ids::AlgorithmId;
 use tp_allreduce_kernels::params::{
-    FusedEpilogue, FusedIslandPushParams, FusedOneShotPushParams, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET,
+    FusedEpilogue, FusedIslandPushParams, FusedOneShotPushParams, EPILOGUE_NORM, EPILOGUE_SPREAD_PUSH,
+    EPILOGUE_WEIGHT_OFFSET,
 };
 
 use super::choose;
@@ -31,8 +32,8 @@ use super::{Comm, Element};
 pub use crate::algorithm::fused::FusedOptions;
 use crate::algorithm::fused::{
     check_call, cluster_launch, default_threads, epilogue_threads, fused_path, island_blocks, normed_slot_bytes,
-    push_launch, row_blocks, ClusterLaunch, EpiloguePointers, EpilogueShape, FusedCapacities, FusedPath, PushRowSplit,
-    EPILOGUE_MAX_BLOCKS,
+    push_launch, row_blocks, spread_push_blocks, ClusterLaunch, EpiloguePointers, EpilogueShape, FusedCapacities,
+    FusedPath, PushRowSplit, EPILOGUE_MAX_BLOCKS,
 };
 use crate::algorithm::{Algorithm, Transport};
 use crate::comm::registry::InputSource;
@@ -110,6 +111,15 @@ impl EpilogueCall {
             eps: self.eps,
             flags: self.flags(),
         }
+    }
+
+    /// Whether the residual or `normed` overlaps `input` (over the whole
+    /// call): the spread push may not run then (a block may push a row
+    /// its owner has already written).
+    fn outputs_overlap_input(&self) -> bool {
+        let bytes = self.shape.bytes() as u64;
+        let overlaps = |a: u64| a < self.input + bytes && self.input < a + bytes;
+        overlaps(self.residual) || (self.shape.norm && overlaps(self.normed))
     }
 
     /// Threads per block of the fused kernels for this call.
@@ -383,12 +393,21 @@ impl Comm {
             },
             FusedPath::Push { rows_per_launch } => {
                 let rows = (rows as u64).min(rows_per_launch);
-                let spread = match self.push_cluster(shape.row_packs().unwrap_or(0), rows, None) {
+                let row_packs = shape.row_packs().unwrap_or(0);
+                let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
+                let (split, threads) = push_launch(row_packs, two_ranks, None);
+                let spread = match self.push_cluster(row_packs, rows, None) {
                     Some(c) => format!(
                         "; each row over a thread-block cluster of {} blocks x {} threads",
                         c.blocks_per_cluster, c.threads
                     ),
-                    None => String::new(),
+                    None => match self.spread_push(rows, row_packs, self.push_cap(split, threads)) {
+                        Some(blocks) => format!(
+                            "; the push spread over {blocks} blocks, a block per row for the rest \
+                             (outputs apart from the input)"
+                        ),
+                        None => String::new(),
+                    },
                 };
                 FusedPlan { algorithm, transport, fused: true, reason: format!("{reason}; epilogue fused{spread}") }
             }
@@ -406,6 +425,26 @@ impl Comm {
         }
         let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
         cluster_launch(row_packs, rows, self.setup.geometry().pull_max_blocks, two_ranks)
+    }
+
+    /// Blocks of a fused OneShotPush launch (a block per row) whose push is
+    /// spread over the grid, if it is (`Config::fused_spread_push`, the
+    /// outputs apart from the input: the caller checks).
+    fn spread_push(&self, rows: u64, row_packs: u64, cap: u32) -> Option<u32> {
+        self.config.fused_spread_push.then(|| spread_push_blocks(rows, row_packs, cap)).flatten()
+    }
+
+    /// Most resident blocks of a fused OneShotPush launch of `threads`
+    /// threads (`split` entries).
+    fn push_cap(&self, split: PushRowSplit, threads: u32) -> u32 {
+        let geometry = self.setup.geometry();
+        match split {
+            // Blocks of up to 1024 threads: the resident bound of that size.
+            PushRowSplit::Wide | PushRowSplit::WideSpread => {
+                geometry.pull_max_blocks.min(geometry.sentinel_resident.cap(threads))
+            }
+            PushRowSplit::Short | PushRowSplit::Long | PushRowSplit::Cluster => geometry.pull_max_blocks,
+        }
     }
 
     /// What bounds one launch of each fused kernel: the OneShotPush receive
@@ -525,15 +564,11 @@ impl Comm {
         let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
         let (split, threads) = push_launch(row_packs, two_ranks, call.opts.threads);
         let f = self.module.function(&fused_one_shot_push_entry(call.shape.dtype, two_ranks, split))?;
-        let geometry = self.setup.geometry();
-        let cap = match split {
-            // Blocks of up to 1024 threads: the resident bound of that size.
-            PushRowSplit::Wide => geometry.pull_max_blocks.min(geometry.sentinel_resident.cap(threads)),
-            PushRowSplit::Short | PushRowSplit::Long | PushRowSplit::Cluster => geometry.pull_max_blocks,
-        };
+        let cap = self.push_cap(split, threads);
+        let overlap = call.outputs_overlap_input();
         for (row0, rows) in row_chunks(call.shape.rows, rows_per_launch) {
             let push = self.sentinel.one_shot_push(call.input + call.row_offset(row0), 0, rows * hidden);
-            let p = FusedOneShotPushParams { push, epilogue: call.epilogue(row0, rows) };
+            let mut p = FusedOneShotPushParams { push, epilogue: call.epilogue(row0, rows) };
             if let Some(c) = self.push_cluster(row_packs, rows, call.opts.threads) {
                 let entry = fused_one_shot_push_entry(call.shape.dtype, two_ranks, PushRowSplit::Cluster);
                 let f = self.module.function(&entry)?;
@@ -547,15 +582,35 @@ impl Comm {
                 };
                 continue;
             }
+            // A block per row; the push spread over more blocks where the
+            // outputs leave the input alone (the same bits either way: the
+            // owners' reduction does not change).
+            let spread = if overlap { None } else { self.spread_push(rows, row_packs, cap) };
+            let (f, blocks) = match spread {
+                Some(blocks) => {
+                    p.epilogue.flags |= EPILOGUE_SPREAD_PUSH;
+                    let f = match split {
+                        PushRowSplit::Wide => {
+                            let entry =
+                                fused_one_shot_push_entry(call.shape.dtype, two_ranks, PushRowSplit::WideSpread);
+                            self.module.function(&entry)?
+                        }
+                        _ => f,
+                    };
+                    (f, blocks)
+                }
+                None => (f, row_blocks(rows, cap)),
+            };
             // SAFETY: the entry takes one FusedOneShotPushParams by value
             // (sizes pinned on both sides and checked against the PTX); the
             // template's addresses are this communicator's mapped regions;
             // the pointers are validated for every row; `rows` rows fit the
-            // receive region (fused_path); at most `pull_max_blocks` blocks
-            // of at most 512 threads stay resident with the other ranks of
-            // the GPU (the fused entries are among those it is computed
-            // from), and `threads` covers a row (check_threads).
-            unsafe { driver::launch_struct(f, row_blocks(rows, cap), threads, stream, &p)? };
+            // receive region (fused_path); at most `cap` blocks stay
+            // resident with the other ranks of the GPU (the fused entries
+            // are among those it is computed from); `threads` covers a row
+            // (check_threads); with the spread push `normed` and the
+            // residual do not overlap `input` (outputs_overlap_input).
+            unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
         }
         Ok(())
     }

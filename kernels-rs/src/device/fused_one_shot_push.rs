@@ -53,6 +53,16 @@
 //! phases), and no other thread reads it. `residual_in` may equal
 //! `residual_out` likewise.
 //!
+//! **Spread push** (`EPILOGUE_SPREAD_PUSH`, block-per-row entries, a grid
+//! of more blocks than rows): a block per row issues a whole row's push
+//! from one SM, and the row's last pack reached the peer about 0.5 us
+//! after its first (2 H200, 896 packs a row). With the bit every block
+//! pushes an equal share of consecutive packs of the whole message
+//! instead, and blocks `b < rows` own the rows as above (their own term
+//! loaded again, an L2 hit). The poll side is unchanged; nothing orders a
+//! push after the owner's stores, so the host sets the bit only where
+//! `normed` and `residual_out` do not overlap `input`.
+//!
 //! A wait that gives up makes its thread skip its remaining packs; the
 //! block leaves together at the row's barrier (`bar.red.or` of the
 //! failure), and the failing threads record it. Without `EPILOGUE_NORM`
@@ -67,7 +77,7 @@ use super::sentinel::{self, Stall, Trace};
 use crate::ids::AlgorithmId;
 use crate::layout::{ErrorRecord, MAX_RANKS, SENTINEL_EMPTY_WORD};
 use crate::params::{
-    Control, FusedOneShotPushParams, RegionId, EPILOGUE_NORM, EPILOGUE_WEIGHT_OFFSET, FLAG_TRACE,
+    Control, FusedOneShotPushParams, RegionId, EPILOGUE_NORM, EPILOGUE_SPREAD_PUSH, EPILOGUE_WEIGHT_OFFSET, FLAG_TRACE,
     FUSED_PACKS_PER_THREAD, FUSED_SHORT_ROW_PACKS_PER_THREAD,
 };
 use crate::{for_each_rank, for_each_row_pack};
@@ -112,6 +122,22 @@ impl RowSlice {
             None
         }
     }
+}
+
+/// `SPREAD` of the kernel body: whether the push is spread over the grid
+/// never (the `_wide` entries: their 64 registers leave no room for both
+/// pushes), by `EPILOGUE_SPREAD_PUSH`, or always (`_wide_spread`).
+const SPREAD_NEVER: u8 = 0;
+const SPREAD_BY_FLAG: u8 = 1;
+const SPREAD_ALWAYS: u8 = 2;
+
+/// This block's packs `lo..hi` of a spread push over `total` packs: an
+/// equal share of consecutive packs per block.
+#[inline(always)]
+fn spread_share(total: u32) -> (u32, u32) {
+    let share = total.div_ceil(ptx::grid_dim_x());
+    let lo = ptx::block_idx_x() * share;
+    (lo, total.min(lo + share))
 }
 
 /// Loads this thread's packs of `row` from `base` (all in flight at once;
@@ -205,7 +231,7 @@ const fn preloaded_slots(w: u32, p: usize) -> usize {
 /// for the TP2 entry points), 0 for "read it from the parameters"; `P`
 /// packs of a row per thread at most (`K` or `SHORT_K`).
 #[inline(always)]
-unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CLUSTER: bool>(
+unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CLUSTER: bool, const SPREAD: u8>(
     p: FusedOneShotPushParams,
 ) {
     let trace = Trace::start(p.push.h.flags & FLAG_TRACE != 0, p.push.h.trace);
@@ -243,9 +269,26 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
     // of every row in it; a misaligned view goes element by element (every
     // rank runs this kernel for the same calls, whatever its pointers).
     let vector_in = aligned16(input);
+    // Spread push (`EPILOGUE_SPREAD_PUSH`, block-per-row entries): this
+    // block pushes packs `spread_lo..spread_hi` of the whole message,
+    // pack `spread_lo + tid + k * threads`; the first is loaded now, into
+    // `values[0]` (the rows' packs are loaded again by their owners).
+    // 32-bit: a launch's packs fit its receive region.
+    let spread = match SPREAD {
+        SPREAD_NEVER => false,
+        SPREAD_BY_FLAG => p.epilogue.flags & EPILOGUE_SPREAD_PUSH != 0,
+        _ => true,
+    };
     let mut values = [ZERO_PACK; K];
     let mut values_row = first_row;
-    if first_row < rows {
+    if spread {
+        let (spread_lo, spread_hi) = spread_share((rows * row_packs) as u32);
+        let j = spread_lo + tid as u32;
+        if j < spread_hi {
+            values[0] = load_pack::<E>(input as *const u8, j as u64, E::LANES as u64, vector_in);
+        }
+        values_row = u64::MAX;
+    } else if first_row < rows {
         values = load_row_packs::<E, P>(input, first_row, slice, vector_in);
     }
     let world = if W == 0 { p.push.h.world } else { W };
@@ -259,8 +302,33 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
         values_row = u64::MAX;
     }
 
-    // ---- Push: each owned pack to every peer (rank+1, rank+2, ...).
-    if abort == 0 {
+    // ---- Push: each owned pack to every peer (rank+1, rank+2, ...): the
+    //      block's share of the message (spread), or its rows.
+    if abort == 0 && spread {
+        trace.loaded(generation);
+        // Recomputed here rather than held across the entry (registers).
+        let (spread_lo, spread_hi) = spread_share(ptx::opaque_u64(rows * row_packs) as u32);
+        let first = spread_lo + tid as u32;
+        let mut j = first;
+        while j < spread_hi && (P > 1 || j == first) {
+            let v = E::canonicalise(values[0]);
+            let off = ptx::opaque_u64(half + 16 * j as u64);
+            for_each_rank!(D => {
+                if (D as u32) + 1 < world {
+                    ptx::st_relaxed_sys_v4_u32((p.push.send_to[D] + off) as *mut u32, v);
+                }
+            });
+            if j == first {
+                trace.first_store(generation);
+            }
+            // One pack per thread (P == 1): a block holds a row, and a
+            // share is less than a row (more blocks than rows).
+            j += threads as u32;
+            if P > 1 && j < spread_hi {
+                values[0] = load_pack::<E>(input as *const u8, j as u64, E::LANES as u64, vector_in);
+            }
+        }
+    } else if abort == 0 {
         trace.loaded(generation);
         let mut row = first_row;
         while row < rows {
@@ -423,20 +491,20 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
 
 macro_rules! fused_one_shot_push_entries {
     ($w:literal, $p:expr, $f32:ident, $f16:ident, $bf16:ident) => {
-        fused_one_shot_push_entries!($w, $p, false, $f32, $f16, $bf16);
+        fused_one_shot_push_entries!($w, $p, false, SPREAD_BY_FLAG, $f32, $f16, $bf16);
     };
-    ($w:literal, $p:expr, $cluster:literal, $f32:ident, $f16:ident, $bf16:ident) => {
+    ($w:literal, $p:expr, $cluster:literal, $spread:expr, $f32:ident, $f16:ident, $bf16:ident) => {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $f32(p: FusedOneShotPushParams) {
-            fused_one_shot_push::<$crate::device::pack::F32, $w, { $p }, $cluster>(p)
+            fused_one_shot_push::<$crate::device::pack::F32, $w, { $p }, $cluster, { $spread }>(p)
         }
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $f16(p: FusedOneShotPushParams) {
-            fused_one_shot_push::<$crate::device::pack::F16, $w, { $p }, $cluster>(p)
+            fused_one_shot_push::<$crate::device::pack::F16, $w, { $p }, $cluster, { $spread }>(p)
         }
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $bf16(p: FusedOneShotPushParams) {
-            fused_one_shot_push::<$crate::device::pack::Bf16, $w, { $p }, $cluster>(p)
+            fused_one_shot_push::<$crate::device::pack::Bf16, $w, { $p }, $cluster, { $spread }>(p)
         }
     };
 }
@@ -468,9 +536,22 @@ fused_one_shot_push_entries!(
 fused_one_shot_push_entries!(
     2,
     1,
+    false,
+    SPREAD_NEVER,
     fused_one_shot_push2_wide_f32,
     fused_one_shot_push2_wide_f16,
     fused_one_shot_push2_wide_bf16
+);
+// The same with the push spread over the grid (`EPILOGUE_SPREAD_PUSH`):
+// the same output bits as `_wide`.
+fused_one_shot_push_entries!(
+    2,
+    1,
+    false,
+    SPREAD_ALWAYS,
+    fused_one_shot_push2_wide_spread_f32,
+    fused_one_shot_push2_wide_spread_f16,
+    fused_one_shot_push2_wide_spread_bf16
 );
 
 /// A row spread over the blocks of a cluster, one pack per thread (sm_90
@@ -484,6 +565,7 @@ mod cluster_entries {
         0,
         1,
         true,
+        SPREAD_NEVER,
         fused_one_shot_push_cluster_f32,
         fused_one_shot_push_cluster_f16,
         fused_one_shot_push_cluster_bf16
@@ -492,6 +574,7 @@ mod cluster_entries {
         2,
         1,
         true,
+        SPREAD_NEVER,
         fused_one_shot_push2_cluster_f32,
         fused_one_shot_push2_cluster_f16,
         fused_one_shot_push2_cluster_bf16
