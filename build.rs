@@ -204,6 +204,18 @@ fn stage_sources(kernels: &Path, out: &Path) -> Result<PathBuf, String> {
     Ok(staged)
 }
 
+/// PTX ISA above the target's default where an entry needs it: the sm_90
+/// cluster entries use `st.async` and `mbarrier` expect-tx (PTX 8.1; LLVM
+/// emits 7.8 for sm_90 by default, 8.7 for sm_120). PTX 8.1 loads on
+/// drivers of CUDA 12.1 and newer.
+fn ptx_isa_flags(arch: &str) -> &'static [&'static str] {
+    if arch == "sm_90" {
+        &["-C", "target-feature=+ptx81"]
+    } else {
+        &[]
+    }
+}
+
 fn build_arch(staged: &Path, out: &Path, arch: &str) -> Result<PathBuf, String> {
     let target_dir = out.join("ptx-target").join(arch);
     let output = nightly_command("cargo")
@@ -211,6 +223,7 @@ fn build_arch(staged: &Path, out: &Path, arch: &str) -> Result<PathBuf, String> 
         .args(["rustc", "--release", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core", "--target-dir"])
         .arg(&target_dir)
         .args(["--", "-C", &format!("target-cpu={arch}"), "--emit=asm"])
+        .args(ptx_isa_flags(arch))
         .env("RUSTFLAGS", KERNEL_FLAGS)
         .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "1")
         .env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "3")

@@ -27,12 +27,13 @@
 //! thread, so that a 14 KB row is pushed, polled and normalised by up to 8
 //! SMs instead of one. The same phases on each block's slice of the row;
 //! the row's sum of squares is `epilogue::cluster_sum` (each block's total
-//! sent one way into every block's shared-memory inbox, polled there):
+//! sent one way with `st.async` into every block's shared-memory inbox,
+//! counted there by an mbarrier):
 //!
 //! ```text
-//!   entry (RMSNorm): zero the inbox, barrier.cluster.arrive     (nothing outstanding yet)
+//!   entry (RMSNorm): init the inbox's mbarriers, barrier.cluster.arrive.relaxed
 //!   ... push, advance_generation as above ...
-//!   barrier.cluster.wait                                        (every inbox zeroed)
+//!   barrier.cluster.wait                                        (every mbarrier initialised)
 //!   per row: poll + add as above; block_sum; cluster_sum (one-way inbox exchange)
 //! ```
 //!
@@ -236,10 +237,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
 ) {
     let trace = Trace::start(p.push.h.flags & FLAG_TRACE != 0, p.push.h.trace);
     let control = p.push.h.control as *mut Control;
-    // A cluster with RMSNorm readies its inbox first, while no load of this
-    // thread is outstanding (the arrive's release would wait for them). The
-    // inbox's address is taken once: each asm block that takes it declares
-    // the array.
+    // A cluster with RMSNorm readies its inbox first (its mbarriers; the
+    // arrive is relaxed). The inbox's address is taken once: each asm block
+    // that takes it declares the array.
     let cluster_inbox = ptx::cluster_inbox();
     if CLUSTER && p.epilogue.flags & EPILOGUE_NORM != 0 {
         cluster_inbox_open(cluster_inbox);

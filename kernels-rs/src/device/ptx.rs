@@ -516,18 +516,9 @@ pub fn cluster_count_x() -> u32 {
     r
 }
 
-/// `barrier.cluster.arrive.aligned;` — this thread arrives at the cluster
-/// barrier (release semantics, the PTX default: its prior memory accesses
-/// are ordered before the matching wait of every thread of the cluster).
-/// Every thread of the cluster executes it, converged within its warp.
-#[inline(always)]
-pub unsafe fn barrier_cluster_arrive() {
-    asm!("barrier.cluster.arrive.aligned;", options(nostack));
-}
-
 /// `barrier.cluster.wait.aligned;` — waits until every thread of the
 /// cluster arrived (acquire semantics, the PTX default). Pairs with this
-/// thread's previous [`barrier_cluster_arrive`].
+/// thread's previous [`barrier_cluster_arrive_relaxed`].
 #[inline(always)]
 pub unsafe fn barrier_cluster_wait() {
     asm!("barrier.cluster.wait.aligned;", options(nostack));
@@ -545,60 +536,90 @@ pub fn map_shared_to_cta(addr: u32, cta: u32) -> u32 {
     d
 }
 
-/// `st.release.cluster.shared::cluster.u64 [addr], v;` — a store into the
-/// shared memory of a block of this cluster (`addr` from
-/// [`map_shared_to_cta`], 8-byte aligned), ordered after this thread's
-/// prior accesses for every thread of the cluster (one 64-bit access:
-/// single-copy atomic).
+/// `mbarrier.init.shared::cta.b64 [addr], count;` — one thread readies
+/// the mbarrier at `addr` (8-byte aligned, shared window) for `count`
+/// arrivals per phase, in phase 0.
 #[inline(always)]
-pub unsafe fn st_release_cluster_shared_cluster_u64(addr: u32, v: u64) {
-    asm!("st.release.cluster.shared::cluster.u64 [{a}], {v};", a = in(reg32) addr, v = in(reg64) v, options(nostack));
+pub unsafe fn mbarrier_init(addr: u32, count: u32) {
+    asm!("mbarrier.init.shared::cta.b64 [{a}], {c};", a = in(reg32) addr, c = in(reg32) count, options(nostack));
 }
 
-/// `ld.acquire.cluster.shared.u64 v, [addr];` — a load of this block's
-/// shared memory (`addr` 8-byte aligned) that later accesses cannot pass;
-/// pairs with [`st_release_cluster_shared_cluster_u64`]. Never hoisted out
-/// of a polling loop (not `pure`).
+/// `fence.mbarrier_init.release.cluster;` — orders this thread's earlier
+/// `mbarrier.init`s before its later cluster-barrier arrive (a light fence:
+/// no `MEMBAR` in the SASS, unlike a release arrive).
 #[inline(always)]
-pub unsafe fn ld_acquire_cluster_shared_u64(addr: u32) -> u64 {
+pub unsafe fn fence_mbarrier_init_release_cluster() {
+    asm!("fence.mbarrier_init.release.cluster;", options(nostack));
+}
+
+/// `barrier.cluster.arrive.relaxed.aligned;` — arrives at the cluster
+/// barrier without ordering earlier accesses (every thread of the cluster,
+/// converged within its warp).
+#[inline(always)]
+pub unsafe fn barrier_cluster_arrive_relaxed() {
+    asm!("barrier.cluster.arrive.relaxed.aligned;", options(nostack));
+}
+
+/// `mbarrier.arrive.expect_tx.shared::cta.b64 _, [addr], bytes;` — this
+/// thread's arrival on the mbarrier at `addr`, announcing `bytes` more of
+/// transactions (`st.async` completions) the current phase waits for.
+#[inline(always)]
+pub unsafe fn mbarrier_arrive_expect_tx(addr: u32, bytes: u32) {
+    asm!("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{a}], {b};", a = in(reg32) addr, b = in(reg32) bytes, options(nostack));
+}
+
+/// `st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [addr], v,
+/// [mbar];` — stores `v` into the shared memory of a block of this cluster
+/// (`addr`, `mbar` from [`map_shared_to_cta`]) and completes 8 bytes of
+/// transactions on that block's mbarrier `mbar` (a release at cluster
+/// scope; the store itself is weak).
+#[inline(always)]
+pub unsafe fn st_async_shared_cluster_u64(addr: u32, v: u64, mbar: u32) {
+    asm!(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [{a}], {v}, [{m}];",
+        a = in(reg32) addr,
+        v = in(reg64) v,
+        m = in(reg32) mbar,
+        options(nostack)
+    );
+}
+
+/// `mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64` on the
+/// mbarrier at `addr`: whether its phase of parity `parity` has completed
+/// (acquire at cluster scope: the remote `st.async` data of that phase is
+/// visible after `true`). Never hoisted out of a polling loop.
+#[inline(always)]
+pub unsafe fn mbarrier_try_wait_parity(addr: u32, parity: u32) -> bool {
+    let done: u32;
+    asm!(
+        "{{ .reg .pred p;",
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [{a}], {ph};",
+        "selp.u32 {d}, 1, 0, p; }}",
+        a = in(reg32) addr,
+        ph = in(reg32) parity,
+        d = out(reg32) done,
+        options(nostack)
+    );
+    done != 0
+}
+
+/// `ld.shared.u64 v, [addr];` (`addr` 8-byte aligned, shared window)
+#[inline(always)]
+pub unsafe fn ld_shared_u64(addr: u32) -> u64 {
     let v: u64;
-    asm!("ld.acquire.cluster.shared.u64 {v}, [{a}];", v = out(reg64) v, a = in(reg32) addr, options(nostack, readonly));
+    asm!("ld.shared.u64 {v}, [{a}];", v = out(reg64) v, a = in(reg32) addr, options(nostack, readonly));
     v
-}
-
-/// `st.relaxed.cluster.shared::cluster.u64 [addr], v;` — as
-/// [`st_release_cluster_shared_cluster_u64`] without the release: no wait
-/// for this thread's (and its block's) earlier stores to global memory.
-#[inline(always)]
-pub unsafe fn st_relaxed_cluster_shared_cluster_u64(addr: u32, v: u64) {
-    asm!("st.relaxed.cluster.shared::cluster.u64 [{a}], {v};", a = in(reg32) addr, v = in(reg64) v, options(nostack));
-}
-
-/// `ld.relaxed.cluster.shared.u64 v, [addr];` — as
-/// [`ld_acquire_cluster_shared_u64`] without the acquire. Never hoisted
-/// out of a polling loop (not `pure`).
-#[inline(always)]
-pub unsafe fn ld_relaxed_cluster_shared_u64(addr: u32) -> u64 {
-    let v: u64;
-    asm!("ld.relaxed.cluster.shared.u64 {v}, [{a}];", v = out(reg64) v, a = in(reg32) addr, options(nostack, readonly));
-    v
-}
-
-/// `st.shared.u64 [addr], v;` (`addr` 8-byte aligned, shared window)
-#[inline(always)]
-pub unsafe fn st_shared_u64(addr: u32, v: u64) {
-    asm!("st.shared.u64 [{a}], {v};", a = in(reg32) addr, v = in(reg64) v, options(nostack));
 }
 
 /// Shared-window address of this block's cluster inbox: 16 u64 (two
-/// buffers of one word per block of the cluster), declared by this asm
-/// block.
+/// buffers of one word per block of the cluster), then two mbarriers (one
+/// per buffer), declared by this asm block.
 #[inline(always)]
 pub fn cluster_inbox() -> u32 {
     let a: u32;
     // SAFETY: declares a block-scoped shared array and takes its address.
     unsafe {
-        asm!("{{ .shared .align 8 .b8 tp_cluster_inbox[128];", "mov.u32 {a}, tp_cluster_inbox; }}", a = out(reg32) a, options(pure, nomem, nostack))
+        asm!("{{ .shared .align 8 .b8 tp_cluster_inbox[144];", "mov.u32 {a}, tp_cluster_inbox; }}", a = out(reg32) a, options(pure, nomem, nostack))
     };
     a
 }
