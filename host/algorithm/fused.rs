@@ -381,16 +381,18 @@ impl ClusterLaunch {
 /// at most `MAX_CLUSTER_BLOCKS` blocks a cluster, and a cluster for every
 /// row within `cap` resident blocks (more rows than that fill the GPU with
 /// whole-row blocks anyway: the block-per-row kernels take them).
-/// A few rows that a block per row would hold at more than one pack per
-/// thread are the case it is for (rows over `FUSED_MAX_THREADS` packs with
-/// more than two ranks, over `FUSED_WIDE_MAX_THREADS` with two): such a
-/// block issues a whole row on one SM while most SMs idle. With two ranks and one pack per
-/// thread the block-per-row `_wide` kernel measured as fast or faster on 2
-/// H200 (docs/RESULTS.md, fused epilogue). The same on every rank.
-pub fn cluster_launch(row_packs: u64, rows: u64, cap: u32, two_ranks: bool) -> Option<ClusterLaunch> {
-    // One pack per thread in a block per row (the `_wide` entry, or a
-    // short row): no cluster.
-    let (_, block_threads) = push_launch(row_packs, two_ranks, None);
+/// A few rows that a block per row of up to `FUSED_MAX_THREADS` threads
+/// would hold at more than one pack per thread are the case it is for
+/// (rows over 512 packs), with any world: such a block issues a whole row
+/// on one SM while most SMs idle. With two ranks the one-pack-per-thread
+/// `_wide` kernel was as fast until the exchange moved to mbarriers; since
+/// then clusters measured faster there too (docs/RESULTS.md: 3.95-4.00
+/// against 4.38-4.39 us at 3 x 7168, two ranks on one H200). The same on
+/// every rank.
+pub fn cluster_launch(row_packs: u64, rows: u64, cap: u32) -> Option<ClusterLaunch> {
+    // One pack per thread in a block per row of at most 512 threads: no
+    // cluster.
+    let (_, block_threads) = push_launch(row_packs, false, None);
     if row_packs <= block_threads as u64 {
         return None;
     }
@@ -557,26 +559,22 @@ mod tests {
     fn cluster_launches_spread_a_few_long_rows_and_cover_every_pack() {
         let launch = |blocks_per_cluster, threads| Some(ClusterLaunch { blocks_per_cluster, threads });
         // hidden 7168 bf16 = 896 packs: 7 blocks of 128 threads per row.
-        assert_eq!(cluster_launch(896, 3, 36, false), launch(7, 128));
-        assert_eq!(cluster_launch(896, 3, 36, false).map(|c| c.blocks(3)), Some(21));
-        assert_eq!(cluster_launch(896, 5, 36, false), launch(7, 128));
-        // Two ranks: one pack per thread in a block per row up to 1024
-        // packs (the `_wide` kernel), clusters beyond.
-        assert_eq!(cluster_launch(896, 3, 36, true), None);
-        assert_eq!(cluster_launch(1024, 1, 36, true), None);
-        assert_eq!(cluster_launch(2048, 3, 36, true), launch(8, 256));
+        assert_eq!(cluster_launch(896, 3, 36), launch(7, 128));
+        assert_eq!(cluster_launch(896, 3, 36).map(|c| c.blocks(3)), Some(21));
+        assert_eq!(cluster_launch(896, 5, 36), launch(7, 128));
+        assert_eq!(cluster_launch(2048, 3, 36), launch(8, 256));
         // More rows than clusters fit: the block-per-row kernels.
-        assert_eq!(cluster_launch(896, 6, 36, false), None);
-        assert_eq!(cluster_launch(896, 64, 36, false), None);
-        assert_eq!(cluster_launch(896, 0, 36, false), None);
-        assert_eq!(cluster_launch(1024, 1, 36, false), launch(8, 128));
-        assert_eq!(cluster_launch(2048, 1, 36, false), launch(8, 256));
+        assert_eq!(cluster_launch(896, 6, 36), None);
+        assert_eq!(cluster_launch(896, 64, 36), None);
+        assert_eq!(cluster_launch(896, 0, 36), None);
+        assert_eq!(cluster_launch(1024, 1, 36), launch(8, 128));
+        assert_eq!(cluster_launch(2048, 1, 36), launch(8, 256));
         // Rows a block holds at one pack per thread: no cluster.
-        assert_eq!(cluster_launch(16, 2, 36, false), None);
-        assert_eq!(cluster_launch(512, 2, 36, false), None);
-        assert_eq!(cluster_launch(513, 2, 36, false), launch(5, 128));
+        assert_eq!(cluster_launch(16, 2, 36), None);
+        assert_eq!(cluster_launch(512, 2, 36), None);
+        assert_eq!(cluster_launch(513, 2, 36), launch(5, 128));
         for packs in 1..=FUSED_MAX_ROW_PACKS as u64 {
-            let Some(c) = cluster_launch(packs, 1, 36, false) else {
+            let Some(c) = cluster_launch(packs, 1, 36) else {
                 assert!(packs <= push_launch(packs, false, None).1 as u64, "{packs}: no cluster launch");
                 continue;
             };

@@ -423,8 +423,7 @@ impl Comm {
         if !self.setup.fused_clusters || threads_override.is_some() {
             return None;
         }
-        let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
-        cluster_launch(row_packs, rows, self.setup.geometry().pull_max_blocks, two_ranks)
+        cluster_launch(row_packs, rows, self.setup.geometry().pull_max_blocks)
     }
 
     /// Blocks of a fused OneShotPush launch (a block per row) whose push is
