@@ -155,6 +155,21 @@ unsafe fn load_row_packs<E: Element, const P: usize>(base: u64, row: u64, s: Row
     v
 }
 
+/// Stores pack `$v` at byte offset `$offset` of every peer's receive region
+/// (slot of this rank: `send_to[d]`, peers rank+1, rank+2, ...). A macro
+/// for the reason `poll_and_sum!` gives.
+macro_rules! push_to_peers {
+    ($p:ident, $world:expr, $offset:expr, $v:expr) => {{
+        let v = $v;
+        let off = ptx::opaque_u64($offset);
+        for_each_rank!(D => {
+            if (D as u32) + 1 < $world {
+                ptx::st_relaxed_sys_v4_u32(($p.push.send_to[D] + off) as *mut u32, v);
+            }
+        });
+    }};
+}
+
 /// Polls every receive slot of the pack at byte offset `$off` (within the
 /// half), resets each after reading it, and sums the world's terms in rank
 /// order into an f32 accumulator (`$mine` is this rank's term):
@@ -311,13 +326,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
         let first = spread_lo + tid as u32;
         let mut j = first;
         while j < spread_hi && (P > 1 || j == first) {
-            let v = E::canonicalise(values[0]);
-            let off = ptx::opaque_u64(half + 16 * j as u64);
-            for_each_rank!(D => {
-                if (D as u32) + 1 < world {
-                    ptx::st_relaxed_sys_v4_u32((p.push.send_to[D] + off) as *mut u32, v);
-                }
-            });
+            push_to_peers!(p, world, half + 16 * j as u64, E::canonicalise(values[0]));
             if j == first {
                 trace.first_store(generation);
             }
@@ -334,13 +343,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
         while row < rows {
             for_each_row_pack!(KI => {
                 if let (true, Some(j)) = (KI < P, slice.pack(KI)) {
-                    let v = E::canonicalise(values[KI]);
-                    let off = ptx::opaque_u64(half + pack_offset(row, row_packs, j));
-                    for_each_rank!(D => {
-                        if (D as u32) + 1 < world {
-                            ptx::st_relaxed_sys_v4_u32((p.push.send_to[D] + off) as *mut u32, v);
-                        }
-                    });
+                    push_to_peers!(p, world, half + pack_offset(row, row_packs, j), E::canonicalise(values[KI]));
                 }
             });
             if row == first_row {
