@@ -124,6 +124,12 @@ fn protocol_counters_cross_the_u32_wrap_every_algorithm() {
     };
     let mut failures = Vec::new();
     for algorithm in Algorithm::OURS {
+        // The copy-engine ring needs a GPU per rank: with one GPU it is
+        // skipped, visibly, and the other algorithms still run.
+        if algorithm == Algorithm::CopyEngineRing && driver::device_count() < 2 {
+            common::skipped(&format!("{algorithm} needs 2 GPUs (protocol_counters_cross_the_u32_wrap_every_algorithm)"));
+            continue;
+        }
         let (world, islands) = if algorithm == Algorithm::Hierarchical { (4, Some(2)) } else { (2, None) };
         let streams = contexts(&ctx, world).iter().map(|c| c.new_stream().expect("stream")).collect();
         let mut comms = Comm::from_streams(streams, Config { island_size: islands, ..config.clone() }).expect("init");
