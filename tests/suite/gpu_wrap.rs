@@ -127,7 +127,9 @@ fn protocol_counters_cross_the_u32_wrap_every_algorithm() {
         // The copy-engine ring needs a GPU per rank: with one GPU it is
         // skipped, visibly, and the other algorithms still run.
         if algorithm == Algorithm::CopyEngineRing && driver::device_count() < 2 {
-            common::skipped(&format!("{algorithm} needs 2 GPUs (protocol_counters_cross_the_u32_wrap_every_algorithm)"));
+            common::skipped(&format!(
+                "{algorithm} needs 2 GPUs (protocol_counters_cross_the_u32_wrap_every_algorithm)"
+            ));
             continue;
         }
         let (world, islands) = if algorithm == Algorithm::Hierarchical { (4, Some(2)) } else { (2, None) };
