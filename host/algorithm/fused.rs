@@ -416,10 +416,17 @@ pub const SPREAD_PUSH_PACKS_PER_BLOCK: u64 = 256;
 /// One row keeps its block (measured slower spread, 4.31 against 4.20 us
 /// at 1 x 7168 bf16 with two ranks on one H200; 4.33-4.41 against
 /// 4.45-4.68 at 3 x 7168: docs/RESULTS.md).
+/// The kernel indexes packs in 32 bits: launches of 2^31 packs or more
+/// (32 GiB) push by rows.
 pub fn spread_push_blocks(rows: u64, row_packs: u64, cap: u32) -> Option<u32> {
-    let blocks = (rows * row_packs).div_ceil(SPREAD_PUSH_PACKS_PER_BLOCK).min(cap as u64);
-    (rows >= 2 && blocks > rows).then_some(blocks as u32)
+    let packs = rows.saturating_mul(row_packs);
+    let blocks = packs.div_ceil(SPREAD_PUSH_PACKS_PER_BLOCK).min(cap as u64);
+    (rows >= 2 && blocks > rows && packs < SPREAD_PUSH_MAX_PACKS).then_some(blocks as u32)
 }
+
+/// Packs of a launch the spread push indexes (32-bit, with room for a
+/// block's threads past the end).
+pub const SPREAD_PUSH_MAX_PACKS: u64 = 1 << 31;
 
 /// `Ok` when `threads` can run a fused kernel over rows of `row_packs`.
 pub fn check_threads(threads: u32, row_packs: u64) -> Result<(), String> {
@@ -553,6 +560,19 @@ mod tests {
         assert_eq!(spread_push_blocks(2, 128, 36), None);
         assert_eq!(spread_push_blocks(0, 896, 36), None);
         assert_eq!(spread_push_blocks(8, 4096, 36), Some(36));
+        assert_eq!(spread_push_blocks(2, SPREAD_PUSH_MAX_PACKS / 2, 36), None);
+        // The `_wide_spread` entries push one pack per thread: a share
+        // never exceeds a row (threads = the row's packs, rounded to 32).
+        for rows in 2..=40u64 {
+            for row_packs in 1..=FUSED_WIDE_MAX_THREADS as u64 {
+                let (split, threads) = push_launch(row_packs, true, None);
+                assert_eq!(split, PushRowSplit::Wide);
+                if let Some(blocks) = spread_push_blocks(rows, row_packs, 36) {
+                    let share = (rows * row_packs).div_ceil(blocks as u64);
+                    assert!(share <= threads as u64, "{rows} x {row_packs}: share {share} > {threads} threads");
+                }
+            }
+        }
     }
 
     #[test]

@@ -287,7 +287,8 @@ pub const EPILOGUE_WEIGHT_OFFSET: u32 = 2;
 
 /// [`FusedEpilogue::flags`] bit, fused OneShotPush block-per-row entries
 /// only: the **spread push**. Every block of the grid pushes an equal
-/// share of the whole message (`packs_per_block` consecutive packs), and
+/// share of the whole message (`ceil(packs / blocks)` consecutive packs;
+/// 32-bit pack indices: the host keeps a launch's packs below 2^31), and
 /// block `b < rows` then owns row `b` (polls, adds, normalises it) as
 /// without the bit. The host sets it only where the grid has more blocks
 /// than rows and neither `normed` nor `residual_out` overlaps `input` (a

@@ -275,21 +275,30 @@ fn matrix(
     matrix_with(test, &groups, algorithm, false, cases);
 }
 
+/// How many cases of a matrix took each fused OneShotPush launch shape
+/// (by `plan_fused`'s reason).
+#[derive(Clone, Copy, Default)]
+struct Shapes {
+    clustered: usize,
+    spread: usize,
+}
+
 /// [`matrix`] over `(world, config)` groups; `expect_fused`: the forced
 /// algorithm must take its fused kernel for 3 x 7168 bf16 (so that a path
 /// decision gone wrong cannot pass as the unfused path). Returns how many
-/// cases spread rows over thread-block clusters (`None`: no GPU, skipped).
+/// cases spread rows over thread-block clusters or spread the push over
+/// the grid (`None`: no GPU, skipped).
 fn matrix_with(
     test: &str,
     groups: &[(usize, Config)],
     algorithm: Option<Algorithm>,
     expect_fused: bool,
     cases: impl Fn(usize) -> Vec<(DType, FusedCase)>,
-) -> Option<usize> {
+) -> Option<Shapes> {
     let _lock = common::gpu_lock();
     let ctx = common::gpu(test)?;
     let mut rng = common::rng(test);
-    let (mut count, mut fused, mut clustered, mut failures) = (0usize, 0usize, 0usize, Vec::new());
+    let (mut count, mut fused, mut shapes, mut failures) = (0usize, 0usize, Shapes::default(), Vec::new());
     for (world, config) in groups {
         let world = *world;
         let comms = group(std::slice::from_ref(&ctx), world, config.clone(), algorithm);
@@ -301,7 +310,8 @@ fn matrix_with(
             count += 1;
             let plan = comms[0].plan_fused(case.rows, case.hidden, dtype, false);
             fused += plan.fused as usize;
-            clustered += plan.reason.contains("thread-block cluster") as usize;
+            shapes.clustered += plan.reason.contains("thread-block cluster") as usize;
+            shapes.spread += (plan.reason.contains("push spread") && !case.in_place) as usize;
             if let Err(e) = run_typed(&comms, &mut rng, dtype, &case) {
                 failures.push(format!("world {world} {} {case:?}: {e}", dtype.name()));
                 if failures.len() > 20 {
@@ -310,9 +320,14 @@ fn matrix_with(
             }
         }
     }
-    eprintln!("{test}: {count} cases ({fused} fused, {clustered} over clusters), {} failures", failures.len());
+    eprintln!(
+        "{test}: {count} cases ({fused} fused, {} over clusters, {} with the push spread), {} failures",
+        shapes.clustered,
+        shapes.spread,
+        failures.len()
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    Some(clustered)
+    Some(shapes)
 }
 
 /// rows x hidden x dtype, in place and Gemma's offset alternating.
@@ -342,13 +357,35 @@ fn fused_one_shot_push_matrix() {
     let on: Vec<(usize, Config)> = (2..=8).map(|w| (w, test_config())).collect();
     let off: Vec<(usize, Config)> =
         [2, 3, 5, 8].into_iter().map(|w| (w, Config { fused_clusters: false, ..test_config() })).collect();
-    let Some(clustered_on) = matrix_with(test, &on, Some(Algorithm::OneShotPush), true, full_shapes) else { return };
-    let clustered_off = matrix_with(test, &off, Some(Algorithm::OneShotPush), true, full_shapes).unwrap_or(0);
-    assert_eq!(clustered_off, 0, "fused_clusters: false took clusters");
+    let Some(shapes_on) = matrix_with(test, &on, Some(Algorithm::OneShotPush), true, full_shapes) else { return };
+    let shapes_off = matrix_with(test, &off, Some(Algorithm::OneShotPush), true, full_shapes).unwrap_or_default();
+    assert_eq!(shapes_off.clustered, 0, "fused_clusters: false took clusters");
+    assert!(shapes_off.spread > 0, "no out-of-place case spread its push over the grid");
     let ctx = common::gpu(test).expect("ran above");
     if ctx.compute_capability().unwrap().0 >= 9 {
-        assert!(clustered_on > 0, "no case took the thread-block clusters on an sm_90+ GPU");
+        assert!(shapes_on.clustered > 0, "no case took the thread-block clusters on an sm_90+ GPU");
     }
+}
+
+/// The spread push where a block's share exceeds its threads (each thread
+/// pushes several packs): 30 long rows with three ranks, a block per row
+/// (clusters off), f32 (2048 packs a row, 4 per thread) and bf16 (1024,
+/// 2 per thread), out of place (spread) and in place (not).
+#[test]
+fn fused_spread_push_with_several_packs_per_thread() {
+    let test = "fused_spread_push_with_several_packs_per_thread";
+    let groups = [(3, Config { fused_clusters: false, ..test_config() })];
+    let cases = |_world: usize| {
+        let mut v = Vec::new();
+        for dtype in [DType::F32, DType::Bf16] {
+            for in_place in [false, true] {
+                v.push((dtype, FusedCase { in_place, ..FusedCase::new(30, 8192) }));
+            }
+        }
+        v
+    };
+    let Some(shapes) = matrix_with(test, &groups, Some(Algorithm::OneShotPush), true, cases) else { return };
+    assert_eq!(shapes.spread, 2, "both out-of-place cases spread their push");
 }
 
 #[test]

@@ -152,6 +152,11 @@ const INBOX_MBARRIERS: u32 = 2 * 8 * MAX_CLUSTER_BLOCKS;
 /// into a peer's inbox only after [`cluster_inbox_ready`]'s wait.
 #[inline(always)]
 pub unsafe fn cluster_inbox_open(inbox: u32) {
+    // The inbox holds MAX_CLUSTER_BLOCKS words a buffer (the host's bound):
+    // a larger cluster would write over the mbarriers.
+    if ptx::cluster_nctarank() > MAX_CLUSTER_BLOCKS {
+        ptx::trap();
+    }
     if ptx::thread_idx_x() == 0 {
         ptx::mbarrier_init(inbox + INBOX_MBARRIERS, 1);
         ptx::mbarrier_init(inbox + INBOX_MBARRIERS + 8, 1);
