@@ -113,19 +113,25 @@ impl EpilogueCall {
         }
     }
 
-    /// Whether the residual or `normed` overlaps `input` (over the whole
-    /// call): the spread push may not run then (a block may push a row
-    /// its owner has already written).
-    fn outputs_overlap_input(&self) -> bool {
-        let bytes = self.shape.bytes() as u64;
-        let overlaps = |a: u64| a < self.input + bytes && self.input < a + bytes;
-        overlaps(self.residual) || (self.shape.norm && overlaps(self.normed))
+    /// `normed` written over `input` (the one overlap `check_call` allows).
+    fn in_place(&self) -> bool {
+        self.shape.norm && self.normed == self.input
     }
 
     /// Threads per block of the fused kernels for this call.
     fn threads(&self, row_packs: u64) -> u32 {
         self.opts.threads.unwrap_or_else(|| default_threads(row_packs))
     }
+}
+
+/// The grid of one fused OneShotPush launch (`Comm::push_grid`).
+enum PushGrid {
+    /// Each row over a thread-block cluster.
+    Cluster(ClusterLaunch),
+    /// A block per row (`blocks` at least the rows, or looping over
+    /// them), of the `split` entry and `threads` threads; `spread`: the
+    /// push spread over all `blocks` (`EPILOGUE_SPREAD_PUSH`).
+    Rows { split: PushRowSplit, threads: u32, blocks: u32, spread: bool },
 }
 
 /// `(first row, rows)` of each launch over `rows` rows, `per_launch` each.
@@ -393,21 +399,16 @@ impl Comm {
             },
             FusedPath::Push { rows_per_launch } => {
                 let rows = (rows as u64).min(rows_per_launch);
-                let row_packs = shape.row_packs().unwrap_or(0);
-                let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
-                let (split, threads) = push_launch(row_packs, two_ranks, None);
-                let spread = match self.push_cluster(row_packs, rows, None) {
-                    Some(c) => format!(
+                let spread = match self.push_grid(shape.row_packs().unwrap_or(0), rows, None, false) {
+                    PushGrid::Cluster(c) => format!(
                         "; each row over a thread-block cluster of {} blocks x {} threads",
                         c.blocks_per_cluster, c.threads
                     ),
-                    None => match self.spread_push(rows, row_packs, self.push_cap(split, threads)) {
-                        Some(blocks) => format!(
-                            "; the push spread over {blocks} blocks, a block per row for the rest \
-                             (outputs apart from the input)"
-                        ),
-                        None => String::new(),
-                    },
+                    PushGrid::Rows { spread: true, blocks, .. } => format!(
+                        "; the push spread over {blocks} blocks, a block per row for the rest \
+                         (outputs apart from the input)"
+                    ),
+                    PushGrid::Rows { spread: false, .. } => String::new(),
                 };
                 FusedPlan { algorithm, transport, fused: true, reason: format!("{reason}; epilogue fused{spread}") }
             }
@@ -426,11 +427,27 @@ impl Comm {
         cluster_launch(row_packs, rows, self.setup.geometry().pull_max_blocks)
     }
 
-    /// Blocks of a fused OneShotPush launch (a block per row) whose push is
-    /// spread over the grid, if it is (`Config::fused_spread_push`, the
-    /// outputs apart from the input: the caller checks).
-    fn spread_push(&self, rows: u64, row_packs: u64, cap: u32) -> Option<u32> {
-        self.config.fused_spread_push.then(|| spread_push_blocks(rows, row_packs, cap)).flatten()
+    /// The grid of a fused OneShotPush launch over `rows` rows of
+    /// `row_packs` packs: rows over clusters, else a block per row, its
+    /// push spread over more blocks (`Config::fused_spread_push`) unless
+    /// `normed` is written over the input (`in_place`). The same kernel
+    /// and reduction tree on every rank; only the spread may differ.
+    fn push_grid(&self, row_packs: u64, rows: u64, threads_override: Option<u32>, in_place: bool) -> PushGrid {
+        if let Some(c) = self.push_cluster(row_packs, rows, threads_override) {
+            return PushGrid::Cluster(c);
+        }
+        let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
+        let (split, threads) = push_launch(row_packs, two_ranks, threads_override);
+        let cap = self.push_cap(split, threads);
+        let spread_blocks =
+            if self.config.fused_spread_push && !in_place { spread_push_blocks(rows, row_packs, cap) } else { None };
+        match spread_blocks {
+            Some(blocks) => {
+                let split = if split == PushRowSplit::Wide { PushRowSplit::WideSpread } else { split };
+                PushGrid::Rows { split, threads, blocks, spread: true }
+            }
+            None => PushGrid::Rows { split, threads, blocks: row_blocks(rows, cap), spread: false },
+        }
     }
 
     /// Most resident blocks of a fused OneShotPush launch of `threads`
@@ -561,55 +578,43 @@ impl Comm {
         let hidden = call.shape.hidden as u64;
         let row_packs = call.shape.row_packs().unwrap_or(0);
         let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
-        let (split, threads) = push_launch(row_packs, two_ranks, call.opts.threads);
-        let f = self.module.function(&fused_one_shot_push_entry(call.shape.dtype, two_ranks, split))?;
-        let cap = self.push_cap(split, threads);
-        let overlap = call.outputs_overlap_input();
         for (row0, rows) in row_chunks(call.shape.rows, rows_per_launch) {
             let push = self.sentinel.one_shot_push(call.input + call.row_offset(row0), 0, rows * hidden);
             let mut p = FusedOneShotPushParams { push, epilogue: call.epilogue(row0, rows) };
-            if let Some(c) = self.push_cluster(row_packs, rows, call.opts.threads) {
-                let entry = fused_one_shot_push_entry(call.shape.dtype, two_ranks, PushRowSplit::Cluster);
-                let f = self.module.function(&entry)?;
-                // SAFETY: as below; the entry is a cluster entry (loaded only
-                // where the device runs clusters: `fused_clusters`), the grid
-                // is one cluster of `blocks_per_cluster <= 8` blocks per row,
-                // at most `pull_max_blocks` blocks of at most 512 threads,
-                // and a thread per pack of its block's slice of a row.
-                unsafe {
-                    driver::launch_struct_clustered(f, c.blocks(rows), c.threads, c.blocks_per_cluster, stream, &p)?
-                };
-                continue;
-            }
-            // A block per row; the push spread over more blocks where the
-            // outputs leave the input alone (the same bits either way: the
-            // owners' reduction does not change).
-            let spread = if overlap { None } else { self.spread_push(rows, row_packs, cap) };
-            let (f, blocks) = match spread {
-                Some(blocks) => {
-                    p.epilogue.flags |= EPILOGUE_SPREAD_PUSH;
-                    let f = match split {
-                        PushRowSplit::Wide => {
-                            let entry =
-                                fused_one_shot_push_entry(call.shape.dtype, two_ranks, PushRowSplit::WideSpread);
-                            self.module.function(&entry)?
-                        }
-                        _ => f,
+            match self.push_grid(row_packs, rows, call.opts.threads, call.in_place()) {
+                PushGrid::Cluster(c) => {
+                    let entry = fused_one_shot_push_entry(call.shape.dtype, two_ranks, PushRowSplit::Cluster);
+                    let f = self.module.function(&entry)?;
+                    // SAFETY: as below; the entry is a cluster entry (loaded
+                    // only where the device runs clusters: `fused_clusters`),
+                    // the grid is one cluster of `blocks_per_cluster <= 8`
+                    // blocks per row, at most `pull_max_blocks` blocks of at
+                    // most 512 threads, and a thread per pack of its block's
+                    // slice of a row.
+                    unsafe {
+                        driver::launch_struct_clustered(f, c.blocks(rows), c.threads, c.blocks_per_cluster, stream, &p)?
                     };
-                    (f, blocks)
                 }
-                None => (f, row_blocks(rows, cap)),
-            };
-            // SAFETY: the entry takes one FusedOneShotPushParams by value
-            // (sizes pinned on both sides and checked against the PTX); the
-            // template's addresses are this communicator's mapped regions;
-            // the pointers are validated for every row; `rows` rows fit the
-            // receive region (fused_path); at most `cap` blocks stay
-            // resident with the other ranks of the GPU (the fused entries
-            // are among those it is computed from); `threads` covers a row
-            // (check_threads); with the spread push `normed` and the
-            // residual do not overlap `input` (outputs_overlap_input).
-            unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
+                PushGrid::Rows { split, threads, blocks, spread } => {
+                    if spread {
+                        p.epilogue.flags |= EPILOGUE_SPREAD_PUSH;
+                    }
+                    let f = self.module.function(&fused_one_shot_push_entry(call.shape.dtype, two_ranks, split))?;
+                    // SAFETY: the entry takes one FusedOneShotPushParams by
+                    // value (sizes pinned on both sides and checked against
+                    // the PTX); the template's addresses are this
+                    // communicator's mapped regions; the pointers are
+                    // validated for every row; `rows` rows fit the receive
+                    // region (fused_path); at most `push_cap` blocks stay
+                    // resident with the other ranks of the GPU (the fused
+                    // entries are among those it is computed from);
+                    // `threads` covers a row (check_threads); with the
+                    // spread push `normed` is not written over `input`
+                    // (push_grid), and no other output overlaps it
+                    // (check_call).
+                    unsafe { driver::launch_struct(f, blocks, threads, stream, &p)? };
+                }
+            }
         }
         Ok(())
     }
@@ -681,7 +686,7 @@ impl Comm {
     ) -> Result<()> {
         self.prepare(Algorithm::OneShotPull, call.shape.dtype)?;
         let f = self.module.function(&fused_one_shot_pull_entry(call.shape.dtype))?;
-        let must_stage = call.shape.norm && call.normed == call.input;
+        let must_stage = call.in_place();
         let source = self.input_source(call.input, call.shape.bytes(), capturing, must_stage)?;
         let row_packs = call.shape.row_packs().unwrap_or(0);
         let threads = call.threads(row_packs);
