@@ -97,6 +97,12 @@ pub fn in_process(
         };
         samples.iter_mut().for_each(|s| *s /= opts.iterations as f64);
         out.rows.push(row(v, ran.clone(), &data, world, opts.mode.name(), &mut samples));
+        let bytes = data.rows * data.hidden * data.dtype.size_bytes();
+        for (r, c) in comms.iter().enumerate() {
+            if let Some(records) = c.take_trace_records()? {
+                out.trace.extend(summarize(&records, bytes, &format!("fused:{}", v.name()), r));
+            }
+        }
         if verify_pass && v != Variant::AllReduce {
             progress.step(&format!("verify pass ({})", v.name()));
             let graphs = capture_per_rank(ranks, |r, s| {

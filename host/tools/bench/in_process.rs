@@ -63,6 +63,7 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
         let f = fused_scenario(&ranks, &mut comms, (opts, scenarios, &selections), shape, &progress, &mut notes)?;
         fused = f.rows;
         verify.extend(f.verify_pass);
+        trace.extend(f.trace);
     }
     drop(comms);
     let launch_floor_us = if scenarios.launch_floor {
