@@ -143,10 +143,11 @@ pub unsafe fn block_sum(value: f32, stop: bool, scratch: u32, parity: u32) -> (f
 const INBOX_MBARRIERS: u32 = 2 * 8 * MAX_CLUSTER_BLOCKS;
 
 /// Readies this block's cluster inbox (sm_90+ cluster entries; every
-/// thread of every block of the cluster calls it once, at entry): thread 0
-/// initialises the inbox's two mbarriers (one arrival a phase: its own
-/// `expect_tx`), fences the initialisation for the cluster, and every
-/// thread arrives at the cluster barrier (relaxed: the mbarrier fence is
+/// thread of every block of the cluster calls it once, before its first
+/// [`cluster_sum`]): the block's last thread (not thread 0, which counts
+/// the block at the generation barrier) initialises the inbox's two
+/// mbarriers (one arrival a phase: thread 0's `expect_tx`), fences the
+/// initialisation for the cluster, and every thread arrives at the cluster barrier (relaxed: the mbarrier fence is
 /// the only ordering needed, and a release arrive compiles to
 /// `MEMBAR.ALL.GPU`, ~0.27 us measured on H200). [`cluster_sum`] may send
 /// into a peer's inbox only after [`cluster_inbox_ready`]'s wait.
@@ -157,7 +158,7 @@ pub unsafe fn cluster_inbox_open(inbox: u32) {
     if ptx::cluster_nctarank() > MAX_CLUSTER_BLOCKS {
         ptx::trap();
     }
-    if ptx::thread_idx_x() == 0 {
+    if ptx::thread_idx_x() == ptx::block_dim_x() - 1 {
         ptx::mbarrier_init(inbox + INBOX_MBARRIERS, 1);
         ptx::mbarrier_init(inbox + INBOX_MBARRIERS + 8, 1);
         ptx::fence_mbarrier_init_release_cluster();

@@ -11,7 +11,7 @@
 //!     entry:  {abort, generation} + the first row's input packs, together
 //!     push:   canonical(in[row, j]) -> every peer's slot, half (gen & 1)
 //!     issue:  residual_in[first row, j] and w[j] (in flight during the barrier)
-//!     advance_generation (block barrier; the last block stores gen + 1)
+//!     count_block (block barrier; thread 0 counts the block, answer used at the end)
 //!     per row (block-uniform):
 //!       first polls of every pack of the row, back to back (one round trip)
 //!       wait on EMPTY words + reset on consume, sum in rank order in f32
@@ -19,6 +19,7 @@
 //!       y = sum + residual_in; residual_out = round(y); s += x^2 (rounded x)
 //!       block_sum(s) (bar.red.or: also carries "a thread gave up")
 //!       normed = round(x * inv_rms * w)                  (x, w kept in registers)
+//!     finish_generation (the launch's last block stores gen + 1)
 //! ```
 //!
 //! **Cluster entries** (`fused_one_shot_push[2]_cluster_<dt>`, sm_90 and
@@ -31,10 +32,11 @@
 //! counted there by an mbarrier):
 //!
 //! ```text
-//!   entry (RMSNorm): init the inbox's mbarriers, barrier.cluster.arrive.relaxed
-//!   ... push, advance_generation as above ...
-//!   barrier.cluster.wait                                        (every mbarrier initialised)
-//!   per row: poll + add as above; block_sum; cluster_sum (one-way inbox exchange)
+//!   entry, push, count_block as above
+//!   (RMSNorm) init the inbox's mbarriers, barrier.cluster.arrive.relaxed
+//!   per row: poll + add as above; block_sum;
+//!            first row only: barrier.cluster.wait        (every mbarrier initialised)
+//!            cluster_sum (one-way inbox exchange)
 //! ```
 //!
 //! Every block of a cluster takes part in every round: a block that saw
@@ -252,13 +254,6 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
 ) {
     let trace = Trace::start(p.push.h.flags & FLAG_TRACE != 0, p.push.h.trace);
     let control = p.push.h.control as *mut Control;
-    // A cluster with RMSNorm readies its inbox first (its mbarriers; the
-    // arrive is relaxed). The inbox's address is taken once: each asm block
-    // that takes it declares the array.
-    let cluster_inbox = ptx::cluster_inbox();
-    if CLUSTER && p.epilogue.flags & EPILOGUE_NORM != 0 {
-        cluster_inbox_open(cluster_inbox);
-    }
 
     // ---- Entry: the control words and this thread's first input packs are
     //      in flight together.
@@ -359,6 +354,13 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
         }
     }
 
+    // A cluster with RMSNorm exchanges through its inbox (opened below).
+    // The inbox's address is taken once: each asm block that takes it
+    // declares the array.
+    let norm = p.epilogue.flags & EPILOGUE_NORM != 0;
+    let cluster_barriers = CLUSTER && norm;
+    let cluster_inbox = ptx::cluster_inbox();
+
     // ---- Rank-local operands of the epilogue. Short rows (`early`): issued
     //      now, so that they are in flight during the barrier and the
     //      peers' round trip (the weight, the same for every row, and the
@@ -366,7 +368,6 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
     //      push. Long rows: loaded pack by pack before each poll, as many
     //      registers held across a wait as 512 threads allow.
     let early = P <= SHORT_K;
-    let norm = p.epilogue.flags & EPILOGUE_NORM != 0;
     let offset = p.epilogue.flags & EPILOGUE_WEIGHT_OFFSET != 0;
     let (residual_in, residual_out) = (p.epilogue.residual_in, p.epilogue.residual_out as *mut u8);
     let (weight, normed) = (p.epilogue.weight, p.epilogue.normed as *mut u8);
@@ -381,24 +382,37 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
         }
     }
 
-    // ---- Generation: block barrier (block-uniform stop on abort); the last
-    //      block of the launch advances it. In a cluster with RMSNorm every
+    // ---- Generation: block barrier (block-uniform stop on abort), the block
+    //      counted; the last block of the launch advances it after its rows
+    //      (`finish_generation`: the count's answer stays off the polls). In a cluster with RMSNorm every
     //      block takes part in every cluster barrier: a block that saw the
     //      abort polls nothing and makes its cluster leave together at the
     //      first row's reduction.
-    let cluster_barriers = CLUSTER && norm;
-    let aborted = sentinel::advance_generation(control, RegionId::OneShotPush, generation, abort != 0);
+    let (aborted, block_count) = sentinel::count_block(control, RegionId::OneShotPush, abort != 0);
     if aborted && !cluster_barriers {
-        return;
+        return; // not counted: nothing to finish
+    }
+    // The block-per-row entries with one pack per thread (`_wide`: 1024
+    // threads, 64 registers) finish at once: the count held across the
+    // rows spilled there on sm_80.
+    let finish_late = CLUSTER || P > 1;
+    if !finish_late {
+        sentinel::finish_generation(control, RegionId::OneShotPush, generation, block_count);
+    }
+    // ---- The cluster's inbox (its mbarriers, a relaxed arrive): opened
+    //      here, while the peers' packs are on their way, not at entry,
+    //      where its initialisation fence delayed the push, nor between
+    //      the push and the generation barrier, where it delayed every
+    //      block's poll (measured: docs/RESULTS.md). The matching wait
+    //      comes before the first exchange.
+    if cluster_barriers {
+        cluster_inbox_open(cluster_inbox);
     }
 
     // ---- Per row: poll, reduce, add the residual, normalise.
     let lanes = E::LANES as u64;
     let preloaded = preloaded_slots(W, P);
     let scratch = ptx::reduction_scratch();
-    if cluster_barriers {
-        cluster_inbox_ready();
-    }
     // The row's reduction number, from 1: its parity picks the buffers of
     // `block_sum` (and of the cluster inbox).
     let mut round = 0u32;
@@ -463,6 +477,13 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
             }
         } else {
             round += 1;
+            if cluster_barriers && round == 1 {
+                // Every block's mbarriers are initialised (usually long
+                // since: the arrive came before the polls). The one wait
+                // site (`.aligned`): a cluster has a row to reach it, as
+                // the host launches one cluster per row (`cluster_launch`).
+                cluster_inbox_ready();
+            }
             let (total, stop) = if CLUSTER {
                 cluster_sum(squares, stall.is_some() || aborted, scratch, cluster_inbox, round)
             } else {
@@ -480,6 +501,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
             });
         }
         row += row_stride;
+    }
+    if finish_late {
+        sentinel::finish_generation(control, RegionId::OneShotPush, generation, block_count);
     }
     if aborted {
         return;
