@@ -142,35 +142,34 @@ pub unsafe fn block_sum(value: f32, stop: bool, scratch: u32, parity: u32) -> (f
 /// buffers of `MAX_CLUSTER_BLOCKS` words.
 const INBOX_MBARRIERS: u32 = 2 * 8 * MAX_CLUSTER_BLOCKS;
 
+/// Traps in a cluster of more than `MAX_CLUSTER_BLOCKS` blocks (the
+/// host's bound): the inbox holds that many words a buffer, and a larger
+/// cluster would write over its mbarriers. Called at entry.
+#[inline(always)]
+pub unsafe fn cluster_size_check() {
+    if ptx::cluster_nctarank() > MAX_CLUSTER_BLOCKS {
+        ptx::trap();
+    }
+}
+
 /// Readies this block's cluster inbox (sm_90+ cluster entries; every
 /// thread of every block of the cluster calls it once, before its first
 /// [`cluster_sum`]): the block's last thread (not thread 0, which counts
 /// the block at the generation barrier) initialises the inbox's two
-/// mbarriers (one arrival a phase: thread 0's `expect_tx`), fences the
-/// initialisation for the cluster, and every thread arrives at the cluster barrier (relaxed: the mbarrier fence is
-/// the only ordering needed, and a release arrive compiles to
-/// `MEMBAR.ALL.GPU`, ~0.27 us measured on H200). [`cluster_sum`] may send
-/// into a peer's inbox only after [`cluster_inbox_ready`]'s wait.
+/// mbarriers (one arrival a phase: thread 0's `expect_tx`) and fences the
+/// initialisation for the cluster, then every thread arrives at the
+/// cluster barrier (relaxed: the mbarrier fence is the only ordering
+/// needed, and a release arrive compiles to `MEMBAR.ALL.GPU`, ~0.27 us
+/// measured on H200). The matching wait is in round 1 of [`cluster_sum`],
+/// before anything is sent.
 #[inline(always)]
 pub unsafe fn cluster_inbox_open(inbox: u32) {
-    // The inbox holds MAX_CLUSTER_BLOCKS words a buffer (the host's bound):
-    // a larger cluster would write over the mbarriers.
-    if ptx::cluster_nctarank() > MAX_CLUSTER_BLOCKS {
-        ptx::trap();
-    }
     if ptx::thread_idx_x() == ptx::block_dim_x() - 1 {
         ptx::mbarrier_init(inbox + INBOX_MBARRIERS, 1);
         ptx::mbarrier_init(inbox + INBOX_MBARRIERS + 8, 1);
         ptx::fence_mbarrier_init_release_cluster();
     }
     ptx::barrier_cluster_arrive_relaxed();
-}
-
-/// The wait that pairs with [`cluster_inbox_open`]'s arrive (by then
-/// usually long complete: every block of a cluster starts together).
-#[inline(always)]
-pub unsafe fn cluster_inbox_ready() {
-    ptx::barrier_cluster_wait();
 }
 
 /// Cluster-wide sum of every thread's `value` (sm_90+ entries launched
@@ -182,6 +181,9 @@ pub unsafe fn cluster_inbox_ready() {
 ///
 /// Tree: [`block_sum`] in each block, then every thread adds the blocks'
 /// totals in cluster-rank order.
+///
+/// Round 1 first waits on the cluster barrier that [`cluster_inbox_open`]
+/// arrived at: every block's mbarriers are then initialised.
 ///
 /// Exchange, one way (no barrier round trip): round `n` uses buffer and
 /// mbarrier `n & 1`, in that mbarrier's phase `(n - 1) / 2`. Thread 0 of
@@ -203,6 +205,13 @@ pub unsafe fn cluster_inbox_ready() {
 #[inline(always)]
 pub unsafe fn cluster_sum(value: f32, stop: bool, scratch: u32, inbox: u32, round: u32) -> (f32, bool) {
     let (block_total, block_stop) = block_sum(value, stop, scratch, round & 1);
+    if round == 1 {
+        // The wait that pairs with `cluster_inbox_open`'s arrive (usually
+        // long complete): every block's mbarriers are initialised before
+        // anything is sent. Here, after the block barrier, the warp is
+        // converged for the `.aligned` instruction, and it has one site.
+        ptx::barrier_cluster_wait();
+    }
     let blocks = ptx::cluster_nctarank();
     let buffer = inbox + 8 * MAX_CLUSTER_BLOCKS * (round & 1);
     let mbarrier = inbox + INBOX_MBARRIERS + 8 * (round & 1);

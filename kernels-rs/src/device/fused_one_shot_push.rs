@@ -11,7 +11,8 @@
 //!     entry:  {abort, generation} + the first row's input packs, together
 //!     push:   canonical(in[row, j]) -> every peer's slot, half (gen & 1)
 //!     issue:  residual_in[first row, j] and w[j] (in flight during the barrier)
-//!     count_block (block barrier; thread 0 counts the block, answer used at the end)
+//!     count_block (block barrier; thread 0 counts the block; its answer is
+//!                  used after the rows, or at once in the `_wide` entries)
 //!     per row (block-uniform):
 //!       first polls of every pack of the row, back to back (one round trip)
 //!       wait on EMPTY words + reset on consume, sum in rank order in f32
@@ -19,7 +20,8 @@
 //!       y = sum + residual_in; residual_out = round(y); s += x^2 (rounded x)
 //!       block_sum(s) (bar.red.or: also carries "a thread gave up")
 //!       normed = round(x * inv_rms * w)                  (x, w kept in registers)
-//!     finish_generation (the launch's last block stores gen + 1)
+//!     finish_generation (the launch's last block stores gen + 1; the `_wide`
+//!                        entries: before the rows)
 //! ```
 //!
 //! **Cluster entries** (`fused_one_shot_push[2]_cluster_<dt>`, sm_90 and
@@ -72,7 +74,7 @@
 //! there is no barrier and a failing thread leaves at once.
 
 use super::epilogue::{
-    block_rows, block_sum, cluster_inbox_open, cluster_inbox_ready, cluster_sum, inv_rms, normalise, sum_squares,
+    block_rows, block_sum, cluster_inbox_open, cluster_size_check, cluster_sum, inv_rms, normalise, sum_squares,
 };
 use super::pack::{aligned16, any_word_empty, load_pack, store_pack, Acc, Element, Pack, ZERO_PACK};
 use super::ptx;
@@ -254,6 +256,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
 ) {
     let trace = Trace::start(p.push.h.flags & FLAG_TRACE != 0, p.push.h.trace);
     let control = p.push.h.control as *mut Control;
+    if CLUSTER {
+        cluster_size_check();
+    }
 
     // ---- Entry: the control words and this thread's first input packs are
     //      in flight together.
@@ -384,10 +389,11 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
 
     // ---- Generation: block barrier (block-uniform stop on abort), the block
     //      counted; the last block of the launch advances it after its rows
-    //      (`finish_generation`: the count's answer stays off the polls). In a cluster with RMSNorm every
-    //      block takes part in every cluster barrier: a block that saw the
-    //      abort polls nothing and makes its cluster leave together at the
-    //      first row's reduction.
+    //      (`finish_generation`: the count's answer stays off the polls),
+    //      the `_wide` entries at once (below). In a cluster with RMSNorm
+    //      every block takes part in every cluster barrier: a block that saw
+    //      the abort polls nothing and makes its cluster leave together at
+    //      the first row's reduction.
     let (aborted, block_count) = sentinel::count_block(control, RegionId::OneShotPush, abort != 0);
     if aborted && !cluster_barriers {
         return; // not counted: nothing to finish
@@ -477,13 +483,6 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
             }
         } else {
             round += 1;
-            if cluster_barriers && round == 1 {
-                // Every block's mbarriers are initialised (usually long
-                // since: the arrive came before the polls). The one wait
-                // site (`.aligned`): a cluster has a row to reach it, as
-                // the host launches one cluster per row (`cluster_launch`).
-                cluster_inbox_ready();
-            }
             let (total, stop) = if CLUSTER {
                 cluster_sum(squares, stall.is_some() || aborted, scratch, cluster_inbox, round)
             } else {
