@@ -131,6 +131,11 @@ pub struct EpilogueData {
 }
 
 impl EpilogueData {
+    /// Bytes of one rank's `rows x hidden` input.
+    pub fn bytes(&self) -> usize {
+        self.rows * self.hidden * self.dtype.size_bytes()
+    }
+
     pub fn new(world: usize, (rows, hidden): (usize, usize), dtype: DType, seed: u64) -> EpilogueData {
         let n = rows * hidden;
         let mix = |k: u64| seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15);

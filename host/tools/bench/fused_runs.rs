@@ -43,12 +43,19 @@ fn verify_record(v: Variant, ran: String, data: &EpilogueData, samples: &mut [f6
         selection: v.name().into(),
         algorithm: ran,
         allreduces: VERIFY_PASS_ALLREDUCES,
-        bytes: data.rows * data.hidden * data.dtype.size_bytes(),
+        bytes: data.bytes(),
         median_ms: median,
         p10_ms: p10,
         p90_ms: p90,
         per_allreduce_us: median * 1e3 / VERIFY_PASS_ALLREDUCES as f64,
     }
+}
+
+/// `--trace`: rank `rank`'s breakdown of the launches `comm` stamped
+/// while `v` ran (none without tracing), labelled `fused:<variant>`.
+fn trace_of(v: Variant, comm: &Comm, data: &EpilogueData, rank: usize) -> Result<Option<TraceSummary>> {
+    let records = comm.take_trace_records()?;
+    Ok(records.and_then(|r| summarize(&r, data.bytes(), &format!("fused:{}", v.name()), rank)))
 }
 
 // ---------------------------------------------------------------- in one process
@@ -97,11 +104,8 @@ pub fn in_process(
         };
         samples.iter_mut().for_each(|s| *s /= opts.iterations as f64);
         out.rows.push(row(v, ran.clone(), &data, world, opts.mode.name(), &mut samples));
-        let bytes = data.rows * data.hidden * data.dtype.size_bytes();
         for (r, c) in comms.iter().enumerate() {
-            if let Some(records) = c.take_trace_records()? {
-                out.trace.extend(summarize(&records, bytes, &format!("fused:{}", v.name()), r));
-            }
+            out.trace.extend(trace_of(v, c, &data, r)?);
         }
         if verify_pass && v != Variant::AllReduce {
             progress.step(&format!("verify pass ({})", v.name()));
@@ -208,10 +212,7 @@ pub fn per_rank(
         };
         samples.iter_mut().for_each(|s| *s /= opts.iterations as f64);
         out.rows.push(row(v, ran.clone(), &data, world, opts.mode.name(), &mut samples));
-        if let Some(records) = comm.take_trace_records()? {
-            let bytes = data.rows * data.hidden * data.dtype.size_bytes();
-            out.trace.extend(summarize(&records, bytes, &format!("fused:{}", v.name()), env.rank));
-        }
+        out.trace.extend(trace_of(v, comm, &data, env.rank)?);
         if verify_pass && v != Variant::AllReduce {
             let stream = comm.stream();
             let graph = capture(comm, || {
