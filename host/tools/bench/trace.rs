@@ -29,8 +29,10 @@ pub struct TraceSummary {
     /// `blocks x threads` of the launches.
     pub shape: String,
     /// Previous launch's exit to this launch's entry (consecutive
-    /// generations only).
-    pub gap_us: f64,
+    /// generations only); `None` when no two recorded launches are
+    /// consecutive (e.g. one launch, or a ring that kept every other one).
+    /// Not NaN: the summaries travel between ranks as JSON, which has none.
+    pub gap_us: Option<f64>,
     pub loaded_us: f64,
     pub first_store_us: f64,
     pub wait_us: f64,
@@ -38,10 +40,8 @@ pub struct TraceSummary {
     pub kernel_us: f64,
 }
 
+/// The median of a non-empty `v`.
 fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
     percentiles(&mut v).0
 }
 
@@ -55,7 +55,7 @@ pub fn summarize(records: &[TraceRecord], bytes: usize, selection: &str, rank: u
     }
     done.sort_by_key(|r| r.generation);
     let us = |later: u64, earlier: u64| later.saturating_sub(earlier) as f64 / 1e3;
-    let gaps = done
+    let gaps: Vec<f64> = done
         .windows(2)
         .filter(|w| w[1].generation == w[0].generation.wrapping_add(1) && w[1].entry_ns >= w[0].exit_ns)
         .map(|w| us(w[1].entry_ns, w[0].exit_ns))
@@ -67,7 +67,7 @@ pub fn summarize(records: &[TraceRecord], bytes: usize, selection: &str, rank: u
         rank,
         launches: done.len(),
         shape,
-        gap_us: median(gaps),
+        gap_us: (!gaps.is_empty()).then(|| median(gaps)),
         loaded_us: median(done.iter().map(|r| us(r.loaded_ns, r.entry_ns)).collect()),
         first_store_us: median(done.iter().map(|r| us(r.first_store_ns, r.entry_ns)).collect()),
         wait_us: median(done.iter().map(|r| us(r.last_poll_ns, r.first_store_ns)).collect()),
@@ -96,7 +96,7 @@ pub fn render(summaries: &[TraceSummary]) -> String {
             s.rank.to_string(),
             s.shape.clone(),
             s.launches.to_string(),
-            format!("{:.2}", s.gap_us),
+            s.gap_us.map_or_else(|| "-".into(), |g| format!("{g:.2}")),
             format!("{:.2}", s.loaded_us),
             format!("{:.2}", s.first_store_us),
             format!("{:.2}", s.wait_us),
@@ -135,7 +135,7 @@ mod tests {
         let s = summarize(&ring, 43_008, "one-shot-push", 1).unwrap();
         assert_eq!(s.launches, 10);
         assert_eq!(s.shape, "11x256");
-        assert!((s.gap_us - 1.0).abs() < 1e-9, "{s:?}");
+        assert!((s.gap_us.unwrap() - 1.0).abs() < 1e-9, "{s:?}");
         assert!((s.loaded_us - 0.2).abs() < 1e-9);
         assert!((s.first_store_us - 0.3).abs() < 1e-9);
         assert!((s.wait_us - 1.2).abs() < 1e-9);
@@ -144,5 +144,27 @@ mod tests {
         let table = render(&[s]);
         assert!(table.contains("42 KB") && table.contains("11x256"), "{table}");
         assert!(summarize(&[TraceRecord::default()], 1, "x", 0).is_none());
+    }
+
+    /// Launches with no consecutive pair (here one launch, and a ring
+    /// holding generations 0, 2, 4) have no gap: the summary says so and
+    /// still crosses between ranks as JSON (a NaN gap was written as
+    /// `null` and refused by the receiving rank: `bench --processes
+    /// --trace` failed).
+    #[test]
+    fn no_consecutive_launches_means_no_gap() {
+        for ring in [
+            vec![record(7, 1_000, [1, 2, 3, 4])],
+            (0..3u32).map(|g| record(2 * g, 9_000 * g as u64 + 1, [1, 2, 3, 4])).collect(),
+        ] {
+            let s = summarize(&ring, 8 << 20, "two-shot-push", 0).unwrap();
+            assert_eq!(s.gap_us, None, "{s:?}");
+            let json = serde_json::to_vec(&vec![s.clone()]).unwrap();
+            let back: Vec<TraceSummary> = serde_json::from_slice(&json).unwrap();
+            assert_eq!(back, vec![s.clone()]);
+            let table = render(&[s]);
+            let row = table.lines().find(|l| l.contains("8 MB")).unwrap();
+            assert!(row.split('|').nth(5).unwrap().trim() == "-", "{table}");
+        }
     }
 }
