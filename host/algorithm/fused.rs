@@ -374,6 +374,12 @@ impl ClusterLaunch {
     pub fn blocks(&self, rows: u64) -> u32 {
         rows as u32 * self.blocks_per_cluster
     }
+
+    /// Packs of a row per block (`FusedOneShotPushParams::cluster_slice_packs`):
+    /// at most `threads`, and `blocks_per_cluster` of them cover the row.
+    pub fn slice_packs(&self, row_packs: u64) -> u32 {
+        row_packs.div_ceil(self.blocks_per_cluster as u64) as u32
+    }
 }
 
 /// The cluster launch over `rows` rows of `row_packs` packs, when it
@@ -600,8 +606,11 @@ mod tests {
             };
             assert!((2..=MAX_CLUSTER_BLOCKS).contains(&c.blocks_per_cluster), "{packs}: {c:?}");
             assert!(c.threads % 32 == 0 && c.threads <= FUSED_MAX_THREADS, "{packs}: {c:?}");
-            // The kernel's slice: ceil(packs / blocks) packs, one per thread.
-            assert!(packs.div_ceil(c.blocks_per_cluster as u64) <= c.threads as u64, "{packs}: {c:?}");
+            // The kernel's slice (cluster_shape_check): one pack per
+            // thread, and the cluster's slices cover the row.
+            let slice = c.slice_packs(packs) as u64;
+            assert!(slice <= c.threads as u64, "{packs}: {c:?}");
+            assert!(slice * c.blocks_per_cluster as u64 >= packs, "{packs}: {c:?}");
         }
     }
 

@@ -93,8 +93,10 @@ pub struct LocalState {
 /// * `generation[r]`: launches of sentinel region `r` (`params::RegionId`) started on this rank (wrapping
 ///   u32; its parity picks the receive half). Read by every thread at entry
 ///   (one `ld.relaxed.gpu.v4` with `abort`), advanced by the last block of a
-///   launch to arrive (`arrivals[r]`), after that block's pushes (the fused
-///   one-shot push's cluster and multi-pack entries: after its rows).
+///   launch to arrive (`arrivals[r]`, counted after that block's pushes),
+///   at the end of the kernel where it finishes late
+///   (`sentinel::FINISH_GENERATION_LATE` and the fused kernels), else
+///   right after the count.
 /// * `error_claim`: elects the one thread that fills the error record
 ///   (`atom.cas.gpu`).
 ///

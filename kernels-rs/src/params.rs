@@ -356,16 +356,29 @@ pub struct FusedEpilogue {
 /// Parameters of `fused_one_shot_push_<dtype>` and
 /// `fused_one_shot_push2_<dtype>`: the OneShotPush parameters (same
 /// receive region, same generation; `h.output` unused, `h.count` =
-/// `rows x hidden`) and the epilogue. A block owns whole rows.
+/// `rows x hidden`) and the epilogue. A block owns whole rows, or, in the
+/// cluster entries, a slice of its cluster's rows.
 #[repr(C, align(16))]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct FusedOneShotPushParams {
     pub push: OneShotPushParams,
     pub epilogue: FusedEpilogue,
+    /// Cluster entries: blocks per cluster (the launch's cluster
+    /// dimension, at most `MAX_CLUSTER_BLOCKS`; the kernel traps on a
+    /// launch that disagrees). 0 in the other entries.
+    pub cluster_blocks: u32,
+    /// Cluster entries: packs of a row per block (`ceil(row_packs /
+    /// cluster_blocks)`, at most the block's threads). Passed rather than
+    /// derived from `%cluster_nctarank` and `%clusterid`: those read
+    /// driver constants whose first load, a constant-cache miss, stood
+    /// between the kernel's entry and its first loads (docs/RESULTS.md).
+    pub cluster_slice_packs: u32,
+    pub _pad0: u64,
 }
 
 const _: () = assert!(core::mem::size_of::<FusedEpilogue>() == 48);
-const _: () = assert!(core::mem::size_of::<FusedOneShotPushParams>() == core::mem::size_of::<OneShotPushParams>() + 48);
+const _: () =
+    assert!(core::mem::size_of::<FusedOneShotPushParams>() == core::mem::size_of::<OneShotPushParams>() + 48 + 16);
 const _: () = assert!(core::mem::offset_of!(FusedOneShotPushParams, epilogue) == 96 + 3 * 8 * MAX_RANKS);
 const _: () = assert!(core::mem::align_of::<FusedOneShotPushParams>() == 16);
 /// Parameters of `fused_two_shot_push_<dtype>` and

@@ -434,3 +434,109 @@ fn shared_arrays_and_cluster_barriers_appear_once_per_entry() {
     assert_eq!(seen_inbox, cluster_ptx * kernels::cluster_entries().len());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Functions of a disassembly (`nvdisasm -c`): name -> instruction lines
+/// (`.text.<name>:` starts a function).
+fn sass_functions(sass: &str) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in sass.lines() {
+        if let Some(name) = line.strip_prefix(".text.").and_then(|l| l.strip_suffix(':')) {
+            current = Some(name.to_string());
+            out.entry(name.to_string()).or_default();
+        } else if let (Some(name), Some(at)) = (&current, line.find("*/")) {
+            let instruction = line[at + 2..].trim().trim_end_matches(';').trim();
+            if line.trim_start().starts_with("/*") && !instruction.is_empty() {
+                out.get_mut(name).expect("entry made above").push(instruction.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// The warp-aggregated shape of an atomic add: its answer (the `ATOMG`'s
+/// destination register) broadcast by a `SHFL.IDX` within the next few
+/// instructions. The shuffle waits for the atomic's answer right there.
+/// Returns the offending `ATOMG` lines.
+fn aggregated_atomics(instructions: &[String]) -> Vec<String> {
+    let mut found = Vec::new();
+    for (i, ins) in instructions.iter().enumerate() {
+        // A guard predicate (`@P5 `) may come first.
+        let Some(at) = ins.find("ATOMG.E.ADD") else { continue };
+        let operands = &ins[at..];
+        // `ATOMG.E.ADD.STRONG.GPU PT, R33, desc[UR8][R10.64], R33`: the
+        // destination is the second operand.
+        let Some(dest) = operands.split(',').nth(1).map(str::trim) else { continue };
+        let shuffled = instructions[i + 1..]
+            .iter()
+            .take(8)
+            .any(|next| next.contains("SHFL.IDX") && next.split(',').nth(2).map(str::trim) == Some(dest));
+        if shuffled {
+            found.push(instructions[i].clone());
+        }
+    }
+    found
+}
+
+#[test]
+fn aggregated_atomic_detector_sees_the_shape() {
+    let aggregated = [
+        "VOTEU.ANY UR4, UPT, PT",
+        "UPOPC UR5, UR4",
+        "@P5 ATOMG.E.ADD.STRONG.GPU PT, R7, desc[UR8][R10.64], R7",
+        "POPC R12, R12",
+        "SHFL.IDX PT, R8, R7, R8, 0x1f",
+    ]
+    .map(String::from);
+    assert_eq!(aggregated_atomics(&aggregated).len(), 1);
+    let single = ["SEL R33, RZ, 0x1, P4", "ATOMG.E.ADD.STRONG.GPU PT, R33, desc[UR8][R10.64], R33", "BSYNC B0"]
+        .map(String::from);
+    assert!(aggregated_atomics(&single).is_empty());
+    let sass = ".text.k:\n        /*0000*/                   ATOMG.E.ADD.STRONG.GPU PT, R1, desc[UR8][R2.64], R1 ;\n\
+                /*0010*/                   SHFL.IDX PT, R3, R1, R4, 0x1f ;\n";
+    assert_eq!(aggregated_atomics(&sass_functions(sass)["k"]).len(), 1);
+}
+
+/// The sentinel kernels count their block with one relaxed atomic add by
+/// thread 0 whose answer is used only at the end (`sentinel::count_block`
+/// / `finish_generation`). ptxas turns an atomic it cannot prove to be
+/// single-lane into a warp-aggregated one whose `SHFL.IDX` waits for the
+/// answer at once (thread 0 then waited out the atomic before its first
+/// poll): no sentinel entry of any architecture has that shape, and each
+/// has its atomic add.
+#[test]
+fn sentinel_atomic_is_not_warp_aggregated() {
+    let Some(ptxas) = ptxas() else { return };
+    let Some(nvdisasm) = inspect::find_tool("nvdisasm") else {
+        skip("nvdisasm not found (run bash .ci/tools.sh)", REQUIRE_PTXAS);
+        return;
+    };
+    // one_shot_push*, two_shot_push*, hierarchical*, fused_one_shot_push*,
+    // fused_two_shot_push*, fused_hierarchical* (the pull and ring kernels
+    // use flags, not the block count).
+    let sentinel = |name: &str| name.contains("push") || name.contains("hierarchical");
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for (arch, result) in assemblies(&ptxas) {
+        let Ok(a) = result else { continue }; // every_ptx_assembles_for_its_arch reports it
+        let sass = inspect::disassemble(&nvdisasm, &a.cubin).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let functions = sass_functions(&sass);
+        let sm = kernels::for_arch(arch).map_or(0, |p| p.sm);
+        for name in kernels::expected_entries_for(sm).into_iter().filter(|n| sentinel(n)) {
+            let Some(body) = functions.get(&name) else {
+                failures.push(format!("{arch} {name}: not in the disassembly"));
+                continue;
+            };
+            if !body.iter().any(|i| i.contains("ATOMG.E.ADD")) {
+                failures.push(format!("{arch} {name}: no atomic add (the block count)"));
+            }
+            for ins in aggregated_atomics(body) {
+                failures.push(format!("{arch} {name}: warp-aggregated atomic `{ins}`"));
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 0, "no sentinel entry checked");
+    eprintln!("sentinel entries checked for aggregated atomics: {checked}");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -580,9 +580,11 @@ impl Comm {
         let two_ranks = self.world == 2 && self.config.one_shot_push_tp2;
         for (row0, rows) in row_chunks(call.shape.rows, rows_per_launch) {
             let push = self.sentinel.one_shot_push(call.input + call.row_offset(row0), 0, rows * hidden);
-            let mut p = FusedOneShotPushParams { push, epilogue: call.epilogue(row0, rows) };
+            let mut p = FusedOneShotPushParams { push, epilogue: call.epilogue(row0, rows), ..Default::default() };
             match self.push_grid(row_packs, rows, call.opts.threads, call.in_place()) {
                 PushGrid::Cluster(c) => {
+                    p.cluster_blocks = c.blocks_per_cluster;
+                    p.cluster_slice_packs = c.slice_packs(row_packs);
                     let entry = fused_one_shot_push_entry(call.shape.dtype, two_ranks, PushRowSplit::Cluster);
                     let f = self.module.function(&entry)?;
                     // SAFETY: as below; the entry is a cluster entry (loaded
@@ -590,7 +592,8 @@ impl Comm {
                     // the grid is one cluster of `blocks_per_cluster <= 8`
                     // blocks per row, at most `pull_max_blocks` blocks of at
                     // most 512 threads, and a thread per pack of its block's
-                    // slice of a row.
+                    // slice of a row (the parameters state the same shape:
+                    // the kernel traps on a disagreement).
                     unsafe {
                         driver::launch_struct_clustered(f, c.blocks(rows), c.threads, c.blocks_per_cluster, stream, &p)?
                     };

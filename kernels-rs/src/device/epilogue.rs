@@ -142,12 +142,22 @@ pub unsafe fn block_sum(value: f32, stop: bool, scratch: u32, parity: u32) -> (f
 /// buffers of `MAX_CLUSTER_BLOCKS` words.
 const INBOX_MBARRIERS: u32 = 2 * 8 * MAX_CLUSTER_BLOCKS;
 
-/// Traps in a cluster of more than `MAX_CLUSTER_BLOCKS` blocks (the
-/// host's bound): the inbox holds that many words a buffer, and a larger
-/// cluster would write over its mbarriers. Called at entry.
+/// Traps unless the launch's cluster is the one the parameters describe:
+/// `blocks` blocks a cluster (at least 2: the cluster entries count every
+/// block in `arrivals`, and a one-block launch would leave its count
+/// unreset, `sentinel::count_block`; at most `MAX_CLUSTER_BLOCKS`, the
+/// host's bound: the inbox holds that many words a buffer, and a larger
+/// cluster would write over its mbarriers), this block's cluster rank
+/// `blockIdx.x % blocks`, and slices of `slice` packs, one per thread,
+/// that cover a row of `row_packs` packs (a pack no block polls would stay
+/// in its receive slot). Called by every thread before the inbox opens.
 #[inline(always)]
-pub unsafe fn cluster_size_check() {
-    if ptx::cluster_nctarank() > MAX_CLUSTER_BLOCKS {
+pub unsafe fn cluster_shape_check(blocks: u32, slice: u32, row_packs: u32) {
+    let launched = ptx::cluster_nctarank();
+    let mut wrong = launched != blocks || !(2..=MAX_CLUSTER_BLOCKS).contains(&blocks);
+    wrong |= ptx::cluster_ctarank() != ptx::block_idx_x() % blocks;
+    wrong |= slice > ptx::block_dim_x() || (slice as u64) * (blocks as u64) < row_packs as u64;
+    if wrong {
         ptx::trap();
     }
 }

@@ -16,7 +16,7 @@
 //!   entry: {abort, generation} (one v4 load); half = generation & 1
 //!   A  reduce-scatter (any thread mapping; as island_push):
 //!      canonical(in[k_s sh + t]) -> rs_to[s] + half + 16 t
-//!   advance_generation (block barrier; the last block stores gen + 1)
+//!   count_block (block barrier; thread 0 counts the block, no wait)
 //!   B  (Hierarchical) per owned row, per pack: poll the n_g-1 RS slots,
 //!      reset, v = round(sum in member order, own term canonical(in));
 //!      partial[i] = v (h.output);  v -> cross_to[o][e] of every other island
@@ -29,6 +29,7 @@
 //!   D  all-gather: each send s, t: poll ag_from[s] + half + 16 t, reset,
 //!      -> residual_out; with RMSNorm also + N -> normed
 //!      (pos = half + 16 (e cap + t), N = normed_slot_bytes)
+//!   finish_generation (the last block stores gen + 1)
 //! ```
 //!
 //! Semantics: the owner of a share adds *its* `residual_in` and `weight`,
@@ -116,10 +117,12 @@ unsafe fn fused_island_push<E: Element, const CROSS: bool>(p: FusedIslandPushPar
         t += stride;
     }
 
-    // ---- Generation: block barrier (block-uniform stop on abort); the last
-    //      block of the launch advances it.
-    if sentinel::advance_generation(control, region, generation, !live) {
-        return;
+    // ---- Generation: block barrier (block-uniform stop on abort), the block
+    //      counted; the last block of the launch advances it at the end
+    //      (`finish_generation`: the count's answer stays off the polls).
+    let (aborted, block_count) = sentinel::count_block(control, region, !live, true);
+    if aborted {
+        return; // not counted: nothing to finish
     }
 
     // Every wait may be on a peer that has not launched the call yet
@@ -302,6 +305,7 @@ unsafe fn fused_island_push<E: Element, const CROSS: bool>(p: FusedIslandPushPar
             t += stride;
         }
     }
+    sentinel::finish_generation(control, region, generation, block_count, true);
     if let Some((s, phase, peer)) = stall {
         let record = p.push.h.error_record as *mut ErrorRecord;
         sentinel::give_up_at(

@@ -34,7 +34,7 @@
 //! counted there by an mbarrier):
 //!
 //! ```text
-//!   entry, push, count_block as above
+//!   entry, push, cluster_shape_check (trap), count_block as above
 //!   (RMSNorm) init the inbox's mbarriers, barrier.cluster.arrive.relaxed
 //!   per row: poll + add as above; block_sum;
 //!            first row only: barrier.cluster.wait        (every mbarrier initialised)
@@ -74,7 +74,7 @@
 //! there is no barrier and a failing thread leaves at once.
 
 use super::epilogue::{
-    block_rows, block_sum, cluster_inbox_open, cluster_size_check, cluster_sum, inv_rms, normalise, sum_squares,
+    block_rows, block_sum, cluster_inbox_open, cluster_shape_check, cluster_sum, inv_rms, normalise, sum_squares,
 };
 use super::pack::{aligned16, any_word_empty, load_pack, store_pack, Acc, Element, Pack, ZERO_PACK};
 use super::ptx;
@@ -235,8 +235,8 @@ const _: () = assert!(2 * POLL_GROUP >= MAX_RANKS, "two poll groups cover every 
 /// fixed at 2..=5, two for any world, none with `K` packs (the register
 /// budget of 512-thread blocks: ptxas spilled otherwise) and none with one
 /// pack (the poll's own first pass already issues its slots together).
-const fn preloaded_slots(w: u32, p: usize) -> usize {
-    if p > SHORT_K || p == 1 {
+const fn preloaded_slots(w: u32, p: usize, cluster: bool) -> usize {
+    if p > SHORT_K || (p == 1 && !cluster) {
         0
     } else if w == 0 {
         2
@@ -256,9 +256,6 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
 ) {
     let trace = Trace::start(p.push.h.flags & FLAG_TRACE != 0, p.push.h.trace);
     let control = p.push.h.control as *mut Control;
-    if CLUSTER {
-        cluster_size_check();
-    }
 
     // ---- Entry: the control words and this thread's first input packs are
     //      in flight together.
@@ -267,13 +264,19 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
     let rows = p.epilogue.rows as u64;
     let threads = ptx::block_dim_x() as u64;
     let tid = ptx::thread_idx_x() as u64;
-    // A cluster works on rows `clusterid, clusterid + clusters, ...`, each
-    // block on its slice of them; otherwise a block owns whole rows.
-    // (32-bit division: rows are at most FUSED_MAX_ROW_PACKS packs.)
+    // A cluster works on rows `cluster, cluster + clusters, ...`, each
+    // block on its slice of them; otherwise a block owns whole rows. The
+    // cluster's shape comes from the parameters (no driver constant before
+    // the first loads) and is checked against the launch after the push:
+    // whatever it says, every access stays within the rows and the push's
+    // row loop ends (a stride of at least 1).
+    let cluster_blocks = p.cluster_blocks.max(1);
     let (first_row, row_stride, lo, hi) = if CLUSTER {
-        let slice = (row_packs as u32).div_ceil(ptx::cluster_nctarank()) as u64;
-        let lo = ptx::cluster_ctarank() as u64 * slice;
-        (ptx::cluster_id_x() as u64, ptx::cluster_count_x() as u64, lo, row_packs.min(lo + slice))
+        let cluster = ptx::block_idx_x() / cluster_blocks;
+        let slice = p.cluster_slice_packs as u64;
+        let lo = (ptx::block_idx_x() - cluster * cluster_blocks) as u64 * slice;
+        let clusters = (ptx::grid_dim_x() / cluster_blocks).max(1);
+        (cluster as u64, clusters as u64, lo, row_packs.min(lo + slice))
     } else {
         let (first, stride) = block_rows();
         (first, stride, 0, row_packs)
@@ -365,6 +368,9 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
     let norm = p.epilogue.flags & EPILOGUE_NORM != 0;
     let cluster_barriers = CLUSTER && norm;
     let cluster_inbox = ptx::cluster_inbox();
+    if CLUSTER {
+        cluster_shape_check(cluster_blocks, p.cluster_slice_packs, row_packs as u32);
+    }
 
     // ---- Rank-local operands of the epilogue. Short rows (`early`): issued
     //      now, so that they are in flight during the barrier and the
@@ -394,7 +400,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
     //      every block takes part in every cluster barrier: a block that saw
     //      the abort polls nothing and makes its cluster leave together at
     //      the first row's reduction.
-    let (aborted, block_count) = sentinel::count_block(control, RegionId::OneShotPush, abort != 0);
+    let (aborted, block_count) = sentinel::count_block(control, RegionId::OneShotPush, abort != 0, !CLUSTER);
     if aborted && !cluster_barriers {
         return; // not counted: nothing to finish
     }
@@ -403,7 +409,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
     // rows spilled there on sm_80.
     let finish_late = CLUSTER || P > 1;
     if !finish_late {
-        sentinel::finish_generation(control, RegionId::OneShotPush, generation, block_count);
+        sentinel::finish_generation(control, RegionId::OneShotPush, generation, block_count, !aborted);
     }
     // ---- The cluster's inbox (its mbarriers, a relaxed arrive): opened
     //      here, while the peers' packs are on their way, not at entry,
@@ -417,7 +423,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
 
     // ---- Per row: poll, reduce, add the residual, normalise.
     let lanes = E::LANES as u64;
-    let preloaded = preloaded_slots(W, P);
+    let preloaded = preloaded_slots(W, P, CLUSTER);
     let scratch = ptx::reduction_scratch();
     // The row's reduction number, from 1: its parity picks the buffers of
     // `block_sum` (and of the cluster inbox).
@@ -502,7 +508,7 @@ unsafe fn fused_one_shot_push<E: Element, const W: u32, const P: usize, const CL
         row += row_stride;
     }
     if finish_late {
-        sentinel::finish_generation(control, RegionId::OneShotPush, generation, block_count);
+        sentinel::finish_generation(control, RegionId::OneShotPush, generation, block_count, !aborted);
     }
     if aborted {
         return;

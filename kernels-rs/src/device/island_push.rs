@@ -11,7 +11,7 @@
 //!   A  reduce-scatter: for each send s (share k_s, owner staggered from
 //!      member j+1), t grid-stride < sh: canonical(in[k_s sh + t])
 //!      -> rs_to[s] + half + 16 t                     (n_g-1)/S of S posted
-//!   advance_generation (block barrier; the last block stores gen + 1)
+//!   count_block (block barrier; thread 0 counts the block, no wait)
 //!   B  partial: owned (e, t): poll the n_g-1 reduce-scatter slots, reset
 //!      them, v = round(sum in member order, own term canonical(in));
 //!      out[i] = v;  Hierarchical: v -> cross_to[o][e] + 16 t of every
@@ -21,6 +21,8 @@
 //!      f -> ag_to[q] + half + 16 (e cap + t) of every other member
 //!   D  all-gather: each send s, t: poll ag_from[s] + half + 16 t, reset,
 //!      out[k_s sh + t] = value
+//!   finish_generation (the last block stores gen + 1; sm_80/89: right
+//!      after count_block)
 //! ```
 //!
 //! Phasing rule: a wait in phase X only needs data other ranks push in
@@ -345,10 +347,15 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
         t += stride;
     }
 
-    // ---- Generation: block barrier (block-uniform stop on abort); the last
-    //      block of the launch advances it.
-    if sentinel::advance_generation(control, region, generation, !live) {
-        return;
+    // ---- Generation: block barrier (block-uniform stop on abort), the block
+    //      counted; the last block of the launch advances it, at the end
+    //      where FINISH_GENERATION_LATE (the count's answer off the polls).
+    let (aborted, block_count) = sentinel::count_block(control, region, !live, true);
+    if aborted {
+        return; // not counted: nothing to finish
+    }
+    if !sentinel::FINISH_GENERATION_LATE {
+        sentinel::finish_generation(control, region, generation, block_count, true);
     }
 
     let output = p.h.output as *mut u8;
@@ -459,6 +466,9 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
             t += stride;
         }
         trace.polled(generation);
+    }
+    if sentinel::FINISH_GENERATION_LATE {
+        sentinel::finish_generation(control, region, generation, block_count, true);
     }
     if let Some((s, phase, peer)) = stall {
         let record = p.h.error_record as *mut ErrorRecord;

@@ -11,11 +11,13 @@
 //!     entry:  {abort, generation} (one v4 load) + first input pack, together
 //!     push:   canonical(in[i]) -> send_to[k] + half + 16 i, k = 0..world-2
 //!             (rank r+1, r+2, ...: staggered)          (world-1) x S posted
-//!     advance_generation (block barrier; the last block stores gen + 1)
+//!     count_block (block barrier; thread 0 counts the block, no wait)
 //!     poll:   mine = canonical(in[i]); first pass: one relaxed.sys load per
 //!             source, back to back; bounded spin on any with an EMPTY word
 //!     reset:  EMPTY -> every slot just read (reset on consume)
 //!     out[i] = sum over ranks 0..world-1 in f32, own term = mine, rounded once
+//!   finish_generation (the last block stores gen + 1; sm_80/89: right
+//!     after count_block)
 //! ```
 //!
 //! Sentinel: EMPTY is the all-ones 32-bit word; the region is filled with it
@@ -115,10 +117,15 @@ unsafe fn one_shot_push<E: Element, const W: u32>(p: OneShotPushParams) {
         }
     }
 
-    // ---- Generation: block barrier (block-uniform stop on abort); the last
-    //      block of the launch advances it.
-    if sentinel::advance_generation(control, RegionId::OneShotPush, generation, abort != 0) {
-        return;
+    // ---- Generation: block barrier (block-uniform stop on abort), the block
+    //      counted; the last block of the launch advances it, at the end
+    //      where FINISH_GENERATION_LATE (the count's answer off the polls).
+    let (aborted, block_count) = sentinel::count_block(control, RegionId::OneShotPush, abort != 0, true);
+    if aborted {
+        return; // not counted: nothing to finish
+    }
+    if !sentinel::FINISH_GENERATION_LATE {
+        sentinel::finish_generation(control, RegionId::OneShotPush, generation, block_count, true);
     }
 
     // ---- Poll, reset on consume, reduce in rank order.
@@ -188,6 +195,9 @@ unsafe fn one_shot_push<E: Element, const W: u32>(p: OneShotPushParams) {
             store_pack::<E>(output, i, elems_in_pack(count, lanes, i), false, &sum);
         }
         i += stride;
+    }
+    if sentinel::FINISH_GENERATION_LATE {
+        sentinel::finish_generation(control, RegionId::OneShotPush, generation, block_count, true);
     }
     if let Some(s) = stall {
         let record = p.h.error_record as *mut ErrorRecord;

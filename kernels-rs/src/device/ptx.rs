@@ -241,6 +241,21 @@ pub unsafe fn atom_add_relaxed_gpu_u32(addr: *mut u32, v: u32) -> u32 {
     old
 }
 
+/// [`atom_add_relaxed_gpu_u32`] where `enabled`, else 0 and no access: the
+/// condition is a predicate inside the asm, so a caller that branches on
+/// the thread index alone keeps a single-lane atomic. (A branch on the
+/// thread index and another condition let ptxas 13.0 turn the atomic into
+/// a warp-aggregated one whose shuffle waits for the answer at once.)
+#[inline(always)]
+pub unsafe fn atom_add_relaxed_gpu_u32_if(addr: *mut u32, v: u32, enabled: bool) -> u32 {
+    let old: u32;
+    asm!(
+        "{{ .reg .pred p; setp.ne.u32 p, {e}, 0; mov.u32 {o}, 0; @p atom.relaxed.gpu.global.add.u32 {o}, [{a}], {v}; }}",
+        o = out(reg32) old, a = in(reg64) addr, v = in(reg32) v, e = in(reg32) enabled as u32, options(nostack)
+    );
+    old
+}
+
 /// `atom.acq_rel.sys.global.add.u32 %r, [addr], v;` — system-scope add.
 /// Only for memory local to this GPU: peer atomics are not guaranteed over
 /// PCIe, so no protocol in this crate uses it on peer or host memory.
@@ -495,24 +510,6 @@ pub fn cluster_nctarank() -> u32 {
     let r: u32;
     // SAFETY: reads a special register.
     unsafe { asm!("mov.u32 {r}, %cluster_nctarank;", r = out(reg32) r, options(nomem, nostack, pure)) };
-    r
-}
-
-/// `%clusterid.x`: this cluster's index in the grid.
-#[inline(always)]
-pub fn cluster_id_x() -> u32 {
-    let r: u32;
-    // SAFETY: reads a special register.
-    unsafe { asm!("mov.u32 {r}, %clusterid.x;", r = out(reg32) r, options(nomem, nostack, pure)) };
-    r
-}
-
-/// `%nclusterid.x`: clusters in the grid.
-#[inline(always)]
-pub fn cluster_count_x() -> u32 {
-    let r: u32;
-    // SAFETY: reads a special register.
-    unsafe { asm!("mov.u32 {r}, %nclusterid.x;", r = out(reg32) r, options(nomem, nostack, pure)) };
     r
 }
 

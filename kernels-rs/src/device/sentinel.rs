@@ -32,11 +32,30 @@ pub unsafe fn entry(control: *const Control, region: RegionId) -> (u32, u32) {
     (w[0], generation)
 }
 
-/// Advances `generation[region]` once per launch, after this block's pushes.
-/// Called by every thread of every block with the `abort` and `generation`
-/// it read at entry; returns `true` when the kernel must stop (some thread
-/// of this block saw the sticky abort): the answer is block-uniform, so no
-/// thread polls while another of its block has returned.
+/// Thread 0's place in the launch's arrival count (the arrivals before
+/// its block), from [`count_block`]; meaningless in other threads.
+#[derive(Clone, Copy)]
+pub struct BlockCount(u32);
+
+/// Whether the plain sentinel kernels (OneShotPush, TwoShotPush,
+/// Hierarchical) wait for their block count's answer only at the end
+/// ([`finish_generation`] after their polls) rather than at once, after
+/// [`count_block`]. sm_90 and newer: thread 0 then polls while the atomic
+/// is in flight. On sm_80 and sm_89 the answer held across the polls
+/// spilled (OneShotPush bf16, TwoShotPush, Hierarchical at 64 registers),
+/// so there it is waited for at once. The fused kernels decide for
+/// themselves: the fused island push finishes at the end on every
+/// architecture, the fused one-shot push too except its `_wide` entries.
+pub const FINISH_GENERATION_LATE: bool = cfg!(target_feature = "sm_90");
+
+/// Advances `generation[region]` once per launch, after this block's
+/// pushes, in two halves: `count_block` here, [`finish_generation`] at
+/// once or, where [`FINISH_GENERATION_LATE`], at the end of the kernel.
+/// Called by every thread of every block with the `abort` it read at
+/// entry; returns `true` when the kernel must stop (some thread of this
+/// block saw the sticky abort): the answer is block-uniform, so no thread
+/// polls while another of its block has returned. A stopped block is not
+/// counted.
 ///
 /// Why it is correct: the block barrier's predicate is each thread's
 /// `abort`, which arrived in the same vector load as its `generation`; once
@@ -45,63 +64,64 @@ pub unsafe fn entry(control: *const Control, region: RegionId) -> (u32, u32) {
 /// the launch (whatever the scheduling order or residency) resets the
 /// count and stores `generation + 1`, so no block of this launch can read
 /// the new value. The next reader is the next kernel on this rank's stream
-/// (kernel boundary). With one block it is a plain store. The atomic is
-/// relaxed: a release would wait for this thread's outstanding peer stores.
+/// (kernel boundary). The atomic is relaxed: a release would wait for this
+/// thread's outstanding peer stores.
+///
+/// A launch of one block counts nothing (its count stays 0, which is
+/// `blocks - 1`): no atomic, no reset (measured on H200, 2 ranks at 4 KB:
+/// the atomic made the one-block launch 0.07 us slower).
+///
+/// `may_be_one_block` (a constant in every caller): false where the launch
+/// always has several blocks (the thread-block cluster entries, which trap
+/// on a one-block cluster before counting: `epilogue::cluster_shape_check`);
+/// there the grid-size test is left out.
+///
+/// Code shape (checked in SASS, `sentinel_atomic_is_not_warp_aggregated`
+/// in the PTX tests): the atomic sits under one branch on the thread index
+/// alone, adds 0 for a stopped block, and the grid-size condition is a
+/// predicate inside its asm. Under `!stop && tid == 0` (and, in the
+/// cluster entries, with the grid-size predicate) ptxas 13.0 turned it
+/// into a warp-aggregated add (`VOTEU`, `POPC`, `ATOMG`, `SHFL.IDX` of the
+/// answer) whose shuffle waits for the answer at once: thread 0 of every
+/// block waited out the atomic's round trip before its first poll,
+/// wherever the answer was used (docs/RESULTS.md).
 #[inline(always)]
-pub unsafe fn advance_generation(control: *mut Control, region: RegionId, generation: u32, aborted: bool) -> bool {
+pub unsafe fn count_block(
+    control: *mut Control,
+    region: RegionId,
+    aborted: bool,
+    may_be_one_block: bool,
+) -> (bool, BlockCount) {
     let stop = ptx::bar_red_or(aborted);
-    if !stop && ptx::thread_idx_x() == 0 {
-        let blocks = ptx::grid_dim_x();
-        let r = region as usize;
-        let last = blocks == 1 || ptx::atom_add_relaxed_gpu_u32(&mut (*control).arrivals[r], 1) == blocks - 1;
-        if last {
-            if blocks != 1 {
-                ptx::st_relaxed_gpu_u32(&mut (*control).arrivals[r], 0);
-            }
-            ptx::st_relaxed_gpu_u32(&mut (*control).generation[r], generation.wrapping_add(1));
-        }
-    }
-    stop
-}
-
-/// This block's place in the launch's arrival count (`u32::MAX`: not
-/// counted, or not thread 0), from [`count_block`].
-#[derive(Clone, Copy)]
-pub struct BlockCount(u32);
-
-/// [`advance_generation`] in two halves, for a kernel with work after its
-/// polls (the fused epilogue): the block barrier and thread 0's count of
-/// its block here, the last block's store of `generation + 1` in
-/// [`finish_generation`] after the rows, so the atomic's answer is not
-/// waited for before thread 0's first poll (measured on H200, 2 ranks: the
-/// fused call 0.10-0.17 us faster; the plain OneShotPush measured no gain,
-/// its 0.1 us tail leaves the answer to be waited for at exit, and keeps
-/// [`advance_generation`]; docs/RESULTS.md). The same correctness
-/// argument: every block reads its generation at entry, before it is
-/// counted, and the next reader of the new value is the next kernel on
-/// this rank's stream.
-#[inline(always)]
-pub unsafe fn count_block(control: *mut Control, region: RegionId, aborted: bool) -> (bool, BlockCount) {
-    let stop = ptx::bar_red_or(aborted);
-    let mut count = BlockCount(u32::MAX);
-    if !stop && ptx::thread_idx_x() == 0 {
-        let blocks = ptx::grid_dim_x();
-        count.0 =
-            if blocks == 1 { 0 } else { ptx::atom_add_relaxed_gpu_u32(&mut (*control).arrivals[region as usize], 1) };
+    let mut count = BlockCount(0);
+    if ptx::thread_idx_x() == 0 {
+        let arrivals = &mut (*control).arrivals[region as usize];
+        count.0 = if may_be_one_block {
+            ptx::atom_add_relaxed_gpu_u32_if(arrivals, (!stop) as u32, ptx::grid_dim_x() > 1)
+        } else {
+            ptx::atom_add_relaxed_gpu_u32(arrivals, (!stop) as u32)
+        };
     }
     (stop, count)
 }
 
 /// Second half: the launch's last block (its thread 0) resets the count
-/// and stores `generation + 1`. Every counted block (a count other than
-/// `u32::MAX`) must reach it once before it exits: a counted block that
-/// skipped it would leave the generation where it is, and the next launch
-/// would reuse this launch's half of the receive region. An uncounted
-/// block (it saw the abort) may return without it.
+/// and stores `generation + 1`. Every counted block must reach it once
+/// before it exits, with `counted` true (`count_block`'s answer was "go
+/// on"): a counted block that skipped it would leave the generation where
+/// it is, and the next launch would reuse this launch's half of the
+/// receive region. An uncounted block (it saw the abort) may return
+/// without it, or call it with `counted` false.
 #[inline(always)]
-pub unsafe fn finish_generation(control: *mut Control, region: RegionId, generation: u32, count: BlockCount) {
+pub unsafe fn finish_generation(
+    control: *mut Control,
+    region: RegionId,
+    generation: u32,
+    count: BlockCount,
+    counted: bool,
+) {
     let blocks = ptx::grid_dim_x();
-    if count.0 == blocks - 1 {
+    if counted && ptx::thread_idx_x() == 0 && count.0 == blocks - 1 {
         let r = region as usize;
         if blocks != 1 {
             ptx::st_relaxed_gpu_u32(&mut (*control).arrivals[r], 0);
