@@ -234,7 +234,10 @@ const _: () = assert!(2 * POLL_GROUP >= MAX_RANKS, "two poll groups cover every 
 /// of a row at once, before it waits on any: every slot with the world
 /// fixed at 2..=5, two for any world, none with `K` packs (the register
 /// budget of 512-thread blocks: ptxas spilled otherwise) and none with one
-/// pack (the poll's own first pass already issues its slots together).
+/// pack in a block-per-row entry (the poll's own first pass already issues
+/// its slots together); the one-pack cluster entries preload (adopted with
+/// the single-lane block count and measured only together with it,
+/// docs/RESULTS.md, session 26).
 const fn preloaded_slots(w: u32, p: usize, cluster: bool) -> usize {
     if p > SHORT_K || (p == 1 && !cluster) {
         0
