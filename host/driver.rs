@@ -202,6 +202,18 @@ pub unsafe fn stream_context(stream: sys::CUstream) -> Result<sys::CUcontext> {
     Ok(ctx)
 }
 
+/// The stream's identity for the life of the process (`cuStreamGetId`): a
+/// handle's address may be reused by a stream created after it was
+/// destroyed, an id never is.
+///
+/// # Safety
+/// `stream` must be a live stream handle of this process (or null).
+pub unsafe fn stream_id(stream: sys::CUstream) -> Result<u64> {
+    let mut id: std::ffi::c_ulonglong = 0;
+    cu!(cuStreamGetId(stream, &mut id))?;
+    Ok(id)
+}
+
 /// Whether `stream` is capturing into a graph right now.
 ///
 /// # Safety
@@ -510,13 +522,22 @@ impl Event {
         Ok(Event { ctx: ctx.clone(), event })
     }
 
-    /// Makes `waiter` wait for everything queued on `signaller` so far.
+    /// Records the event on `stream` (what a later [`Event::wait`] waits for).
     ///
     /// # Safety
-    /// Both must be live streams of the event's context.
-    pub unsafe fn order(&self, signaller: sys::CUstream, waiter: sys::CUstream) -> Result<()> {
-        cu!(cuEventRecord(self.event, signaller))?;
-        cu!(cuStreamWaitEvent(waiter, self.event, 0))
+    /// `stream` is a live stream of the event's context.
+    pub unsafe fn record(&self, stream: sys::CUstream) -> Result<()> {
+        cu!(cuEventRecord(self.event, stream))
+    }
+
+    /// Makes `stream` wait for the event's latest record (nothing, if it was
+    /// never recorded). The stream that recorded it may have been destroyed
+    /// since: the event is ours, the wait touches only it and `stream`.
+    ///
+    /// # Safety
+    /// As [`Event::record`].
+    pub unsafe fn wait(&self, stream: sys::CUstream) -> Result<()> {
+        cu!(cuStreamWaitEvent(stream, self.event, 0))
     }
 }
 

@@ -50,24 +50,6 @@ impl Drop for HelperStream {
     }
 }
 
-impl Event {
-    /// Records the event on `stream` (what a later [`Event::wait`] waits for).
-    ///
-    /// # Safety
-    /// `stream` is a live stream of the event's context.
-    pub unsafe fn record(&self, stream: sys::CUstream) -> Result<()> {
-        cu!(cuEventRecord(self.event, stream))
-    }
-
-    /// Makes `stream` wait for the event's latest record.
-    ///
-    /// # Safety
-    /// As [`Event::record`].
-    pub unsafe fn wait(&self, stream: sys::CUstream) -> Result<()> {
-        cu!(cuStreamWaitEvent(stream, self.event, 0))
-    }
-}
-
 /// Whether the device of `ctx` runs stream memory operations
 /// (`CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS`).
 pub fn stream_mem_ops_supported(ctx: &CudaContext) -> Result<bool> {

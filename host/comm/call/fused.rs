@@ -524,8 +524,6 @@ impl Comm {
             // SAFETY: validated pointers and stream.
             return unsafe { self.launch_epilogue(call, call.input, stream) };
         }
-        // SAFETY: as above.
-        unsafe { self.order_after_previous_call(stream, capture)? };
         let capturing = capture.is_some();
         let shape = &call.shape;
         let (algorithm, tuned_shape) = if call.opts.unfused {
@@ -544,9 +542,9 @@ impl Comm {
         } else {
             fused_path(algorithm, shape, &self.fused_capacities(), self.config.fused_island_kernels)
         };
-        // SAFETY: validated pointers and stream; the call is ordered.
+        // SAFETY: validated pointers and stream; `ordered` orders the call.
         unsafe {
-            match path {
+            self.ordered(stream, capture, || match path {
                 FusedPath::Push { rows_per_launch } => self.run_fused_push(call, rows_per_launch, stream),
                 FusedPath::Pull { rows_per_launch } => self.run_fused_pull(call, rows_per_launch, stream, capturing),
                 FusedPath::Island { rows_per_launch } => {
@@ -558,7 +556,7 @@ impl Comm {
                     self.dispatch(algorithm, tuned_shape, call.input, sum, count, shape.dtype, stream, capturing)
                         .and_then(|()| self.launch_epilogue(call, sum, stream))
                 }
-            }
+            })
         }
         .inspect_err(|e| {
             if e.breaks_communicator() {

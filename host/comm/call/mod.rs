@@ -281,12 +281,15 @@ impl Comm {
             }
             return Ok(());
         }
-        // SAFETY: as above.
-        unsafe { self.order_after_previous_call(stream, capture)? };
         let capturing = capture.is_some();
         let (algorithm, tuned_shape) = choose(self, bytes, dtype, capturing);
-        // SAFETY: as above.
-        unsafe { self.dispatch(algorithm, tuned_shape, send, recv, count, dtype, stream, capturing) }.inspect_err(|e| {
+        // SAFETY: as above (live stream of our context, validated pointers).
+        unsafe {
+            self.ordered(stream, capture, || {
+                self.dispatch(algorithm, tuned_shape, send, recv, count, dtype, stream, capturing)
+            })
+        }
+        .inspect_err(|e| {
             if e.breaks_communicator() {
                 self.mark_broken(e.to_string());
             }
@@ -321,51 +324,83 @@ impl Comm {
         }
     }
 
-    /// Calls on one rank must not overlap: kernels keep per-block state
-    /// (epochs, generations, ring counters, staging) that assumes they run
-    /// one after the other. Calls on one stream are ordered by it; an eager
-    /// call on another stream than the previous eager call is made to wait
-    /// for that stream (an event); a captured call on another stream than
-    /// the previous captured call *of the same capture* is refused, since
-    /// the two could run concurrently in the graph. Eager calls and graph
-    /// replays cannot be ordered here: the caller orders them (documented
-    /// on `Comm::all_reduce_raw`).
+    /// Runs `body` (the call's launches on `stream`) ordered after the
+    /// rank's previous call. Calls on one rank must not overlap: kernels
+    /// keep per-block state (epochs, generations, ring counters, staging)
+    /// that assumes they run one after the other.
+    ///
+    /// * Eager calls: one on another stream than the previous eager call
+    ///   waits for that call's work through an event recorded on the
+    ///   previous call's stream *during* that call (right after its
+    ///   launches), or on the communicator's own stream (alive as long as
+    ///   the communicator). A later call never touches an earlier call's
+    ///   stream: the caller may have destroyed it since. Streams are told
+    ///   apart by their id, not their handle, whose address a new stream
+    ///   may reuse.
+    /// * Captured calls: one on another stream than the previous call of the
+    ///   same capture is refused, since the two could run concurrently in
+    ///   the graph.
+    /// * Eager calls and graph replays cannot be ordered here: the caller
+    ///   orders them (documented on `Comm::all_reduce_raw`).
+    ///
+    /// The order lock is held across `body`, so calls of one communicator
+    /// from several threads are serialised on the host too.
     ///
     /// # Safety
-    /// `stream` is a live stream of the communicator's context.
-    pub(super) unsafe fn order_after_previous_call(&self, stream: sys::CUstream, capture: Option<u64>) -> Result<()> {
+    /// `stream` is a live stream of the communicator's context; `body`'s
+    /// own contract is the caller's.
+    pub(super) unsafe fn ordered(
+        &self,
+        stream: sys::CUstream,
+        capture: Option<u64>,
+        body: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         let mut order = self.order.lock().map_err(|_| Error::Broken("call-order lock poisoned".into()))?;
-        let this = PreviousCall { stream: stream as usize, capture };
-        let Some(prev) = order.last.filter(|p| p.stream != this.stream) else {
-            order.last = Some(this);
-            return Ok(());
-        };
-        match (prev.capture, capture) {
-            (Some(p), Some(c)) if p == c => {
-                return Err(Error::invalid(
-                    "all_reduce: two calls of one communicator were captured on different streams of the same \
-                     graph; they could run concurrently and corrupt each other. Capture a communicator's calls on \
-                     one stream (join the branches first).",
-                ))
-            }
-            (None, None) => {
-                if order.event.is_none() {
-                    order.event = Some(driver::Event::new(&self.ctx)?);
+        let own_stream = stream == self.stream.cu_stream();
+        // SAFETY: `stream` is live (contract of this fn).
+        let stream_id = unsafe { driver::stream_id(stream)? };
+        match capture {
+            Some(capture) => {
+                if order.last_capture.is_some_and(|c| c.capture == capture && c.stream_id != stream_id) {
+                    return Err(Error::invalid(
+                        "all_reduce: two calls of one communicator were captured on different streams of the same \
+                         graph; they could run concurrently and corrupt each other. Capture a communicator's calls \
+                         on one stream (join the branches first).",
+                    ));
                 }
-                if let Some(event) = &order.event {
-                    // SAFETY: `stream` is live (caller); the previous stream
-                    // was live at its call. If it has been destroyed since,
-                    // the record fails and nothing is left to order against
-                    // on our side: the caller destroyed it after its work.
-                    let _ = unsafe { event.order(prev.stream as sys::CUstream, stream) };
-                }
+                order.last_capture = Some(CapturedCall { capture, stream_id });
+                body()
             }
-            // An eager call and a graph capture (or two captures): their
-            // execution is ordered by the caller's stream usage.
-            _ => {}
+            None => {
+                if let Some(prev) = order.last_eager.filter(|p| p.stream_id != stream_id) {
+                    let event = order.event(&self.ctx)?;
+                    // SAFETY: our own stream lives as long as `self`; `stream`
+                    // is live (contract). A call on a foreign stream was
+                    // recorded at its end, below.
+                    unsafe {
+                        if !prev.recorded {
+                            event.record(self.stream.cu_stream())?;
+                        }
+                        event.wait(stream)?;
+                    }
+                }
+                let result = body();
+                // A call on a foreign stream records its end now, while the
+                // stream is certainly alive (the caller's contract for this
+                // call), so that a later call on another stream need not
+                // touch it.
+                let recorded = !own_stream;
+                if recorded {
+                    // SAFETY: as above.
+                    let record = order.event(&self.ctx).and_then(|event| unsafe { event.record(stream) });
+                    if result.is_ok() {
+                        record?;
+                    }
+                }
+                order.last_eager = Some(EagerCall { stream_id, recorded });
+                result
+            }
         }
-        order.last = Some(this);
-        Ok(())
     }
 
     /// The host side and kernel of `algorithm` for `dtype`, once the one
@@ -564,17 +599,39 @@ fn ranges_overlap(a: u64, b: u64, len: u64) -> bool {
     a < b.saturating_add(len) && b < a.saturating_add(len)
 }
 
-/// The previous call of a rank: its stream and its graph capture, if any.
+/// The previous eager call of a rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct PreviousCall {
-    stream: usize,
-    capture: Option<u64>,
+pub(super) struct EagerCall {
+    /// `driver::stream_id` of its stream.
+    stream_id: u64,
+    /// Whether `CallOrder::event` was recorded on its stream at its end
+    /// (a foreign stream); else it ran on the communicator's own stream.
+    recorded: bool,
 }
 
-/// What orders a rank's calls across streams.
+/// The previous captured call of a rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct CapturedCall {
+    capture: u64,
+    stream_id: u64,
+}
+
+/// What orders a rank's calls across streams (`Comm::ordered`).
 #[derive(Default)]
 pub(crate) struct CallOrder {
-    last: Option<PreviousCall>,
-    /// Created at the first eager stream change (never during a capture).
+    last_eager: Option<EagerCall>,
+    last_capture: Option<CapturedCall>,
+    /// Created at the first eager call that needs it (never during a
+    /// capture).
     event: Option<driver::Event>,
+}
+
+impl CallOrder {
+    fn event(&mut self, ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<&driver::Event> {
+        let event = match self.event.take() {
+            Some(event) => event,
+            None => driver::Event::new(ctx)?,
+        };
+        Ok(self.event.insert(event))
+    }
 }
