@@ -24,6 +24,7 @@ mod islands;
 mod names;
 mod one_shot_pull;
 mod one_shot_push;
+mod rank_memory;
 mod ring;
 mod two_shot_pull;
 mod two_shot_push;
@@ -35,6 +36,7 @@ pub use copy_engine_ring::{pieces_for, CopyEnginePlan, CE_MAX_PIECES};
 pub use cost::{CostRecipe, CostShape, Engine, FlowSet, LatencyOver, Op, Pattern, PhaseSpec};
 pub use islands::IslandSplit;
 pub use names::{Algorithm, Transport};
+pub(crate) use rank_memory::{CrossRegions, RankMemory, CROSS_SLOTS_OFFSET};
 
 /// Everything of one algorithm's host side.
 pub(crate) trait AlgorithmHost: Sync {

@@ -13,7 +13,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use tp_allreduce::tools::bench::options::{at_least_one, parse_dtype, parse_sizes, SizeList};
-use tp_allreduce::tools::bench::{self, report, BenchArgs, Mode, Options};
+use tp_allreduce::tools::bench::{self, plot, report, BenchArgs, Mode, Options};
 use tp_allreduce::tools::plan::{self, PlanRequest};
 use tp_allreduce::{Algorithm, Config, DType};
 
@@ -310,7 +310,7 @@ fn write_outputs(rep: &report::Report, out: Option<PathBuf>, compare: Option<Pat
     std::fs::create_dir_all(&out).map_err(|e| format!("creating {}: {e}", out.display()))?;
     report::write_csv(rep, &out.join("results.csv")).map_err(text)?;
     report::write_json(rep, &out.join("results.json")).map_err(text)?;
-    std::fs::write(out.join("latency.svg"), report::render_svg(rep)).map_err(text)?;
+    std::fs::write(out.join("latency.svg"), plot::render_svg(rep)).map_err(text)?;
     let mut shown = report::render_table(rep);
     shown += &format!("results: {}/results.{{csv,json}}, {}/latency.svg\n", out.display(), out.display());
     if let Some(old) = compare {
@@ -501,7 +501,7 @@ fn report_cmd(results: &std::path::Path, svg: Option<PathBuf>, compare: Option<P
     let rep = report::read_json(results).map_err(text)?;
     let mut shown = report::render_table(&rep);
     if let Some(path) = svg {
-        std::fs::write(&path, report::render_svg(&rep)).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        std::fs::write(&path, plot::render_svg(&rep)).map_err(|e| format!("writing {}: {e}", path.display()))?;
         shown += &format!("plot: {}\n", path.display());
     }
     if let Some(old) = compare {

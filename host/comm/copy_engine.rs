@@ -16,9 +16,8 @@ use tp_allreduce_kernels::layout::{LocalState, SignalBlock, COPY_ENGINE_FLAG_STR
 use tp_allreduce_kernels::params::CopyEngineParams;
 use tp_allreduce_kernels::partition::{packs_for, PACK};
 
-use super::params::RankMemory;
 use super::test_hooks;
-use crate::algorithm::{pieces_for, CopyEnginePlan, IslandSplit, CE_MAX_PIECES};
+use crate::algorithm::{pieces_for, CopyEnginePlan, IslandSplit, RankMemory, CE_MAX_PIECES};
 use crate::driver::copy_engine::{self, CopyEngineOp, CopyEngineRuntime, HelperStream};
 use crate::driver::{Event, KernelModule};
 use crate::error::Result;

@@ -16,22 +16,7 @@ use tp_allreduce_kernels::shares::{
     owned_capacity, owned_count, owned_position, owner_index, slot_of, slot_offset, source_of, SlotKind,
 };
 
-use super::params::RankMemory;
-use crate::algorithm::IslandSplit;
-
-/// Where the cross slots and the abort words live with the per-pair
-/// transport: each rank's host-memory cross region, as this rank maps it
-/// (abort word at offset 0, the cross slots from `CROSS_SLOTS_OFFSET`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct CrossRegions {
-    pub bases: Vec<u64>,
-    /// Distance between the two halves of the cross slots.
-    pub half_bytes: u64,
-}
-
-/// Offset of the cross slots in a host-memory cross region (after the
-/// abort word's line).
-pub(crate) const CROSS_SLOTS_OFFSET: u64 = 128;
+use crate::algorithm::{CrossRegions, IslandSplit, RankMemory, CROSS_SLOTS_OFFSET};
 
 /// Which island push.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

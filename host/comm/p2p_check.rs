@@ -11,12 +11,27 @@ use std::mem::offset_of;
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
+use serde::{Deserialize, Serialize};
 use tp_allreduce_kernels::layout::{p2p_flag, p2p_pattern, LocalState, SignalBlock, MAX_RANKS, P2P_CHECK_WORDS};
 
-use super::setup::{gather_json, TransportProblem};
 use crate::driver::{self, CurrentContext, DeviceMemory, KernelModule};
 use crate::error::Result;
-use crate::rendezvous::Rendezvous;
+use crate::rendezvous::{all_gather_json, Rendezvous};
+
+/// One pair on which a transport attempt failed: `rank` could not use what
+/// `peer` offered (for an export failure, `peer == rank`).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub(crate) struct TransportProblem {
+    pub rank: usize,
+    pub peer: usize,
+    pub what: String,
+}
+
+impl std::fmt::Display for TransportProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {} <- rank {}: {}", self.rank, self.peer, self.what)
+    }
+}
 
 /// What one rank's check kernel left behind, per source rank.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -75,7 +90,7 @@ pub(crate) fn run_among(
         .collect();
     // After this all-gather every rank's kernel has finished: nobody reads
     // or writes a region any more when the caller drops it.
-    let all: Vec<Vec<TransportProblem>> = gather_json(rdv, &mine)?;
+    let all: Vec<Vec<TransportProblem>> = all_gather_json(rdv, &mine)?;
     Ok(all.into_iter().flatten().collect())
 }
 

@@ -13,38 +13,23 @@ use std::mem::{offset_of, size_of};
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
-use tp_allreduce_kernels::layout::{LocalState, ScratchLayout, SignalBlock};
+use tp_allreduce_kernels::layout::{LocalState, SignalBlock};
 use tp_allreduce_kernels::params::{
-    one_shot_push_slot, one_shot_push_source, Control, IslandPushParams, OneShotPushParams, SentinelHeader,
-    TraceRecord, FLAG_TRACE, TRACE_RECORDS,
+    one_shot_push_slot, one_shot_push_source, IslandPushParams, OneShotPushParams, SentinelHeader, TraceRecord,
+    FLAG_TRACE, TRACE_RECORDS,
 };
 
 use super::copy_engine::{self, CopyEngineTemplate};
 use super::island_params::{island_push_template, IslandKind};
 use super::setup::Setup;
 use crate::algorithm::fused::IslandCapacity;
+use crate::algorithm::RankMemory;
 use crate::algorithm::ResidentBlocks;
 use crate::algorithm::{IslandSplit, Transport};
 use crate::config::Config;
 use crate::driver::copy_engine::CopyEngineRuntime;
 use crate::driver::{self, DeviceMemory, KernelModule};
 use crate::error::{Error, Result};
-use crate::kernels::{fused_wide_entries, sentinel_entries};
-
-/// Where a rank's memory is, as the template needs it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct RankMemory {
-    /// Every rank's region (signal block | scratch | staging) as this rank
-    /// maps it.
-    pub region_bases: Vec<u64>,
-    /// Offset of the scratch inside a region (the same on every rank).
-    pub scratch_offset: u64,
-    pub layout: ScratchLayout,
-    /// This rank's `LocalState` (its `Control` is at offset 0).
-    pub local_state: u64,
-    /// Device address of this rank's mapped `ErrorRecord`.
-    pub error_record: u64,
-}
 
 /// The OneShotPush parameters of `rank`, all but the per-launch fields.
 /// Pure: the slot arithmetic is tested on the CPU.
@@ -78,46 +63,6 @@ pub(crate) fn one_shot_push_template(
         p.source_abort[k] = abort_of(one_shot_push_source(k as u32, rank as u32) as usize);
     }
     p
-}
-
-/// [`ResidentBlocks`] from the loaded kernels' occupancy: the smallest over
-/// every sentinel entry and every fused entry of one pack per thread (both
-/// launch with up to 1024 threads), times the SM count, divided among the
-/// ranks that share the GPU.
-pub(crate) fn resident_blocks(module: &KernelModule, sms: u32, ranks_on_device: usize) -> Result<ResidentBlocks> {
-    let mut table = [0u32; 32];
-    for (i, cap) in table.iter_mut().enumerate() {
-        let threads = 32 * (i as u32 + 1);
-        let mut per_sm = u32::MAX;
-        for name in sentinel_entries().into_iter().chain(fused_wide_entries()) {
-            per_sm = per_sm.min(module.max_blocks_per_sm(&name, threads)?);
-        }
-        *cap = sms * per_sm / ranks_on_device.max(1) as u32;
-    }
-    Ok(ResidentBlocks(table))
-}
-
-/// Test-only: starts every protocol counter of this rank at `seed` (see
-/// `Config::test_initial_counter`): the OneShotPush generations, the flag
-/// kernels' per-block epochs and every flag of the signal block, the
-/// ring's message counters. Must run before any peer can write this
-/// rank's flags (init, before the region descriptors are exchanged).
-pub(crate) fn seed_counters(signal_block: u64, local_state: u64, seed: u32) -> Result<()> {
-    let flags_words = offset_of!(SignalBlock, abort) / 4;
-    driver::memcpy_htod(signal_block, bytemuck::cast_slice(&vec![seed; flags_words]))?;
-    // LocalState: every u32 up to the P2P check results is a counter,
-    // except the control words other than the generations.
-    let mut words = vec![seed; offset_of!(LocalState, p2p_flag_seen) / 4];
-    // In the control words only the generations are counters (abort,
-    // arrivals and the error claim start at 0).
-    let control = offset_of!(LocalState, control) / 4;
-    let generations = control + offset_of!(Control, generation) / 4;
-    for (i, w) in words.iter_mut().enumerate().skip(control).take(size_of::<Control>() / 4) {
-        if !(generations..generations + 3).contains(&i) {
-            *w = 0;
-        }
-    }
-    driver::memcpy_htod(local_state, bytemuck::cast_slice(&words))
 }
 
 impl Setup {

@@ -32,12 +32,12 @@ use serde::{de::DeserializeOwned, Serialize};
 
 use super::fd_passing::{Deadline, Serving};
 use super::ipc::{self, PeerMapping, StepOffer};
-use super::setup::gather_json;
 use super::vmm_buffers;
 use super::Comm;
 use crate::driver::vmm::{self, Backing, ChunkHandle, VmmMapping};
 use crate::driver::{self, CurrentContext};
 use crate::error::{Error, Result};
+use crate::rendezvous::all_gather_json;
 
 /// Where a pull kernel reads this rank's input from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -360,7 +360,7 @@ impl Comm {
             Ok(value) => (Ok(value), None),
             Err(e) => (Err(e.to_string()), Some(e)),
         };
-        let all: Vec<std::result::Result<T, String>> = gather_json(&*self.rendezvous, &shared)?;
+        let all: Vec<std::result::Result<T, String>> = all_gather_json(&*self.rendezvous, &shared)?;
         if let Some(e) = own_error {
             return Err(e);
         }

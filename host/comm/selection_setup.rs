@@ -9,11 +9,11 @@
 use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
 
-use super::setup::{gather_json, Setup};
+use super::setup::Setup;
 use crate::algorithm::{IslandSplit, Transport};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::rendezvous::Rendezvous;
+use crate::rendezvous::{all_gather_json, Rendezvous};
 use crate::select::cost_model::{CostModel, CostParams};
 use crate::select::selection::{Constraints, SelectionTable};
 use crate::select::topology::Topology;
@@ -143,7 +143,7 @@ pub(crate) fn build_table(
         digest: table.digest(),
         inputs: format!("topology {}, tuning table {tuning_used}, {constraints:?}", view.fingerprint()),
     };
-    agree_on_tables(&gather_json(rdv, &mine)?)?;
+    agree_on_tables(&all_gather_json(rdv, &mine)?)?;
     Ok((table, fused, view, notes))
 }
 
@@ -193,7 +193,7 @@ mod tests {
         assert!(err.contains("rank 2: nccl: true") && err.contains("rank 0: nccl: false"), "{err}");
     }
 
-    /// Issue 13 item 7: 3 ranks on 2 GPUs. The constraints come from the
+    /// 3 ranks on 2 GPUs (uneven placement). The constraints come from the
     /// gathered view and group-wide facts only, so every rank builds the
     /// same table whatever its own GPU holds.
     #[test]

@@ -27,18 +27,18 @@
 
 #![forbid(unsafe_code)]
 
-use std::mem::size_of;
+use std::mem::{offset_of, size_of};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaStream};
-use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use serde::{Deserialize, Serialize};
 use tp_allreduce_kernels::layout::{
-    DeviceHandle, ErrorRecord, IslandLayout, LocalState, PeerPointers, ScratchConfig, ScratchLayout, SignalBlock,
-    PACK_BYTES, SENTINEL_EMPTY_WORD,
+    Control, DeviceHandle, ErrorRecord, IslandLayout, LocalState, PeerPointers, ScratchConfig, ScratchLayout,
+    SignalBlock, PACK_BYTES, SENTINEL_EMPTY_WORD,
 };
 
 use super::ipc::{self, BufferOffer, PeerMapping, Region};
-use super::p2p_check;
+use super::p2p_check::{self, TransportProblem};
 use super::shm::SharedHostRegion;
 use super::teardown::LocalGroup;
 use super::test_hooks;
@@ -46,7 +46,7 @@ use crate::algorithm::{Geometry, IslandSplit, ResidentBlocks, Transport, CE_MAX_
 use crate::config::{Config, TransportPreference};
 use crate::driver::{self, CurrentContext, DeviceMemory, KernelModule, PinnedHostMemory};
 use crate::error::{Error, Result};
-use crate::rendezvous::Rendezvous;
+use crate::rendezvous::{all_gather_json, Rendezvous};
 use per_pair::CrossSetup;
 use placement::{agree_placement, Placement};
 
@@ -152,35 +152,6 @@ impl Setup {
 
     pub fn staging_ptr(&self) -> u64 {
         self.region.device_ptr() + self.offsets.staging as u64
-    }
-}
-
-pub(crate) fn gather_json<T: Serialize + DeserializeOwned>(rdv: &dyn Rendezvous, value: &T) -> Result<Vec<T>> {
-    let mine = serde_json::to_vec(value).map_err(|e| Error::Rendezvous(format!("encoding init data: {e}")))?;
-    let all = rdv.all_gather(&mine)?;
-    all.iter()
-        .enumerate()
-        .map(|(rank, bytes)| {
-            serde_json::from_slice(bytes).map_err(|e| Error::Protocol {
-                from: format!("rank {rank}"),
-                what: format!("undecodable init data: {e}"),
-            })
-        })
-        .collect()
-}
-
-/// One pair on which a transport attempt failed: `rank` could not use what
-/// `peer` offered (for an export failure, `peer == rank`).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub(crate) struct TransportProblem {
-    pub rank: usize,
-    pub peer: usize,
-    pub what: String,
-}
-
-impl std::fmt::Display for TransportProblem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "rank {} <- rank {}: {}", self.rank, self.peer, self.what)
     }
 }
 
@@ -290,7 +261,7 @@ pub(crate) fn build(
     let unreachable = reachability(&ctx, &placement, rdv, split)?;
     let (mut transport, mut reason) = initial_transport(config.transport, &unreachable, split)?;
     let islands = island_layout(rank, split);
-    let resident = super::params::resident_blocks(module, placement.hellos[rank].sms, placement.ranks_on_device)?;
+    let resident = placement::resident_blocks(module, placement.hellos[rank].sms, placement.ranks_on_device)?;
     loop {
         let mut attempt = allocate(&ctx, (rank, world), config, transport, &placement, split)?;
         let (mut problems, peer_bases) =
@@ -363,7 +334,7 @@ fn reachability(
         };
         reach.push(ok);
     }
-    let reach_all: Vec<Vec<bool>> = gather_json(rdv, &reach)?;
+    let reach_all: Vec<Vec<bool>> = all_gather_json(rdv, &reach)?;
     let hook = split.filter(|_| test_hooks::no_p2p_across_islands());
     Ok(reach_all
         .iter()
@@ -521,7 +492,7 @@ fn allocate(
     let local_state = DeviceMemory::alloc_zeroed(ctx, size_of::<LocalState>())?;
     if let Some(seed) = config.test_initial_counter {
         // Before step 4: no peer can have written a flag of this region yet.
-        super::params::seed_counters(region.device_ptr(), local_state.ptr(), seed)?;
+        seed_counters(region.device_ptr(), local_state.ptr(), seed)?;
     }
     Ok(Attempt {
         layout,
@@ -558,7 +529,7 @@ fn map_peers(
         Ok(offer) => RegionOffer::Ready(offer),
         Err(e) => RegionOffer::ExportFailed(e.to_string()),
     };
-    let offers: Vec<RegionOffer> = gather_json(rdv, &offer)?;
+    let offers: Vec<RegionOffer> = all_gather_json(rdv, &offer)?;
     let mut problems = Vec::new();
     let mut peer_bases = vec![attempt.region.device_ptr(); world];
     attempt.peer_mappings = (0..world).map(|_| PeerMapping::None).collect();
@@ -592,7 +563,7 @@ fn map_peers(
     // Every rank has tried to map every region once this returns: the
     // shared-memory names can go, so nothing is left behind if a process
     // dies later, and every rank knows whether all mappings worked.
-    let mut all: Vec<TransportProblem> = gather_json(rdv, &problems)?.into_iter().flatten().collect();
+    let mut all: Vec<TransportProblem> = all_gather_json(rdv, &problems)?.into_iter().flatten().collect();
     if let Region::Shared(s) = &attempt.region {
         s.unlink();
     }
@@ -637,6 +608,29 @@ fn write_handle(
         driver::write_struct(attempt.table.ptr(), &staging)?;
     }
     Ok(())
+}
+
+/// Test-only: starts every protocol counter of this rank at `seed` (see
+/// `Config::test_initial_counter`): the OneShotPush generations, the flag
+/// kernels' per-block epochs and every flag of the signal block, the
+/// ring's message counters. Must run before any peer can write this
+/// rank's flags (init, before the region descriptors are exchanged).
+pub(crate) fn seed_counters(signal_block: u64, local_state: u64, seed: u32) -> Result<()> {
+    let flags_words = offset_of!(SignalBlock, abort) / 4;
+    driver::memcpy_htod(signal_block, bytemuck::cast_slice(&vec![seed; flags_words]))?;
+    // LocalState: every u32 up to the P2P check results is a counter,
+    // except the control words other than the generations.
+    let mut words = vec![seed; offset_of!(LocalState, p2p_flag_seen) / 4];
+    // In the control words only the generations are counters (abort,
+    // arrivals and the error claim start at 0).
+    let control = offset_of!(LocalState, control) / 4;
+    let generations = control + offset_of!(Control, generation) / 4;
+    for (i, w) in words.iter_mut().enumerate().skip(control).take(size_of::<Control>() / 4) {
+        if !(generations..generations + 3).contains(&i) {
+            *w = 0;
+        }
+    }
+    driver::memcpy_htod(local_state, bytemuck::cast_slice(&words))
 }
 
 #[cfg(test)]

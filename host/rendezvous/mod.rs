@@ -115,6 +115,7 @@
 //!   and the checks of what a frame says and of what the receiver expects.
 //! * `unix.rs`, `tcp.rs` — the two transports (listen, dial, `Conn`).
 //! * `in_process.rs` — [`in_process_group`], no sockets.
+//! * `json.rs` — all-gathers of JSON-encoded records (init, registration).
 //! * Tests: each file tests its own code; `tests.rs` runs the whole
 //!   protocol over both transports, with helpers in `testing.rs`; `fuzz/`
 //!   feeds generated and mutated frames to rank 0 and to a member and
@@ -123,6 +124,7 @@
 #![forbid(unsafe_code)]
 
 mod in_process;
+mod json;
 mod member;
 mod root;
 mod tcp;
@@ -137,6 +139,7 @@ mod testing;
 mod tests;
 
 pub use in_process::in_process_group;
+pub(crate) use json::all_gather_json;
 
 use std::fmt;
 use std::io::{self, Read, Write};

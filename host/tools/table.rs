@@ -33,6 +33,21 @@ pub fn render(table: &Table) -> String {
     table.lines().map(|l| format!("{}\n", l.trim_end())).collect()
 }
 
+/// `1 KB`, `42 KB`, `8 MB` (powers of 1024, like NCCL's tests).
+pub fn human_bytes(b: usize) -> String {
+    if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{} MB", b >> 20)
+    } else if b >= 1 << 20 {
+        format!("{:.1} MB", b as f64 / (1 << 20) as f64)
+    } else if b >= 1024 && b % 1024 == 0 {
+        format!("{} KB", b >> 10)
+    } else if b >= 1024 {
+        format!("{:.1} KB", b as f64 / 1024.0)
+    } else {
+        format!("{b} B")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -315,7 +315,7 @@ fn sources(dir: &str) -> Vec<(String, String)> {
     out
 }
 
-/// Issue 12: `unsafe` only in the driver, the call paths (allreduce and the
+/// `unsafe` only in the driver, the call paths (allreduce and the
 /// fused epilogue), shared memory and NCCL. The crate denies it and exactly
 /// these files allow it back.
 #[test]
@@ -331,65 +331,5 @@ fn unsafe_is_allowed_only_in_the_listed_rooms() {
     // No per-item escape hatch either.
     for (path, text) in sources("host") {
         assert!(!text.contains("#[allow(unsafe_code)]"), "{path} allows unsafe code on an item");
-    }
-}
-
-/// Issue 12: no import loop between the library's top-level modules (nor
-/// between the kernel crate's modules). A module's dependencies are the
-/// `crate::<module>` paths in its non-comment lines.
-#[test]
-fn no_import_loop_between_modules() {
-    for (dir, root_files) in [("host", &["lib.rs", "bin"][..]), ("kernels-rs/src", &["lib.rs"][..])] {
-        let mut edges: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> = Default::default();
-        let files = sources(dir);
-        let module_of = |path: &str| -> Option<String> {
-            let rel = path.strip_prefix(dir)?.trim_start_matches('/');
-            let first = rel.split('/').next()?;
-            if root_files.contains(&first) {
-                return None;
-            }
-            Some(first.trim_end_matches(".rs").to_string())
-        };
-        let modules: std::collections::BTreeSet<String> = files.iter().filter_map(|(p, _)| module_of(p)).collect();
-        for (path, text) in &files {
-            let Some(from) = module_of(path) else { continue };
-            for line in text.lines().map(|l| l.split("//").next().unwrap_or("")) {
-                for part in line.split("crate::").skip(1) {
-                    let to: String = part.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
-                    if to != from && modules.contains(&to) {
-                        edges.entry(from.clone()).or_default().insert(to);
-                    }
-                }
-            }
-        }
-        // Depth-first search for a cycle.
-        fn visit(
-            m: &str,
-            edges: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
-            path: &mut Vec<String>,
-            done: &mut std::collections::BTreeSet<String>,
-        ) -> Option<Vec<String>> {
-            if let Some(i) = path.iter().position(|p| p == m) {
-                return Some(path[i..].to_vec());
-            }
-            if done.contains(m) {
-                return None;
-            }
-            path.push(m.to_string());
-            for next in edges.get(m).into_iter().flatten() {
-                if let Some(cycle) = visit(next, edges, path, done) {
-                    return Some(cycle);
-                }
-            }
-            path.pop();
-            done.insert(m.to_string());
-            None
-        }
-        let mut done = Default::default();
-        for m in &modules {
-            if let Some(cycle) = visit(m, &edges, &mut Vec::new(), &mut done) {
-                panic!("{dir}: import loop {}", cycle.join(" -> "));
-            }
-        }
     }
 }

@@ -25,6 +25,7 @@ mod gpu_uneven_placement;
 mod gpu_vmm;
 mod gpu_vmm_processes;
 mod gpu_wrap;
+mod imports;
 mod multiprocess;
 mod multiprocess_host_staged;
 mod multiprocess_teardown;

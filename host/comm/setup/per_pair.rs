@@ -22,16 +22,15 @@ use tp_allreduce_kernels::layout::{DeviceHandle, ScratchLayout, MAX_RANKS};
 use tp_allreduce_kernels::shares::cross_half_bytes;
 
 use super::super::ipc::{self, PeerMapping, Region};
-use super::super::island_params::{CrossRegions, CROSS_SLOTS_OFFSET};
 use super::super::p2p_check;
+use super::super::p2p_check::TransportProblem;
 use super::super::shm::SharedHostRegion;
 use super::placement::Placement;
-use super::{gather_json, TransportProblem};
-use crate::algorithm::IslandSplit;
+use crate::algorithm::{CrossRegions, IslandSplit, CROSS_SLOTS_OFFSET};
 use crate::config::Config;
 use crate::driver::{self, DeviceMemory, KernelModule, PinnedHostMemory};
 use crate::error::Result;
-use crate::rendezvous::Rendezvous;
+use crate::rendezvous::{all_gather_json, Rendezvous};
 
 /// Whether the per-pair transport fits: islands exist and every pair
 /// without P2P crosses an island boundary (pairs inside islands all have
@@ -77,7 +76,7 @@ pub(super) fn map_cross_regions(
     driver::memset_d8(region.device_ptr(), 0, CROSS_SLOTS_OFFSET as usize)?;
     driver::memset_d8(region.device_ptr() + CROSS_SLOTS_OFFSET, 0xFF, bytes - CROSS_SLOTS_OFFSET as usize)?;
     let offer = ipc::offer_region(ctx, &region, bytes, &placement.same_process).map_err(|e| e.to_string());
-    let offers: Vec<std::result::Result<ipc::BufferOffer, String>> = gather_json(rdv, &offer)?;
+    let offers: Vec<std::result::Result<ipc::BufferOffer, String>> = all_gather_json(rdv, &offer)?;
     let mut problems = Vec::new();
     let mut bases = vec![region.device_ptr(); world];
     let mut mappings: Vec<PeerMapping> = (0..world).map(|_| PeerMapping::None).collect();
@@ -92,7 +91,7 @@ pub(super) fn map_cross_regions(
             Err(e) => problems.push(TransportProblem { rank, peer: p, what: format!("cross region: {e}") }),
         }
     }
-    let mut all: Vec<TransportProblem> = gather_json(rdv, &problems)?.into_iter().flatten().collect();
+    let mut all: Vec<TransportProblem> = all_gather_json(rdv, &problems)?.into_iter().flatten().collect();
     if let Region::Shared(s) = &region {
         s.unlink();
     }

@@ -12,11 +12,14 @@ use cudarc::driver::{sys, CudaContext};
 use serde::{Deserialize, Serialize};
 use tp_allreduce_kernels::layout::THREADS_PER_BLOCK;
 
-use super::{gather_json, process_token};
+use super::process_token;
+use crate::algorithm::ResidentBlocks;
 use crate::comm::watchdog::ProcessIdentity;
 use crate::config::Config;
 use crate::driver::{self, KernelModule};
 use crate::error::{Error, Result};
+use crate::kernels::{fused_wide_entries, sentinel_entries};
+use crate::rendezvous::all_gather_json;
 use crate::rendezvous::Rendezvous;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -87,7 +90,7 @@ pub(super) fn agree_placement(
         nccl_fallback: config.nccl_fallback,
         process_identity: ProcessIdentity::of_self(),
     };
-    let hellos = gather_json(rdv, &hello)?;
+    let hellos = all_gather_json(rdv, &hello)?;
     if hellos.len() != rdv.world_size() || rank >= hellos.len() {
         return Err(Error::Protocol {
             from: "rendezvous".into(),
@@ -149,6 +152,23 @@ fn rand_u32() -> u32 {
     x as u32
 }
 
+/// [`ResidentBlocks`] from the loaded kernels' occupancy: the smallest over
+/// every sentinel entry and every fused entry of one pack per thread (both
+/// launch with up to 1024 threads), times the SM count, divided among the
+/// ranks that share the GPU.
+pub(crate) fn resident_blocks(module: &KernelModule, sms: u32, ranks_on_device: usize) -> Result<ResidentBlocks> {
+    let mut table = [0u32; 32];
+    for (i, cap) in table.iter_mut().enumerate() {
+        let threads = 32 * (i as u32 + 1);
+        let mut per_sm = u32::MAX;
+        for name in sentinel_entries().into_iter().chain(fused_wide_entries()) {
+            per_sm = per_sm.min(module.max_blocks_per_sm(&name, threads)?);
+        }
+        *cap = sms * per_sm / ranks_on_device.max(1) as u32;
+    }
+    Ok(ResidentBlocks(table))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,9 +189,9 @@ mod tests {
         }
     }
 
-    /// Issue 13 item 7: 3 ranks on 2 GPUs. Before, whether NCCL was created
-    /// (a collective) depended on the rank's own GPU: the lone rank on GPU 1
-    /// entered NCCL's rounds while the others compared selection tables.
+    /// 3 ranks on 2 GPUs. Whether NCCL is created must not depend
+    /// on the rank's own GPU (creating it is collective): the lone rank on GPU 1
+    /// would enter NCCL's rounds while the others compared selection tables.
     #[test]
     fn an_uneven_placement_gives_every_rank_the_same_group_decisions() {
         let hellos = vec![hello("p", "gpu-a", 132), hello("p", "gpu-a", 132), hello("p", "gpu-b", 132)];

@@ -8,12 +8,12 @@
 #![forbid(unsafe_code)]
 
 use super::fused::{check, describe, issue, row, EpilogueBuffers, EpilogueData, FusedRow, Variant};
-use super::processes::{capture, timed};
 use super::progress::Progress;
 use super::ranks::Ranks;
 use super::report::VerifyPass;
 use super::scenarios::VERIFY_PASS_ALLREDUCES;
 use super::stats::percentiles;
+use super::timing::{capture, timed};
 use super::timing::{capture_per_rank, elapsed_us, event, launch, record, time_graph_replays};
 use super::trace::{summarize, TraceSummary};
 use super::{Mode, Options};

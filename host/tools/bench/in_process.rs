@@ -6,7 +6,7 @@
 use super::collective::{nccl_group, our_group, Collective, NcclGroup, OurGroup};
 use super::progress::{total_steps, Progress};
 use super::ranks::{Buffers, Ranks};
-use super::report::{self, Report, VerifyPass};
+use super::report::{Report, VerifyPass};
 use super::scenarios::{large_message_efficiency, launch_floor, verify_pass};
 use super::stats::{measurement, set_speedups, Measurement, RowKey};
 use super::timing::time_collective;
@@ -16,6 +16,7 @@ use crate::algorithm::Algorithm;
 use crate::comm::Comm;
 use crate::error::Result;
 use crate::nccl::NcclComm;
+use crate::tools::table::human_bytes;
 
 /// Runs the whole benchmark and returns the report.
 pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<Report> {
@@ -180,7 +181,7 @@ fn measure_size(
         for c in comms.iter_mut() {
             c.set_algorithm(sel.forced())?;
         }
-        progress.step(&format!("{} {}", report::human_bytes(bytes), sel.name()));
+        progress.step(&format!("{} {}", human_bytes(bytes), sel.name()));
         let group = OurGroup { comms };
         let ran = group.describe(bytes, dtype);
         let mut samples = time_collective(&group, ranks, bufs, opts)?;
@@ -194,7 +195,7 @@ fn measure_size(
         settle();
     }
     if let Some(n) = nccl {
-        progress.step(&format!("{} nccl", report::human_bytes(bytes)));
+        progress.step(&format!("{} nccl", human_bytes(bytes)));
         let group = NcclGroup { comms: n, streams: &ranks.streams };
         let mut o = opts.clone();
         if !group.capturable_per_rank() {

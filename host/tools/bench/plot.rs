@@ -5,7 +5,8 @@
 use plotters::coord::combinators::BindKeyPoints;
 use plotters::prelude::*;
 
-use super::report::{human_bytes, Report};
+use super::report::Report;
+use crate::tools::table::human_bytes;
 
 const COLORS: [RGBColor; 8] = [
     RGBColor(0x1f, 0x77, 0xb4),

@@ -8,14 +8,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaGraph};
+use cudarc::driver::CudaContext;
 
 use super::in_process::usable_selections;
 use super::progress::Progress;
-use super::report::{self, Report, VerifyPass};
+use super::report::{Report, VerifyPass};
 use super::scenarios::{VERIFY_PASS_ALLREDUCES, VERIFY_PASS_BYTES};
 use super::stats::{measurement, percentiles, set_speedups, Measurement, RowKey};
-use super::timing::{elapsed_us, event, launch, record};
+use super::timing::{capture, launch, timed};
 use super::trace::{summarize, TraceSummary};
 use super::{Mode, Options, Scenarios};
 use crate::comm::Comm;
@@ -24,6 +24,7 @@ use crate::error::{driver as driver_error, Error, Result};
 use crate::nccl::NcclComm;
 use crate::tools::any_buffer::{self, AnyBuffer};
 use crate::tools::reference::{check_sum, decode, random_bits};
+use crate::tools::table::human_bytes;
 use crate::DType;
 use crate::RankEnv;
 
@@ -85,48 +86,6 @@ impl RankBuffers {
         }
         Ok(())
     }
-}
-
-/// Times `warmup + repeats` calls of `launch` on this rank, each aligned by
-/// a rendezvous barrier; returns the slowest rank's time per sample (us).
-pub(super) fn timed(
-    comm: &Comm,
-    warmup: usize,
-    repeats: usize,
-    mut launch: impl FnMut() -> Result<()>,
-) -> Result<Vec<f64>> {
-    let stream = comm.stream();
-    let (start, end) = (event(comm.context())?, event(comm.context())?);
-    let mut mine = Vec::with_capacity(repeats);
-    for i in 0..warmup + repeats {
-        comm.all_gather_bytes(&[])?;
-        record(&start, &stream)?;
-        launch()?;
-        record(&end, &stream)?;
-        comm.synchronize()?;
-        if i >= warmup {
-            mine.push(elapsed_us(&start, &end)?);
-        }
-    }
-    let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let all = comm.all_gather_bytes(&bytes)?;
-    Ok(slowest_per_sample(&all, repeats))
-}
-
-/// Per sample, the largest of every rank's value (little-endian f64s).
-fn slowest_per_sample(all: &[Vec<u8>], repeats: usize) -> Vec<f64> {
-    let mut worst = vec![0f64; repeats];
-    for rank_samples in all {
-        for (k, chunk) in rank_samples.chunks_exact(8).enumerate().take(repeats) {
-            let v = f64::from_le_bytes(chunk.try_into().expect("chunks_exact(8)"));
-            worst[k] = worst[k].max(v);
-        }
-    }
-    worst
-}
-
-pub(super) fn capture(comm: &Comm, mut body: impl FnMut() -> Result<()>) -> Result<CudaGraph> {
-    driver::capture(&comm.stream(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, &mut body)
 }
 
 /// Verifies, then times one row on this rank; returns per-allreduce
@@ -213,8 +172,8 @@ fn measure_size(
     for sel in selections {
         comm.set_algorithm(sel.forced())?;
         let algorithm = comm.plan_call(bytes, dtype, true, false).algorithm;
-        progress.step(&format!("{} {}", report::human_bytes(bytes), sel.name()));
-        let what = format!("{} {} (ran {algorithm})", report::human_bytes(bytes), sel.name());
+        progress.step(&format!("{} {}", human_bytes(bytes), sel.name()));
+        let what = format!("{} {} (ran {algorithm})", human_bytes(bytes), sel.name());
         let check = (what.as_str(), algorithm.max_roundings(world));
         let mut samples = time_row(comm, Runner::Ours(comm), &mut bufs, opts, check)?;
         let key = RowKey { bytes, dtype, selection: &sel.name(), ran: algorithm.name(), world, mode: opts.mode };
@@ -225,8 +184,8 @@ fn measure_size(
     }
     comm.set_algorithm(None)?;
     if let Some(nccl) = comm.nccl().filter(|_| opts.include_nccl) {
-        progress.step(&format!("{} nccl", report::human_bytes(bytes)));
-        let what = format!("{} nccl", report::human_bytes(bytes));
+        progress.step(&format!("{} nccl", human_bytes(bytes)));
+        let what = format!("{} nccl", human_bytes(bytes));
         let mut samples = time_row(comm, Runner::Nccl(nccl), &mut bufs, opts, (what.as_str(), world))?;
         let key = RowKey { bytes, dtype, selection: "nccl", ran: "nccl", world, mode: opts.mode };
         let nccl_row = measurement(key, &mut samples);
@@ -334,13 +293,5 @@ mod tests {
             }
         }
         assert!(same.len() <= 2, "first input value unchanged from the previous size at (size index, rank) {same:?}");
-    }
-
-    #[test]
-    fn the_slowest_rank_sets_each_sample() {
-        let rank = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let all = vec![rank(&[1.0, 5.0, 3.0]), rank(&[2.0, 4.0, 6.0])];
-        assert_eq!(slowest_per_sample(&all, 3), [2.0, 5.0, 6.0]);
-        assert_eq!(slowest_per_sample(&all, 2), [2.0, 5.0]);
     }
 }

@@ -11,9 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::stats::Measurement;
 use crate::error::{Error, Result};
-use crate::tools::table;
-
-pub use super::plot::render_svg;
+use crate::tools::table::{self, human_bytes};
 
 /// Everything a run produced, as written to `results.json`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -88,21 +86,6 @@ pub struct Efficiency {
     pub achieved_gbs: f64,
     pub copy_gbs: f64,
     pub fraction_of_copy: f64,
-}
-
-/// `1 KB`, `42 KB`, `8 MB` (powers of 1024, like NCCL's tests).
-pub fn human_bytes(b: usize) -> String {
-    if b >= 1 << 20 && b % (1 << 20) == 0 {
-        format!("{} MB", b >> 20)
-    } else if b >= 1 << 20 {
-        format!("{:.1} MB", b as f64 / (1 << 20) as f64)
-    } else if b >= 1024 && b % 1024 == 0 {
-        format!("{} KB", b >> 10)
-    } else if b >= 1024 {
-        format!("{:.1} KB", b as f64 / 1024.0)
-    } else {
-        format!("{b} B")
-    }
 }
 
 /// The terminal table, then the scenarios and notes.

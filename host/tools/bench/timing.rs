@@ -8,6 +8,7 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaGraph, CudaStream};
 use super::collective::Collective;
 use super::ranks::{Buffers, Ranks};
 use super::{Mode, Options};
+use crate::comm::Comm;
 use crate::driver;
 use crate::error::{driver as driver_error, Result};
 
@@ -136,4 +137,59 @@ fn span_us(starts: &[CudaEvent], ends: &[CudaEvent]) -> Result<f64> {
         worst = worst.max(elapsed_us(s, e)?);
     }
     Ok(worst)
+}
+
+/// Times `warmup + repeats` calls of `launch` on this rank, each aligned by
+/// a rendezvous barrier; returns the slowest rank's time per sample (us).
+pub(crate) fn timed(
+    comm: &Comm,
+    warmup: usize,
+    repeats: usize,
+    mut launch: impl FnMut() -> Result<()>,
+) -> Result<Vec<f64>> {
+    let stream = comm.stream();
+    let (start, end) = (event(comm.context())?, event(comm.context())?);
+    let mut mine = Vec::with_capacity(repeats);
+    for i in 0..warmup + repeats {
+        comm.all_gather_bytes(&[])?;
+        record(&start, &stream)?;
+        launch()?;
+        record(&end, &stream)?;
+        comm.synchronize()?;
+        if i >= warmup {
+            mine.push(elapsed_us(&start, &end)?);
+        }
+    }
+    let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let all = comm.all_gather_bytes(&bytes)?;
+    Ok(slowest_per_sample(&all, repeats))
+}
+
+/// Per sample, the largest of every rank's value (little-endian f64s).
+fn slowest_per_sample(all: &[Vec<u8>], repeats: usize) -> Vec<f64> {
+    let mut worst = vec![0f64; repeats];
+    for rank_samples in all {
+        for (k, chunk) in rank_samples.chunks_exact(8).enumerate().take(repeats) {
+            let v = f64::from_le_bytes(chunk.try_into().expect("chunks_exact(8)"));
+            worst[k] = worst[k].max(v);
+        }
+    }
+    worst
+}
+
+pub(crate) fn capture(comm: &Comm, mut body: impl FnMut() -> Result<()>) -> Result<CudaGraph> {
+    driver::capture(&comm.stream(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, &mut body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_slowest_rank_sets_each_sample() {
+        let rank = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let all = vec![rank(&[1.0, 5.0, 3.0]), rank(&[2.0, 4.0, 6.0])];
+        assert_eq!(slowest_per_sample(&all, 3), [2.0, 5.0, 6.0]);
+        assert_eq!(slowest_per_sample(&all, 2), [2.0, 5.0]);
+    }
 }

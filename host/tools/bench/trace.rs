@@ -14,9 +14,8 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 use tp_allreduce_kernels::params::TraceRecord;
 
-use super::report::human_bytes;
 use super::stats::percentiles;
-use crate::tools::table;
+use crate::tools::table::{self, human_bytes};
 
 /// The median breakdown of one row on one rank (microseconds).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

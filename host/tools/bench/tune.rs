@@ -20,7 +20,6 @@ use serde::{Deserialize, Serialize};
 use super::collective::{nccl_group, our_group, Collective, NcclGroup, OurGroup};
 use super::progress::Progress;
 use super::ranks::{Buffers, Ranks};
-use super::report::human_bytes;
 use super::stats::percentiles;
 use super::timing::time_collective;
 use super::{Mode, Options};
@@ -28,6 +27,7 @@ use crate::algorithm::{Algorithm, Transport};
 use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::select::tuning::{Measurement as TuneMeasurement, TuningMeta, TuningTable};
+use crate::tools::table::human_bytes;
 use crate::DType;
 
 /// Which launch shapes `tune` measures for sentinel algorithms.
