@@ -259,23 +259,14 @@ fn build_arch(staged: &Path, out: &Path, arch: &str) -> Result<PathBuf, String> 
 /// Register budget per entry, stated here because Rust has no launch-bounds
 /// attribute: `.maxnreg N` between each entry's parameter list and its body
 /// makes ptxas stay within it (spilling if it must, which the PTX tests
-/// reject) instead of producing a kernel that fails to launch.
-/// * Sentinel kernels (`one_shot_push*`, `two_shot_push*`, `hierarchical*`)
-///   and the copy-engine ring's (`copy_engine_ring*`) launch with any block
-///   size up to 1024 threads: 64 registers (65536 / 1024).
-/// * So do the fused entries with one pack per thread (`*_wide_<dt>`).
-/// * Every other kernel launches with `THREADS_PER_BLOCK` (512) threads:
-///   128 registers. (`.maxntid 512,1,1` made ptxas pick 64 registers for
-///   some of them and spill.)
-///
-/// The host reads the same rule back from `kernels::max_registers`.
-/// Entries launched with any block size up to 1024 threads (the host's
-/// `kernels::is_sentinel_entry` states the same list).
-const SENTINEL_PREFIXES: [&str; 4] = ["one_shot_push", "two_shot_push", "hierarchical", "copy_engine_ring"];
-/// Fused entries with one pack of a row per thread (`*_wide_<dt>`) launch
-/// with up to 1024 threads too: 64 registers.
-const WIDE_MARK: &str = "_wide_";
-
+/// reject) instead of producing a kernel that fails to launch. The budget
+/// of an entry is `tp_allreduce_kernels::ids::max_registers`, from the list
+/// of algorithms (the host reads the same function): 64 registers for the
+/// kernels that launch with any block size up to 1024 threads (the
+/// sentinel and copy-engine ring kernels, the fused `*_wide_<dt>` entries),
+/// 128 for the others, which launch with `THREADS_PER_BLOCK` (512) threads.
+/// (`.maxntid 512,1,1` made ptxas pick 64 registers for some of them and
+/// spill.)
 fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut entry: Option<String> = None;
@@ -287,9 +278,7 @@ fn add_launch_bounds(ptx: &str) -> String {
         out.push('\n');
         if line.trim_start().starts_with(')') {
             if let Some(name) = entry.take() {
-                let any_shape = SENTINEL_PREFIXES.iter().any(|p| name.starts_with(p)) || name.contains(WIDE_MARK);
-                let regs = if any_shape { 64 } else { 128 };
-                out.push_str(&format!(".maxnreg {regs}\n"));
+                out.push_str(&format!(".maxnreg {}\n", tp_allreduce_kernels::ids::max_registers(&name)));
             }
         }
     }

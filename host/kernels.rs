@@ -60,45 +60,22 @@ pub fn one_shot_push2_entry(dtype: DType) -> String {
     format!("{}2_{}", AlgorithmId::OneShotPush.kernel_prefix(), dtype.name())
 }
 
-/// Entries that run with any block size up to [`SENTINEL_MAX_THREADS`] and
-/// take one parameter struct by value, built with
-/// [`SENTINEL_MAX_REGISTERS`] registers (build.rs states the same list):
-/// the sentinel kernels and the copy-engine ring's.
-const ANY_SHAPE_PREFIXES: [AlgorithmId; 4] =
-    [AlgorithmId::OneShotPush, AlgorithmId::TwoShotPush, AlgorithmId::Hierarchical, AlgorithmId::CopyEngineRing];
-
-/// Sentinel kernels (payload carries completion: OneShotPush, TwoShotPush,
+/// Sentinel entries (payload carries completion: OneShotPush, TwoShotPush,
 /// Hierarchical): parameters by value, any launch shape within residency.
 pub fn is_sentinel_entry(name: &str) -> bool {
-    ANY_SHAPE_PREFIXES[..3].iter().any(|a| name.starts_with(a.kernel_prefix()))
+    AlgorithmId::ALL.iter().any(|a| a.sentinel() && name.starts_with(a.kernel_prefix()))
 }
 
-/// Largest block of a sentinel kernel.
-pub const SENTINEL_MAX_THREADS: u32 = 1024;
-/// Register budget (`.maxnreg`) of a sentinel kernel: 65536 / 1024.
-pub const SENTINEL_MAX_REGISTERS: u32 = 64;
+pub use tp_allreduce_kernels::ids::{max_registers, SENTINEL_MAX_REGISTERS, SENTINEL_MAX_THREADS};
 
-/// Register budget (`.maxnreg`) build.rs gives entry `name`.
-pub fn max_registers(name: &str) -> u32 {
-    if ANY_SHAPE_PREFIXES.iter().any(|a| name.starts_with(a.kernel_prefix())) || name.contains(WIDE_MARK) {
-        SENTINEL_MAX_REGISTERS
-    } else {
-        65_536 / tp_allreduce_kernels::layout::THREADS_PER_BLOCK
-    }
-}
-
-/// Every sentinel entry (every dtype): both OneShotPush variants,
-/// TwoShotPush, Hierarchical.
+/// Every sentinel entry (every dtype): every sentinel algorithm's
+/// `<prefix>_<dtype>`, and the two-rank OneShotPush.
 pub fn sentinel_entries() -> Vec<String> {
     DType::ALL
         .into_iter()
         .flat_map(|d| {
-            [
-                entry_name(AlgorithmId::OneShotPush, d),
-                one_shot_push2_entry(d),
-                entry_name(AlgorithmId::TwoShotPush, d),
-                entry_name(AlgorithmId::Hierarchical, d),
-            ]
+            let plain = AlgorithmId::ALL.into_iter().filter(|a| a.sentinel()).map(move |a| entry_name(a, d));
+            plain.chain([one_shot_push2_entry(d)])
         })
         .collect()
 }
@@ -124,10 +101,6 @@ pub fn param_struct(name: &str) -> Option<(usize, usize)> {
         None
     }
 }
-
-/// What names a fused entry with one pack per thread (blocks of up to 1024
-/// threads, the sentinel register budget; build.rs states the same).
-const WIDE_MARK: &str = "_wide_";
 
 /// Entry of the fused (allreduce + residual add + RMSNorm) OneShotPush:
 /// `fused_one_shot_push[2][_short|_wide|_wide_spread|_cluster]_<dtype>`:
@@ -226,7 +199,7 @@ pub fn expected_entries_for(sm: u32) -> Vec<String> {
 pub fn expected_entries() -> Vec<String> {
     let mut names = fused_entries();
     for dtype in DType::ALL {
-        for algorithm in AlgorithmId::ALLREDUCE {
+        for algorithm in AlgorithmId::ALL {
             names.push(entry_name(algorithm, dtype));
         }
         names.push(one_shot_push2_entry(dtype));
@@ -245,7 +218,7 @@ pub fn expected_entries() -> Vec<String> {
 pub fn hot_entries() -> Vec<String> {
     let mut names = fused_entries();
     for dtype in DType::ALL {
-        for algorithm in AlgorithmId::ALLREDUCE {
+        for algorithm in AlgorithmId::ALL {
             names.push(entry_name(algorithm, dtype));
         }
         names.push(one_shot_push2_entry(dtype));

@@ -44,9 +44,6 @@ impl AlgorithmHost for Hierarchical {
         }
     }
 
-    fn sentinel(&self) -> bool {
-        true
-    }
 
     fn launch_capacity_packs(&self, g: &Geometry) -> u64 {
         g.layout.hierarchical_share_packs * g.layout.island_shares as u64

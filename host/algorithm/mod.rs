@@ -16,20 +16,32 @@
 
 #![forbid(unsafe_code)]
 
-mod copy_engine_ring;
 mod cost;
 pub mod fused;
-mod hierarchical;
 mod islands;
 mod names;
-mod one_shot_pull;
-mod one_shot_push;
 mod rank_memory;
-mod ring;
-mod two_shot_pull;
-mod two_shot_push;
 
-use tp_allreduce_kernels::ids::AlgorithmId;
+/// One module per algorithm of the list
+/// (`tp_allreduce_kernels::for_each_algorithm`): `algorithm/<file>.rs`,
+/// whose unit struct named like the algorithm is its [`AlgorithmHost`];
+/// and [`host`], which finds it.
+macro_rules! algorithm_hosts {
+    ($($(#[$doc:meta])* $variant:ident = $id:literal, $file:ident, $name:literal, $collective:ident, $completion:ident;)*) => {
+        $(mod $file;)*
+
+        /// The host side of `algorithm`, `None` for NCCL (no kernel of ours).
+        pub(crate) fn host(algorithm: Algorithm) -> Option<&'static dyn AlgorithmHost> {
+            match algorithm {
+                $(Algorithm::$variant => Some(&$file::$variant),)*
+                Algorithm::Nccl => None,
+            }
+        }
+    };
+}
+tp_allreduce_kernels::for_each_algorithm!(algorithm_hosts);
+
+use tp_allreduce_kernels::ids::{AlgorithmId, Collective};
 use tp_allreduce_kernels::layout::{ScratchLayout, THREADS_PER_BLOCK};
 
 pub use copy_engine_ring::{pieces_for, CopyEnginePlan, CE_MAX_PIECES};
@@ -78,9 +90,15 @@ pub(crate) trait AlgorithmHost: Sync {
     /// Sentinel kernels take their parameters by value
     /// (`driver::launch_struct`) and run with any launch shape (grid-stride
     /// loops); the others take a `DeviceHandle` pointer and scalars and run
-    /// [`grid`](Self::grid) blocks of `THREADS_PER_BLOCK` threads.
+    /// [`grid`](Self::grid) blocks of `THREADS_PER_BLOCK` threads. From the
+    /// list of algorithms (`ids::Completion::Payload`).
     fn sentinel(&self) -> bool {
-        false
+        self.kernel().sentinel()
+    }
+
+    /// The collective it implements, from the list of algorithms.
+    fn collective(&self) -> Collective {
+        self.kernel().collective().unwrap_or(Collective::AllReduce)
     }
 
     /// The launch shape `(blocks, threads)` of one launch over `packs`
@@ -118,20 +136,6 @@ pub fn single_gpu_traffic_bytes(algorithm: Algorithm, world: usize, bytes: usize
         None => 6.0 * s,
     };
     per_rank * n
-}
-
-/// The host side of `algorithm`, `None` for NCCL (no kernel of ours).
-pub(crate) fn host(algorithm: Algorithm) -> Option<&'static dyn AlgorithmHost> {
-    match algorithm {
-        Algorithm::OneShotPull => Some(&one_shot_pull::OneShotPull),
-        Algorithm::TwoShotPull => Some(&two_shot_pull::TwoShotPull),
-        Algorithm::OneShotPush => Some(&one_shot_push::OneShotPush),
-        Algorithm::TwoShotPush => Some(&two_shot_push::TwoShotPush),
-        Algorithm::Ring => Some(&ring::Ring),
-        Algorithm::Hierarchical => Some(&hierarchical::Hierarchical),
-        Algorithm::CopyEngineRing => Some(&copy_engine_ring::CopyEngineRing),
-        Algorithm::Nccl => None,
-    }
 }
 
 /// What a communicator, real or modelled, offers: the input of

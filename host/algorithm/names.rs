@@ -6,66 +6,55 @@ use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
-use tp_allreduce_kernels::ids::AlgorithmId;
+use tp_allreduce_kernels::ids::{AlgorithmId, Collective};
 
 use crate::error::Error;
 
-/// An allreduce algorithm: one of ours, or NCCL as the fallback.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Algorithm {
-    OneShotPull,
-    TwoShotPull,
-    OneShotPush,
-    TwoShotPush,
-    Ring,
-    Hierarchical,
-    /// Ring whose data moves with copy-engine peer copies (large messages).
-    CopyEngineRing,
-    /// NCCL's allreduce (fallback and baseline).
-    Nccl,
+/// The algorithms of the list (`tp_allreduce_kernels::for_each_algorithm`),
+/// as the host names them, with NCCL on top.
+macro_rules! algorithm_enum {
+    ($($(#[$doc:meta])* $variant:ident = $id:literal, $file:ident, $name:literal, $collective:ident, $completion:ident;)*) => {
+        /// An algorithm: one of ours, or NCCL's allreduce (the fallback and
+        /// the baseline).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(rename_all = "kebab-case")]
+        pub enum Algorithm {
+            $($(#[$doc])* $variant,)*
+            /// NCCL's allreduce (fallback and baseline).
+            Nccl,
+        }
+
+        impl Algorithm {
+            /// Every algorithm with a kernel in this crate.
+            pub const OURS: [Algorithm; AlgorithmId::ALL.len()] = [$(Algorithm::$variant),*];
+
+            pub const ALL: [Algorithm; AlgorithmId::ALL.len() + 1] = [$(Algorithm::$variant,)* Algorithm::Nccl];
+
+            /// kebab-case name used by the CLI, env knobs, bench ids, tuning files.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Algorithm::$variant => $name,)*
+                    Algorithm::Nccl => "nccl",
+                }
+            }
+
+            /// The kernel family, `None` for NCCL.
+            pub const fn kernel(self) -> Option<AlgorithmId> {
+                match self {
+                    $(Algorithm::$variant => Some(AlgorithmId::$variant),)*
+                    Algorithm::Nccl => None,
+                }
+            }
+        }
+    };
 }
 
+tp_allreduce_kernels::for_each_algorithm!(algorithm_enum);
+
 impl Algorithm {
-    /// Every algorithm with a kernel in this crate.
-    pub const OURS: [Algorithm; 7] = [
-        Algorithm::OneShotPull,
-        Algorithm::TwoShotPull,
-        Algorithm::OneShotPush,
-        Algorithm::TwoShotPush,
-        Algorithm::Ring,
-        Algorithm::Hierarchical,
-        Algorithm::CopyEngineRing,
-    ];
-
-    pub const ALL: [Algorithm; 8] = [
-        Algorithm::OneShotPull,
-        Algorithm::TwoShotPull,
-        Algorithm::OneShotPush,
-        Algorithm::TwoShotPush,
-        Algorithm::Ring,
-        Algorithm::Hierarchical,
-        Algorithm::CopyEngineRing,
-        Algorithm::Nccl,
-    ];
-
-    /// kebab-case name used by the CLI, env knobs, bench ids, tuning files.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Algorithm::OneShotPull => "one-shot-pull",
-            Algorithm::TwoShotPull => "two-shot-pull",
-            Algorithm::OneShotPush => "one-shot-push",
-            Algorithm::TwoShotPush => "two-shot-push",
-            Algorithm::Ring => "ring",
-            Algorithm::Hierarchical => "hierarchical",
-            Algorithm::CopyEngineRing => "copy-engine-ring",
-            Algorithm::Nccl => "nccl",
-        }
-    }
-
-    /// The kernel family, `None` for NCCL.
-    pub fn kernel(self) -> Option<AlgorithmId> {
-        crate::algorithm::host(self).map(|h| h.kernel())
+    /// The collective it implements (NCCL's: the allreduce).
+    pub fn collective(self) -> Collective {
+        crate::algorithm::host(self).map_or(Collective::AllReduce, |h| h.collective())
     }
 
     /// Pull algorithms read peers' *input* buffers, which therefore must be

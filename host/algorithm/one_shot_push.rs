@@ -43,9 +43,6 @@ impl AlgorithmHost for OneShotPush {
         self.launch_shape(g, packs).0
     }
 
-    fn sentinel(&self) -> bool {
-        true
-    }
 
     fn launch_shape(&self, g: &Geometry, packs: u64) -> (u32, u32) {
         default_shape(packs, &g.sentinel_resident)

@@ -28,9 +28,6 @@ impl AlgorithmHost for TwoShotPush {
         true
     }
 
-    fn sentinel(&self) -> bool {
-        true
-    }
 
     fn launch_capacity_packs(&self, g: &Geometry) -> u64 {
         g.layout.two_shot_push_share_packs * g.world as u64

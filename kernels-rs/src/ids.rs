@@ -41,67 +41,176 @@ impl DType {
     }
 }
 
-/// The allreduce algorithms implemented by kernels in this crate. The host's
-/// `Algorithm` enum adds the NCCL fallback on top of these.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum AlgorithmId {
-    /// Every rank reads the whole buffer from every peer (vLLM 1-stage).
-    OneShotPull = 1,
-    /// Reduce-scatter by reads, all-gather by reads (vLLM 2-stage).
-    TwoShotPull = 2,
-    /// Every rank writes its buffer into every peer; completion in the payload.
-    OneShotPush = 3,
-    /// Reduce-scatter by writes, all-gather by writes, staggered peer order.
-    TwoShotPush = 4,
-    /// Chunked, pipelined neighbour-only writes.
-    Ring = 5,
-    /// Reduce inside islands, exchange one share across islands, gather.
-    Hierarchical = 6,
-    /// Not an allreduce: the init-time transfer check of each peer pair.
-    P2pCheck = 7,
-    /// Ring whose data moves with copy-engine peer copies; small kernels
-    /// wait for each piece's flag and reduce it.
-    CopyEngineRing = 8,
+/// The algorithms, each once: adding an algorithm is a line here, its
+/// device file `device/<file>.rs` and its host file
+/// `host/algorithm/<file>.rs` (ARCHITECTURE.md, "How to add an
+/// algorithm"). Every list of algorithms is made from this one:
+/// [`AlgorithmId`] here, the device modules, the host's `Algorithm` enum
+/// and the table of host sides. A line reads
+/// `Variant = id, file, "kebab-name", collective, completion;` where the
+/// id is the algorithm's number in error records (never reused), `file`
+/// also the kernel entries' prefix (`<file>_<dtype>`), the kebab-case name
+/// the one every layer uses (CLI flags, environment knobs, bench ids,
+/// tuning files), the [`Collective`] it implements, and how its kernels
+/// know the data arrived ([`Completion`], which fixes how they launch).
+///
+/// `for_each_algorithm!(m)` calls the macro `m` with the list.
+#[macro_export]
+macro_rules! for_each_algorithm {
+    ($then:ident) => {
+        $then! {
+            /// Every rank reads the whole buffer from every peer (vLLM 1-stage).
+            OneShotPull = 1, one_shot_pull, "one-shot-pull", AllReduce, Barrier;
+            /// Reduce-scatter by reads, all-gather by reads (vLLM 2-stage).
+            TwoShotPull = 2, two_shot_pull, "two-shot-pull", AllReduce, Barrier;
+            /// Every rank writes its buffer into every peer; completion in the payload.
+            OneShotPush = 3, one_shot_push, "one-shot-push", AllReduce, Payload;
+            /// Reduce-scatter by writes, all-gather by writes, staggered peer order.
+            TwoShotPush = 4, two_shot_push, "two-shot-push", AllReduce, Payload;
+            /// Chunked, pipelined neighbour-only writes.
+            Ring = 5, ring, "ring", AllReduce, Barrier;
+            /// Reduce inside islands, exchange one share across islands, gather.
+            Hierarchical = 6, hierarchical, "hierarchical", AllReduce, Payload;
+            /// Ring whose data moves with copy-engine peer copies; small kernels
+            /// wait for each piece's flag and reduce it (large messages).
+            CopyEngineRing = 8, copy_engine_ring, "copy-engine-ring", AllReduce, CopyEngine;
+        }
+    };
 }
 
-impl AlgorithmId {
-    pub const ALLREDUCE: [AlgorithmId; 7] = [
-        AlgorithmId::OneShotPull,
-        AlgorithmId::TwoShotPull,
-        AlgorithmId::OneShotPush,
-        AlgorithmId::TwoShotPush,
-        AlgorithmId::Ring,
-        AlgorithmId::Hierarchical,
-        AlgorithmId::CopyEngineRing,
-    ];
+/// The collective an algorithm implements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Collective {
+    /// Every rank ends with the sum of every rank's buffer.
+    AllReduce,
+    /// Every rank ends with every rank's buffer, in rank order.
+    AllGather,
+    /// Every rank ends with its share of the sum (share r on rank r).
+    ReduceScatter,
+}
 
-    /// snake_case name: the kernel entry prefix (`one_shot_pull_bf16`).
-    pub const fn kernel_prefix(self) -> &'static str {
-        match self {
-            AlgorithmId::OneShotPull => "one_shot_pull",
-            AlgorithmId::TwoShotPull => "two_shot_pull",
-            AlgorithmId::OneShotPush => "one_shot_push",
-            AlgorithmId::TwoShotPush => "two_shot_push",
-            AlgorithmId::Ring => "ring",
-            AlgorithmId::Hierarchical => "hierarchical",
-            AlgorithmId::P2pCheck => "p2p_check",
-            AlgorithmId::CopyEngineRing => "copy_engine_ring",
+/// How an algorithm's kernels know that a peer's data arrived, which also
+/// fixes how they are launched (the register budget `build.rs` gives their
+/// entries, the launch shapes the host may use).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Completion {
+    /// Flags and barriers between ranks: `THREADS_PER_BLOCK`-thread blocks,
+    /// a `DeviceHandle` pointer and scalars as parameters.
+    Barrier,
+    /// The payload carries its own completion (the sentinel kernels): one
+    /// parameter struct by value, any block size up to
+    /// `SENTINEL_MAX_THREADS`, as many blocks as stay resident.
+    Payload,
+    /// Flags raised after copy-engine copies, waited for by small step
+    /// kernels: one parameter struct by value, any block size up to
+    /// `SENTINEL_MAX_THREADS`.
+    CopyEngine,
+}
+
+/// Largest block of a kernel that runs with any block size (the
+/// [`Completion::Payload`] and [`Completion::CopyEngine`] kernels, and the
+/// fused entries marked [`WIDE_ENTRY_MARK`]).
+pub const SENTINEL_MAX_THREADS: u32 = 1024;
+/// Register budget (`.maxnreg`) of those entries: 65536 / 1024.
+pub const SENTINEL_MAX_REGISTERS: u32 = 64;
+/// Register budget of every other entry (512-thread blocks: 65536 / 512).
+pub const DEFAULT_MAX_REGISTERS: u32 = 128;
+/// What names a fused entry with one pack of a row per thread, launched
+/// with blocks of up to `SENTINEL_MAX_THREADS` threads.
+pub const WIDE_ENTRY_MARK: &str = "_wide_";
+
+/// The register budget of kernel entry `name`: `build.rs` writes it into
+/// the PTX as `.maxnreg` (Rust has no launch-bounds attribute) and the
+/// host's checks read it back. Entries of algorithms whose kernels launch
+/// with any block size get [`SENTINEL_MAX_REGISTERS`], so do the
+/// [`WIDE_ENTRY_MARK`] entries; every other entry
+/// [`DEFAULT_MAX_REGISTERS`]. (Host only: device code has no use for it.)
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn max_registers(name: &str) -> u32 {
+    let any_shape = AlgorithmId::ALL.iter().any(|a| a.any_block_size() && name.starts_with(a.kernel_prefix()));
+    if any_shape || name.contains(WIDE_ENTRY_MARK) {
+        SENTINEL_MAX_REGISTERS
+    } else {
+        DEFAULT_MAX_REGISTERS
+    }
+}
+
+macro_rules! define_algorithm_ids {
+    ($($(#[$doc:meta])* $variant:ident = $id:literal, $file:ident, $name:literal, $collective:ident, $completion:ident;)*) => {
+        /// The algorithms implemented by kernels in this crate
+        /// ([`for_each_algorithm`](crate::for_each_algorithm)), and the
+        /// init-time transfer check. The host's `Algorithm` enum adds the
+        /// NCCL fallback on top of the algorithms.
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum AlgorithmId {
+            $($(#[$doc])* $variant = $id,)*
+            /// Not an algorithm: the init-time transfer check of each peer pair.
+            P2pCheck = 7,
         }
+
+        impl AlgorithmId {
+            /// Every algorithm (not the transfer check), in id order.
+            pub const ALL: [AlgorithmId; [$($id),*].len()] = [$(AlgorithmId::$variant),*];
+
+            /// snake_case name: the kernel entry prefix (`one_shot_pull_bf16`)
+            /// and the name of the algorithm's files.
+            pub const fn kernel_prefix(self) -> &'static str {
+                match self {
+                    $(AlgorithmId::$variant => stringify!($file),)*
+                    AlgorithmId::P2pCheck => "p2p_check",
+                }
+            }
+
+            /// The kebab-case name every layer uses (`one-shot-pull`).
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(AlgorithmId::$variant => $name,)*
+                    AlgorithmId::P2pCheck => "p2p-check",
+                }
+            }
+
+            /// The collective it implements (`None` for the transfer check).
+            pub const fn collective(self) -> Option<Collective> {
+                match self {
+                    $(AlgorithmId::$variant => Some(Collective::$collective),)*
+                    AlgorithmId::P2pCheck => None,
+                }
+            }
+
+            /// How its kernels know the data arrived (the transfer check:
+            /// flags, one block).
+            pub const fn completion(self) -> Completion {
+                match self {
+                    $(AlgorithmId::$variant => Completion::$completion,)*
+                    AlgorithmId::P2pCheck => Completion::Barrier,
+                }
+            }
+
+            pub const fn from_u32(v: u32) -> Option<AlgorithmId> {
+                match v {
+                    $($id => Some(AlgorithmId::$variant),)*
+                    7 => Some(AlgorithmId::P2pCheck),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+for_each_algorithm!(define_algorithm_ids);
+
+impl AlgorithmId {
+    /// A sentinel algorithm: the payload carries its completion
+    /// ([`Completion::Payload`]).
+    pub const fn sentinel(self) -> bool {
+        matches!(self.completion(), Completion::Payload)
     }
 
-    pub const fn from_u32(v: u32) -> Option<AlgorithmId> {
-        match v {
-            1 => Some(AlgorithmId::OneShotPull),
-            2 => Some(AlgorithmId::TwoShotPull),
-            3 => Some(AlgorithmId::OneShotPush),
-            4 => Some(AlgorithmId::TwoShotPush),
-            5 => Some(AlgorithmId::Ring),
-            6 => Some(AlgorithmId::Hierarchical),
-            7 => Some(AlgorithmId::P2pCheck),
-            8 => Some(AlgorithmId::CopyEngineRing),
-            _ => None,
-        }
+    /// Its kernels launch with any block size up to
+    /// [`SENTINEL_MAX_THREADS`] and take one parameter struct by value.
+    pub const fn any_block_size(self) -> bool {
+        matches!(self.completion(), Completion::Payload | Completion::CopyEngine)
     }
 }
 

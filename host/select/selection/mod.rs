@@ -33,7 +33,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use tp_allreduce_kernels::ids::DType;
+use tp_allreduce_kernels::ids::{Collective, DType};
 
 use crate::algorithm::{self, Capabilities, IslandSplit};
 use crate::algorithm::{Algorithm, Transport};
@@ -298,12 +298,12 @@ impl Selecting<'_> {
         (None, notes)
     }
 
-    /// Rule 2: the fastest applicable algorithm of ours, and why the others
-    /// were skipped.
+    /// Rule 2: the fastest applicable allreduce algorithm of ours, and why
+    /// the others were skipped.
     fn best_of_ours(&self) -> (Option<(Algorithm, Timed)>, Vec<String>) {
         let mut best: Option<(Algorithm, Timed)> = None;
         let mut skipped: Vec<String> = Vec::new();
-        for a in Algorithm::OURS {
+        for a in Algorithm::OURS.into_iter().filter(|a| a.collective() == Collective::AllReduce) {
             if let Err(why) = self.c.available(a, self.view.len(), self.bytes) {
                 skipped.push(why);
                 continue;

@@ -6,10 +6,12 @@
 //! * [`sync`] — bounded waits, the cross-rank barrier, error recording.
 //! * [`sentinel`] — the sentinel kernels' entry load, generation advance,
 //!   bounded slot wait, give-up path and trace.
-//! * one file per kernel family: [`elementwise`], [`one_shot_pull`],
-//!   [`two_shot_pull`], [`one_shot_push`], [`two_shot_push`], [`ring`],
-//!   [`hierarchical`], [`copy_engine_ring`], [`p2p_check`];
-//!   [`island_push`] is the body TwoShotPush and Hierarchical share.
+//! * one file per algorithm, declared from the list of algorithms
+//!   (`ids::for_each_algorithm`): [`one_shot_pull`], [`two_shot_pull`],
+//!   [`one_shot_push`], [`two_shot_push`], [`ring`], [`hierarchical`],
+//!   [`copy_engine_ring`]; [`island_push`] is the body TwoShotPush and
+//!   Hierarchical share; [`p2p_check`] the init-time transfer check,
+//!   [`elementwise`] the `sum` and `affine` kernels of the tests and tools.
 //! * the fused epilogue (allreduce + residual add + RMSNorm): [`epilogue`]
 //!   (shared pieces and the separate `add_rms_norm` kernel),
 //!   [`fused_one_shot_push`], [`fused_one_shot_pull`], [`fused_island_push`]
@@ -27,20 +29,22 @@ pub mod ptx;
 pub mod sentinel;
 pub mod sync;
 
-pub mod copy_engine_ring;
 pub mod elementwise;
 pub mod epilogue;
 pub mod fused_island_push;
 pub mod fused_one_shot_pull;
 pub mod fused_one_shot_push;
-pub mod hierarchical;
 pub mod island_push;
-pub mod one_shot_pull;
-pub mod one_shot_push;
 pub mod p2p_check;
-pub mod ring;
-pub mod two_shot_pull;
-pub mod two_shot_push;
+
+/// One module per algorithm of [`for_each_algorithm`](crate::for_each_algorithm):
+/// `device/<file>.rs`.
+macro_rules! algorithm_modules {
+    ($($(#[$doc:meta])* $variant:ident = $id:literal, $file:ident, $name:literal, $collective:ident, $completion:ident;)*) => {
+        $(pub mod $file;)*
+    };
+}
+crate::for_each_algorithm!(algorithm_modules);
 
 /// Defines the three `extern "ptx-kernel"` entry points (f32, f16, bf16) of
 /// a kernel written once, generically over [`pack::Element`].
