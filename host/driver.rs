@@ -44,7 +44,7 @@ pub use memory::{
     allocation_range, buffer_id, ipc_export, is_pool_memory, memory_location, pointer_context, DeviceMemory,
     HostRegistration, IpcMapping, MemoryLocation, PinnedHostMemory,
 };
-pub use module::{launch, KernelArgs, KernelModule};
+pub use module::{entry_signatures, launch, launch_by_value, Kernel, KernelArgs, KernelModule, ParamStruct, Signature};
 
 /// Turns a driver status into a `Result`, naming the call.
 pub(crate) fn check(call: &'static str, status: sys::CUresult) -> Result<()> {
@@ -548,65 +548,4 @@ impl Drop for Event {
             let _ = unsafe { sys::cuEventDestroy_v2(self.event) };
         }
     }
-}
-
-/// Launches `f` with a 1-D grid of `grid` blocks of `block` threads on
-/// `stream`, passing `params` **by value** as the kernel's one parameter
-/// (`kernelParams = [&params]`; the driver copies the bytes into the
-/// kernel's parameter space at launch, so `params` only has to live for
-/// this call — a graph capture records the copy).
-///
-/// # Safety
-/// * `f`'s only parameter must be a `.param .align 16 .b8 [size_of::<P>()]`
-///   with `P`'s layout (the PTX tests compare the sizes for every sentinel
-///   entry; the layout is shared through `tp_allreduce_kernels::params`).
-/// * Every address in `params` must be valid for the kernel's accesses for
-///   as long as the launch (or any replay of a graph capturing it) runs.
-/// * `grid` and `block` must be a shape the kernel supports (the caller
-///   checks residency and the block limit: the kernel validates nothing).
-pub unsafe fn launch_struct<P: Copy>(
-    f: sys::CUfunction,
-    grid: u32,
-    block: u32,
-    stream: sys::CUstream,
-    params: &P,
-) -> Result<()> {
-    let mut args = [params as *const P as *mut c_void];
-    cu!(cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut()))
-}
-
-/// [`launch_struct`] with the grid cut into thread-block clusters of
-/// `cluster` blocks (`cuLaunchKernelEx` with the cluster-dimension
-/// attribute; sm_90 and newer). A graph capture records the attribute.
-///
-/// # Safety
-/// As [`launch_struct`]; `grid` is a multiple of `cluster`, `cluster` at
-/// most 8 (the portable cluster size), and `f` is an entry written for
-/// clusters.
-pub unsafe fn launch_struct_clustered<P: Copy>(
-    f: sys::CUfunction,
-    grid: u32,
-    block: u32,
-    cluster: u32,
-    stream: sys::CUstream,
-    params: &P,
-) -> Result<()> {
-    let mut args = [params as *const P as *mut c_void];
-    // SAFETY: an all-zero launch attribute is a valid (ignored) value.
-    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attribute.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 };
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: stream,
-        attrs: &mut attribute,
-        numAttrs: 1,
-    };
-    cu!(cuLaunchKernelEx(&config, f, args.as_mut_ptr(), std::ptr::null_mut()))
 }

@@ -39,7 +39,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::algorithm::{Algorithm, Transport};
+use crate::algorithm::names::{Algorithm, Transport};
 use crate::error::{Error, Result};
 
 /// One declared environment variable.

@@ -50,13 +50,26 @@ pub mod comm;
 pub mod config;
 pub mod driver;
 pub mod element;
+pub mod embedded_ptx;
 pub mod env;
 pub mod error;
-pub mod kernels;
 pub mod nccl;
 pub mod rank_env;
 pub mod rendezvous;
 pub mod select;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod test_hooks;
+#[cfg(not(feature = "tools"))]
+mod test_hooks;
+
+/// The embedded PTX and every kernel entry the host launches, in one place
+/// for the tools and the PTX checks (`embedded_ptx`, `algorithm::entries`).
+#[doc(hidden)]
+pub mod kernels {
+    pub use crate::algorithm::entries::*;
+    pub use crate::embedded_ptx::*;
+}
 
 #[cfg(feature = "tools")]
 #[doc(hidden)]

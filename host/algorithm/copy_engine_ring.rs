@@ -13,19 +13,33 @@
 //! do not. Kernels: `kernels-rs/src/device/copy_engine_ring.rs`; staging
 //! and flags: `ScratchLayout::copy_engine_*`.
 //!
-//! This file is the pure part: the per-call program ([`CopyEnginePlan`],
-//! tested on the CPU) and the cost recipe. `comm/params.rs` resolves the
-//! addresses, `driver/copy_engine.rs` runs the program on the streams.
+//! Here: the ring's steps ([`CopyEnginePlan`]), the addresses one rank's
+//! calls need (resolved once at init into a [`CopyEngineTemplate`]), the
+//! program of one call ([`CopyEngineTemplate::program`]), all pure and
+//! tested on the CPU, and the cost recipe. Its streams and events are
+//! created at init (never during a capture); `driver/copy_engine.rs` runs
+//! a program on the streams.
 
 #![forbid(unsafe_code)]
 
-use tp_allreduce_kernels::ids::AlgorithmId;
-use tp_allreduce_kernels::params::{CE_MODE_COPY, CE_MODE_REDUCE};
-use tp_allreduce_kernels::partition::{div_ceil, even_part, PACK_BYTES};
+use std::mem::{align_of, offset_of, size_of};
+use std::sync::Arc;
 
+use cudarc::driver::CudaContext;
+use tp_allreduce_kernels::ids::{AlgorithmId, DType};
+use tp_allreduce_kernels::layout::{LocalState, SignalBlock, COPY_ENGINE_FLAG_STRIDE};
+use tp_allreduce_kernels::params::{CopyEngineParams, CE_MODE_COPY, CE_MODE_REDUCE};
+use tp_allreduce_kernels::partition::{div_ceil, even_part, packs_for, PACK, PACK_BYTES};
+
+use super::launch::{chunks, entry_name, ByDtype, Call, Issue, Launch, RankAlgorithm, RankSetup};
 use super::{
-    AlgorithmHost, Capabilities, CostRecipe, CostShape, Engine, FlowSet, Geometry, LatencyOver, Op, Pattern, PhaseSpec,
+    AlgorithmHost, Capabilities, CostRecipe, CostShape, Engine, FlowSet, Geometry, IslandSplit, LatencyOver, Op,
+    Pattern, PhaseSpec, RankMemory, Transport,
 };
+use crate::driver::copy_engine::{self, CopyEngineOp, CopyEngineRuntime, HelperStream};
+use crate::driver::{Event, Kernel, KernelModule};
+use crate::error::Result;
+use crate::test_hooks;
 
 /// Most pieces a shard is cut into (the flags per step in the layout).
 pub const CE_MAX_PIECES: u32 = 4;
@@ -63,10 +77,6 @@ impl AlgorithmHost for CopyEngineRing {
         }
     }
 
-    fn grid(&self, g: &Geometry, packs: u64) -> u32 {
-        self.launch_shape(g, packs).0
-    }
-
     /// The shape of one step kernel over a piece of `packs` packs: one
     /// pack per thread, at most half of what stays resident with the ranks
     /// sharing the GPU, so that copies which a driver runs on the SMs (a
@@ -74,6 +84,30 @@ impl AlgorithmHost for CopyEngineRing {
     fn launch_shape(&self, g: &Geometry, packs: u64) -> (u32, u32) {
         let cap = (g.sentinel_resident.cap(STEP_THREADS) / 2).max(1) as u64;
         (div_ceil(packs, STEP_THREADS as u64).clamp(1, cap.min(STEP_MAX_BLOCKS)) as u32, STEP_THREADS)
+    }
+
+    fn helper_entries(&self) -> Vec<String> {
+        vec![COPY_ENGINE_HANDSHAKE.to_string(), COPY_ENGINE_PUBLISH.to_string()]
+    }
+
+    fn param_struct(&self, name: &str) -> Option<(usize, usize)> {
+        (name.starts_with(self.kernel().kernel_prefix()) && name != COPY_ENGINE_PUBLISH)
+            .then_some((size_of::<CopyEngineParams>(), align_of::<CopyEngineParams>()))
+    }
+
+    /// Only with staging (P2P transport, one rank per GPU).
+    fn prepare(&self, rank: &RankSetup<'_>) -> Result<Option<Box<dyn RankAlgorithm>>> {
+        if rank.memory.layout.copy_engine_pieces == 0 || rank.transport != Transport::PeerToPeer {
+            return Ok(None);
+        }
+        // Ring progress depends on every rank upstream: the launch bound.
+        let template = CopyEngineTemplate::new(rank.rank, rank.memory, rank.islands, rank.wait_bounds_ns.1);
+        Ok(Some(Box::new(CopyEngineRingRank {
+            template,
+            runtime: runtime(rank.ctx, rank.module)?,
+            geometry: rank.geometry,
+            steps: ByDtype::kernels(rank.module, |d| entry_name(AlgorithmId::CopyEngineRing, d))?,
+        })))
     }
 
     fn single_gpu_traffic_per_rank(&self, _n: f64, s: f64) -> f64 {
@@ -177,69 +211,201 @@ impl CopyEnginePlan {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Runs the program of every rank on the CPU with exact sums: after the
-    /// reduce-scatter each shard is complete on exactly one rank, after the
-    /// all-gather everywhere; each step's incoming shard is what the
-    /// previous rank sent in the same step.
-    #[test]
-    fn every_rank_ends_with_every_shard_reduced() {
-        for world in 2..=8usize {
-            let plans: Vec<CopyEnginePlan> = (0..world).map(|q| CopyEnginePlan::new(q, world, 1000, 1)).collect();
-            // contributions[q][c]: the set of ranks summed into q's shard c.
-            let mut out: Vec<Vec<u32>> = vec![vec![0; world]; world];
-            for (q, row) in out.iter_mut().enumerate() {
-                row[q] = 1 << q;
-            }
-            let input: Vec<Vec<u32>> = (0..world).map(|q| vec![1 << q; world]).collect();
-            for s in 0..2 * (world - 1) {
-                let sent: Vec<(usize, u32)> = (0..world)
-                    .map(|q| {
-                        let st = plans[q].steps[s];
-                        (st.send, if st.from_input { input[q][st.send] } else { out[q][st.send] })
-                    })
-                    .collect();
-                for q in 0..world {
-                    let st = plans[q].steps[s];
-                    let prev = (q + world - 1) % world;
-                    assert_eq!(sent[prev].0, st.recv, "world {world} step {s} rank {q}");
-                    out[q][st.recv] =
-                        if st.mode == CE_MODE_REDUCE { input[q][st.recv] | sent[prev].1 } else { sent[prev].1 };
-                }
-                if s == world - 2 {
-                    for q in 0..world {
-                        assert_eq!(out[q][(q + 1) % world], (1 << world) - 1, "rank {q} owns shard q+1 after RS");
-                    }
-                }
-            }
-            assert!(out.iter().flatten().all(|&v| v == (1 << world) - 1), "world {world}: {out:?}");
-        }
-    }
-
-    #[test]
-    fn pieces_cover_every_shard_and_fit_the_staging() {
-        for (packs, world, pieces) in [(1u64, 2usize, 1u32), (17, 3, 2), (100_003, 8, 4), (8, 8, 4)] {
-            let plan = CopyEnginePlan::new(0, world, packs, pieces);
-            let mut seen = vec![0u32; packs as usize];
-            for c in 0..world {
-                for p in 0..pieces {
-                    let (first, len, offset) = plan.piece(c, p);
-                    assert!((offset + len) * 16 <= plan.shard_bytes_max());
-                    for i in first..first + len {
-                        seen[i as usize] += 1;
-                    }
-                }
-            }
-            assert!(seen.iter().all(|&n| n == 1), "{packs} packs, {world} ranks, {pieces} pieces");
-        }
-        assert_eq!(CopyEnginePlan::elements(2, 3, 37, 8), (16, 21));
-        assert_eq!(CopyEnginePlan::elements(4, 3, 37, 8), (32, 5));
-        assert_eq!(pieces_for(1 << 20, 8), 1);
-        assert_eq!(pieces_for(8 << 20, 8), 2);
-        assert_eq!(pieces_for(64 << 20, 8), 4);
-        assert_eq!(pieces_for(4 << 20, 2), 4);
+/// The ring order: islands one after the other (the ring crosses each
+/// island boundary once per direction), else rank order.
+pub(crate) fn ring_order(world: usize, split: Option<IslandSplit>) -> Vec<usize> {
+    match split {
+        Some(s) => s.groups().concat(),
+        None => (0..world).collect(),
     }
 }
+
+/// Every address one rank's copy-engine ring calls need.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct CopyEngineTemplate {
+    pub position: usize,
+    pub world: usize,
+    /// Staging of this rank (step slots) and of the next rank, as mapped here.
+    pub own_staging: u64,
+    pub next_staging: u64,
+    pub slot_bytes: u64,
+    /// Flag of (step 0, piece 0) here and at the next rank.
+    pub own_flags: u64,
+    pub next_flags: u64,
+    /// This rank's handshake flag (raised by the next rank) and the
+    /// previous rank's (raised by this rank).
+    pub own_handshake: u64,
+    pub prev_handshake: u64,
+    /// Control, error record, timeout, own abort, rank: the fields every
+    /// kernel of the call shares.
+    pub base: CopyEngineParams,
+    pub next: (u32, u64),
+    pub prev: (u32, u64),
+    /// The last step kernel of a call raises the previous rank's handshake
+    /// (always, but under a test hook).
+    pub handshake: bool,
+}
+
+impl CopyEngineTemplate {
+    /// The template of `rank`. Pure.
+    pub(crate) fn new(rank: usize, mem: &RankMemory, split: Option<IslandSplit>, timeout_ns: u64) -> Self {
+        let world = mem.region_bases.len();
+        let order = ring_order(world, split);
+        let position = order.iter().position(|&r| r == rank).unwrap_or(0);
+        let next = order[(position + 1) % world];
+        let prev = order[(position + world - 1) % world];
+        let l = &mem.layout;
+        let scratch = |r: usize| mem.region_bases[r] + mem.scratch_offset;
+        let abort = |r: usize| mem.region_bases[r] + offset_of!(SignalBlock, abort) as u64;
+        CopyEngineTemplate {
+            position,
+            world,
+            own_staging: scratch(rank) + l.copy_engine_offset,
+            next_staging: scratch(next) + l.copy_engine_offset,
+            slot_bytes: l.copy_engine_slot_bytes,
+            own_flags: scratch(rank) + l.copy_engine_flags_offset,
+            next_flags: scratch(next) + l.copy_engine_flags_offset,
+            own_handshake: scratch(rank) + l.copy_engine_handshake_offset,
+            prev_handshake: scratch(prev) + l.copy_engine_handshake_offset,
+            base: CopyEngineParams {
+                control: mem.local_state + offset_of!(LocalState, control) as u64,
+                error_record: mem.error_record,
+                timeout_ns,
+                abort: abort(rank),
+                rank: rank as u32,
+                ..CopyEngineParams::default()
+            },
+            next: (next as u32, abort(next)),
+            prev: (prev as u32, abort(prev)),
+            handshake: test_hooks::copy_engine_handshake(rank),
+        }
+    }
+
+    fn flag(base: u64, step: usize, piece: u32) -> u64 {
+        base + (step as u64 * CE_MAX_PIECES as u64 + piece as u64) * COPY_ENGINE_FLAG_STRIDE
+    }
+
+    /// The program of one launch over `count` elements of `dtype` from
+    /// `input` to `output` (`pieces` per shard; step kernels of
+    /// `shape(piece packs)`). Pieces without data are skipped on both sides
+    /// of a step (sender and receiver see the same empty piece).
+    pub(crate) fn program(
+        &self,
+        (input, output, count): (u64, u64, u64),
+        dtype: DType,
+        pieces: u32,
+        shape: impl Fn(u64) -> (u32, u32),
+    ) -> Vec<CopyEngineOp> {
+        let esize = dtype.size_bytes() as u64;
+        let lanes = PACK / esize;
+        let plan = CopyEnginePlan::new(self.position, self.world, packs_for(count, dtype), pieces);
+        let mut ops = vec![
+            CopyEngineOp::Handshake(CopyEngineParams {
+                flag: self.own_handshake,
+                peer: self.next.0,
+                peer_abort: self.next.1,
+                ..self.base
+            }),
+            CopyEngineOp::Fork,
+        ];
+        for (s, step) in plan.steps.iter().enumerate() {
+            for p in 0..pieces {
+                let (first, len, offset) = plan.piece(step.send, p);
+                let (begin, n) = CopyEnginePlan::elements(first, len, count, lanes);
+                if n > 0 {
+                    if s > 0 {
+                        ops.push(CopyEngineOp::AfterStep { piece: p as usize });
+                    }
+                    let src = if step.from_input { input } else { output } + begin * esize;
+                    let dst = self.next_staging + s as u64 * self.slot_bytes + offset * PACK;
+                    ops.push(CopyEngineOp::Copy { dst, src, bytes: (n * esize) as usize });
+                    ops.push(CopyEngineOp::Publish { flag: Self::flag(self.next_flags, s, p) });
+                }
+                let (first, len, offset) = plan.piece(step.recv, p);
+                let (begin, n) = CopyEnginePlan::elements(first, len, count, lanes);
+                if n > 0 {
+                    let (blocks, threads) = shape(len);
+                    let params = CopyEngineParams {
+                        input: input + begin * esize,
+                        output: output + begin * esize,
+                        count: n,
+                        staging: self.own_staging + s as u64 * self.slot_bytes + offset * PACK,
+                        flag: Self::flag(self.own_flags, s, p),
+                        handshake: self.prev_handshake,
+                        peer: self.prev.0,
+                        peer_abort: self.prev.1,
+                        mode: step.mode,
+                        ..self.base
+                    };
+                    ops.push(CopyEngineOp::Step { params, blocks, threads });
+                    ops.push(CopyEngineOp::StepDone { piece: p as usize });
+                }
+            }
+        }
+        // The last step kernel tells the previous rank its staging is free.
+        if let Some(CopyEngineOp::Step { params, .. }) =
+            ops.iter_mut().rev().find(|op| matches!(op, CopyEngineOp::Step { .. }))
+        {
+            params.last = u32::from(self.handshake);
+        }
+        ops.push(CopyEngineOp::Join);
+        ops
+    }
+}
+
+/// The copy-engine ring's one-thread kernels (no dtype): the handshake
+/// wait and the flag publication.
+pub const COPY_ENGINE_HANDSHAKE: &str = "copy_engine_ring_handshake";
+pub const COPY_ENGINE_PUBLISH: &str = "copy_engine_ring_publish";
+
+/// Streams, events and kernels of the copy-engine ring of one rank. Flags
+/// are raised with `cuStreamWriteValue32` where the device supports stream
+/// memory operations, unless `TP_ALLREDUCE_CE_PUBLISH=kernel` (or a test
+/// hook) asks for the publish kernel.
+fn runtime(ctx: &Arc<CudaContext>, module: &KernelModule) -> Result<CopyEngineRuntime> {
+    let kernel = crate::env::ce_publish_with_kernel()?.unwrap_or(false) || test_hooks::kernel_publication();
+    Ok(CopyEngineRuntime {
+        copy: HelperStream::new(ctx)?,
+        fork: Event::new(ctx)?,
+        join: Event::new(ctx)?,
+        done: (0..CE_MAX_PIECES).map(|_| Event::new(ctx)).collect::<Result<_>>()?,
+        mem_ops: !kernel && copy_engine::stream_mem_ops_supported(ctx)?,
+        handshake: module.kernel(COPY_ENGINE_HANDSHAKE)?,
+        publish: module.kernel(COPY_ENGINE_PUBLISH)?,
+    })
+}
+
+/// Pieces of a launch of `count` elements of `dtype` on `world` ranks.
+pub(crate) fn pieces(count: u64, dtype: DType, world: usize) -> u32 {
+    pieces_for(count * dtype.size_bytes() as u64, world)
+}
+
+/// The copy-engine ring's side of one rank.
+struct CopyEngineRingRank {
+    template: CopyEngineTemplate,
+    runtime: CopyEngineRuntime,
+    geometry: Geometry,
+    /// The step kernels.
+    steps: ByDtype<Kernel>,
+}
+
+impl RankAlgorithm for CopyEngineRingRank {
+    /// Per launch (at most the staging's capacity), the program of
+    /// [`CopyEngineTemplate::program`] on the caller's stream and the
+    /// rank's helper stream.
+    fn run(&self, call: &Call, issue: &mut Issue<'_>) -> Result<()> {
+        let elem = call.dtype.size_bytes() as u64;
+        let world = self.template.world;
+        for (start, n) in chunks(call.count, call.dtype, CopyEngineRing.launch_capacity_packs(&self.geometry)) {
+            let (input, output) = (call.input + start as u64 * elem, call.output + start as u64 * elem);
+            let shape = |packs| CopyEngineRing.launch_shape(&self.geometry, packs);
+            let pieces = pieces(n as u64, call.dtype, world);
+            let ops = self.template.program((input, output, n as u64), call.dtype, pieces, shape);
+            issue(Launch::CopyEngine { runtime: &self.runtime, ops: &ops, step: self.steps.get(call.dtype) })?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -8,13 +8,20 @@
 //! slots live in host memory (P2P inside islands, host-staged across).
 //! Kernel: `kernels-rs/src/device/hierarchical.rs` (body in
 //! `island_push.rs`); receive region: `ScratchLayout::hierarchical_*`.
+//! What it shares with TwoShotPush (template, launches, fused variant):
+//! `island_push.rs`.
 
 #![forbid(unsafe_code)]
 
-use tp_allreduce_kernels::ids::AlgorithmId;
+use std::mem::{align_of, size_of};
 
-use super::two_shot_push::{island_push_rounds, share_shape};
+use tp_allreduce_kernels::ids::{AlgorithmId, DType};
+use tp_allreduce_kernels::params::IslandPushParams;
+
+use super::island_push::{self, fused_entry, island_push_rounds, share_shape, IslandKind};
+use super::launch::{RankAlgorithm, RankSetup};
 use super::{AlgorithmHost, Capabilities, CostRecipe, CostShape, FlowSet, Geometry, IslandSplit, PhaseSpec};
+use crate::error::Result;
 
 pub(crate) struct Hierarchical;
 
@@ -49,12 +56,21 @@ impl AlgorithmHost for Hierarchical {
         g.layout.hierarchical_share_packs * g.layout.island_shares as u64
     }
 
-    fn grid(&self, g: &Geometry, packs: u64) -> u32 {
-        self.launch_shape(g, packs).0
-    }
-
     fn launch_shape(&self, g: &Geometry, packs: u64) -> (u32, u32) {
         share_shape(packs, g.layout.island_shares.max(1) as u64, &g.sentinel_resident)
+    }
+
+    fn fused_entries(&self, _sm: Option<u32>) -> Vec<String> {
+        DType::ALL.into_iter().map(|d| fused_entry(self.kernel(), d)).collect()
+    }
+
+    fn param_struct(&self, name: &str) -> Option<(usize, usize)> {
+        name.starts_with(self.kernel().kernel_prefix())
+            .then_some((size_of::<IslandPushParams>(), align_of::<IslandPushParams>()))
+    }
+
+    fn prepare(&self, rank: &RankSetup<'_>) -> Result<Option<Box<dyn RankAlgorithm>>> {
+        island_push::prepare(IslandKind::Hierarchical, rank)
     }
 
     fn single_gpu_traffic_per_rank(&self, _n: f64, s: f64) -> f64 {

@@ -3,12 +3,20 @@
 //! names), the selection, the cost model, the tuning table, the benchmark ids
 //! and the CLI flags.
 //!
-//! The host side of each algorithm, one file each: its kernel, whether it
-//! reads peers' inputs, which transports it runs over, what it needs to be
-//! available, how one launch's grid and capacity follow from the message,
-//! and the phases the cost model prices. The kernel of `<name>.rs` here is
-//! `kernels-rs/src/device/<name>.rs`; its scratch region is
-//! `ScratchLayout::<name>_*` in `kernels-rs/src/layout.rs`.
+//! Each algorithm owns its host side, one file each (`<file>.rs`, declared
+//! from the list of algorithms, `tp_allreduce_kernels::for_each_algorithm`):
+//! its `AlgorithmHost` says which collective it implements, what it
+//! needs to be available, which transports it runs over, a launch's
+//! capacity and default shape, the phases the cost model prices and the
+//! kernel entries it launches; at init it builds its side of the rank
+//! (`launch::RankAlgorithm`: parameter templates, kernels), which
+//! describes each call's launches. The kernel of `<file>.rs` here is
+//! `kernels-rs/src/device/<file>.rs`; its scratch region is
+//! `ScratchLayout::<file>_*` in `kernels-rs/src/layout.rs`. Shared by
+//! several algorithms: `island_push.rs` (TwoShotPush and Hierarchical),
+//! `pull.rs` (the pull algorithms' launches), `epilogue.rs` (the fused
+//! epilogue's rules), `launch.rs` (what the call pipeline and an algorithm
+//! exchange), `entries.rs` (every kernel entry, for loading and checking).
 //!
 //! [`availability`] is the one rule that says whether an algorithm can run:
 //! the communicator (before a call), the selection (before choosing) and
@@ -17,9 +25,13 @@
 #![forbid(unsafe_code)]
 
 mod cost;
-pub mod fused;
+pub mod entries;
+pub mod epilogue;
+mod island_push;
 mod islands;
-mod names;
+pub(crate) mod launch;
+pub(crate) mod names;
+mod pull;
 mod rank_memory;
 
 /// One module per algorithm of the list
@@ -41,7 +53,7 @@ macro_rules! algorithm_hosts {
 }
 tp_allreduce_kernels::for_each_algorithm!(algorithm_hosts);
 
-use tp_allreduce_kernels::ids::{AlgorithmId, Collective};
+use tp_allreduce_kernels::ids::{AlgorithmId, Collective, DType};
 use tp_allreduce_kernels::layout::{ScratchLayout, THREADS_PER_BLOCK};
 
 pub use copy_engine_ring::{pieces_for, CopyEnginePlan, CE_MAX_PIECES};
@@ -50,10 +62,27 @@ pub use islands::IslandSplit;
 pub use names::{Algorithm, Transport};
 pub(crate) use rank_memory::{CrossRegions, RankMemory, CROSS_SLOTS_OFFSET};
 
+use crate::error::Result;
+use launch::{entry_name, RankAlgorithm, RankSetup};
+
 /// Everything of one algorithm's host side.
 pub(crate) trait AlgorithmHost: Sync {
-    /// The kernel family (`<prefix>_<dtype>` entry points).
+    /// The algorithm's id in the list (kernel prefix, collective, how its
+    /// kernels complete).
     fn kernel(&self) -> AlgorithmId;
+
+    /// The collective it implements, from the list of algorithms.
+    fn collective(&self) -> Collective {
+        self.kernel().collective().unwrap_or(Collective::AllReduce)
+    }
+
+    /// Sentinel kernels take their parameters by value and run with any
+    /// launch shape (grid-stride loops); the others take a `DeviceHandle`
+    /// pointer and scalars and run blocks of `THREADS_PER_BLOCK` threads.
+    /// From the list of algorithms (`ids::Completion::Payload`).
+    fn sentinel(&self) -> bool {
+        self.kernel().sentinel()
+    }
 
     /// Pull algorithms read peers' *input* buffers, which therefore must be
     /// peer-visible (registered or staged). Push algorithms only write into
@@ -62,8 +91,21 @@ pub(crate) trait AlgorithmHost: Sync {
         false
     }
 
+    /// A pull algorithm that writes its output while peers still read its
+    /// input: a call whose output is its input reads a staged copy.
+    fn stages_in_place(&self) -> bool {
+        false
+    }
+
     /// Whether it can run over pinned host memory (no peer device access).
     fn supports_host_staged(&self) -> bool;
+
+    /// Whether it can run with P2P inside islands and host staging across
+    /// them (`Transport::PerPair`): only an algorithm whose cross-island
+    /// traffic has a receive region of its own in host memory.
+    fn supports_per_pair(&self) -> bool {
+        false
+    }
 
     /// Upper bound on roundings to the element type between the exact sum
     /// and the result (f16/bf16): what tests use as tolerance.
@@ -84,35 +126,10 @@ pub(crate) trait AlgorithmHost: Sync {
         geometry.layout.max_packs
     }
 
-    /// Grid of one launch over `packs` packs (0: it does not fit).
-    fn grid(&self, geometry: &Geometry, packs: u64) -> u32;
-
-    /// Sentinel kernels take their parameters by value
-    /// (`driver::launch_struct`) and run with any launch shape (grid-stride
-    /// loops); the others take a `DeviceHandle` pointer and scalars and run
-    /// [`grid`](Self::grid) blocks of `THREADS_PER_BLOCK` threads. From the
-    /// list of algorithms (`ids::Completion::Payload`).
-    fn sentinel(&self) -> bool {
-        self.kernel().sentinel()
-    }
-
-    /// The collective it implements, from the list of algorithms.
-    fn collective(&self) -> Collective {
-        self.kernel().collective().unwrap_or(Collective::AllReduce)
-    }
-
     /// The launch shape `(blocks, threads)` of one launch over `packs`
-    /// packs when neither a configured nor a tuned shape applies.
-    fn launch_shape(&self, geometry: &Geometry, packs: u64) -> (u32, u32) {
-        (self.grid(geometry, packs), THREADS_PER_BLOCK)
-    }
-
-    /// Whether it can run with P2P inside islands and host staging across
-    /// them (`Transport::PerPair`): only an algorithm whose cross-island
-    /// traffic has a receive region of its own in host memory.
-    fn supports_per_pair(&self) -> bool {
-        false
-    }
+    /// packs (for sentinel kernels the default rule, used when neither a
+    /// configured nor a tuned shape applies); 0 blocks: it does not fit.
+    fn launch_shape(&self, geometry: &Geometry, packs: u64) -> (u32, u32);
 
     /// The phases the cost model prices for `shape`.
     fn cost(&self, shape: &CostShape) -> CostRecipe;
@@ -124,6 +141,42 @@ pub(crate) trait AlgorithmHost: Sync {
     /// traffic differently: its `local_passes` plus the same-device flows,
     /// each a read and a write.)
     fn single_gpu_traffic_per_rank(&self, n: f64, s: f64) -> f64;
+
+    /// Whether a fused call runs its fused kernel in the default
+    /// configuration (what the cost model prices; else the separate
+    /// `add_rms_norm` kernel after the allreduce).
+    fn fuses_epilogue_by_default(&self) -> bool {
+        false
+    }
+
+    /// The kernel entries of its plain calls, every dtype
+    /// (`<file>_<dtype>` unless it launches more).
+    fn entries(&self) -> Vec<String> {
+        DType::ALL.into_iter().map(|d| entry_name(self.kernel(), d)).collect()
+    }
+
+    /// Entries it launches besides the calls' kernels (not on the latency
+    /// path: no local-memory check).
+    fn helper_entries(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// The entries of its fused epilogue variant, every dtype, in the PTX
+    /// of compute capability `sm` (`None`: those every architecture has).
+    fn fused_entries(&self, _sm: Option<u32>) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Size and alignment of the one by-value parameter struct of its
+    /// plain entry `name`, for the entries that take one.
+    fn param_struct(&self, _name: &str) -> Option<(usize, usize)> {
+        None
+    }
+
+    /// Its side of one rank (parameter templates, kernels), built once at
+    /// init; `None` where the communicator cannot run it (the availability
+    /// rule says why).
+    fn prepare(&self, rank: &RankSetup<'_>) -> Result<Option<Box<dyn RankAlgorithm>>>;
 }
 
 /// Device-memory traffic of one allreduce, all ranks together, when every
@@ -136,6 +189,27 @@ pub fn single_gpu_traffic_bytes(algorithm: Algorithm, world: usize, bytes: usize
         None => 6.0 * s,
     };
     per_rank * n
+}
+
+/// Every algorithm's side of one rank, built at init.
+pub(crate) struct RankAlgorithms(Vec<(Algorithm, Box<dyn RankAlgorithm>)>);
+
+impl RankAlgorithms {
+    /// Prepares every algorithm of ours for the rank described by `rank`.
+    pub fn prepare(rank: &RankSetup<'_>) -> Result<RankAlgorithms> {
+        let mut prepared = Vec::new();
+        for algorithm in Algorithm::OURS {
+            if let Some(side) = host(algorithm).map(|h| h.prepare(rank)).transpose()?.flatten() {
+                prepared.push((algorithm, side));
+            }
+        }
+        Ok(RankAlgorithms(prepared))
+    }
+
+    /// `algorithm`'s side of the rank, if it was prepared.
+    pub fn get(&self, algorithm: Algorithm) -> Option<&dyn RankAlgorithm> {
+        self.0.iter().find(|(a, _)| *a == algorithm).map(|(_, side)| side.as_ref())
+    }
 }
 
 /// What a communicator, real or modelled, offers: the input of

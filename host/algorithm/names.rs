@@ -70,6 +70,13 @@ impl Algorithm {
         crate::algorithm::host(self).is_some_and(|h| h.supports_host_staged())
     }
 
+    /// Whether a fused call (`Comm::all_reduce_add_rms_norm`) runs this
+    /// algorithm's fused kernel in the default configuration, as the cost
+    /// model prices it (else the separate kernel after the allreduce).
+    pub fn fuses_epilogue_by_default(self) -> bool {
+        crate::algorithm::host(self).is_some_and(|h| h.fuses_epilogue_by_default())
+    }
+
     /// Upper bound on roundings to the element type between the exact sum
     /// and the result (f16/bf16): what tests use as tolerance.
     pub fn max_roundings(self, world: usize) -> usize {

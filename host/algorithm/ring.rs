@@ -7,9 +7,12 @@
 #![forbid(unsafe_code)]
 
 use tp_allreduce_kernels::ids::AlgorithmId;
-use tp_allreduce_kernels::partition::div_ceil;
+use tp_allreduce_kernels::partition::{div_ceil, packs_for};
 
+use super::launch::{chunks, entry_name, ByDtype, Call, Grid, Issue, Launch, RankAlgorithm, RankSetup};
 use super::{AlgorithmHost, CostRecipe, CostShape, Engine, FlowSet, Geometry, LatencyOver, Op, Pattern, PhaseSpec};
+use crate::driver::{Kernel, KernelArgs};
+use crate::error::{Error, Result};
 
 pub(crate) struct Ring;
 
@@ -32,9 +35,17 @@ impl AlgorithmHost for Ring {
         u64::MAX / 2
     }
 
-    fn grid(&self, g: &Geometry, packs: u64) -> u32 {
+    fn launch_shape(&self, g: &Geometry, packs: u64) -> (u32, u32) {
         let per_block = g.layout.ring_chunk_packs.max(1) * g.world as u64;
-        div_ceil(packs, per_block).clamp(1, g.ring_blocks as u64) as u32
+        (div_ceil(packs, per_block).clamp(1, g.ring_blocks as u64) as u32, Geometry::THREADS as u32)
+    }
+
+    fn prepare(&self, rank: &RankSetup<'_>) -> Result<Option<Box<dyn RankAlgorithm>>> {
+        Ok(Some(Box::new(RingRank {
+            geometry: rank.geometry,
+            handle: rank.handle,
+            kernels: ByDtype::kernels(rank.module, |d| entry_name(AlgorithmId::Ring, d))?,
+        })))
     }
 
     fn single_gpu_traffic_per_rank(&self, _n: f64, s: f64) -> f64 {
@@ -59,5 +70,30 @@ impl AlgorithmHost for Ring {
             }],
             local_passes: 3.0,
         }
+    }
+}
+
+/// The ring's side of one rank.
+struct RingRank {
+    geometry: Geometry,
+    /// The rank's `DeviceHandle` (its FIFOs and flags).
+    handle: u64,
+    kernels: ByDtype<Kernel>,
+}
+
+impl RankAlgorithm for RingRank {
+    fn run(&self, call: &Call, issue: &mut Issue<'_>) -> Result<()> {
+        let kernel = self.kernels.get(call.dtype);
+        let elem = call.dtype.size_bytes() as u64;
+        for (start, n) in chunks(call.count, call.dtype, Ring.launch_capacity_packs(&self.geometry)) {
+            let (blocks, threads) = Ring.launch_shape(&self.geometry, packs_for(n as u64, call.dtype));
+            if blocks == 0 {
+                return Err(Error::Unsupported(format!("ring: a launch of {n} elements does not fit the scratch")));
+            }
+            let off = start as u64 * elem;
+            let args = KernelArgs::new().u64(self.handle).u64(call.input + off).u64(call.output + off).u64(n as u64);
+            issue(Launch::Args { kernel, grid: Grid::new(blocks, threads), args: &args })?;
+        }
+        Ok(())
     }
 }

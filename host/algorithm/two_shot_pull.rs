@@ -7,7 +7,10 @@
 use tp_allreduce_kernels::ids::AlgorithmId;
 use tp_allreduce_kernels::partition::div_ceil;
 
+use super::launch::{Call, Issue, RankAlgorithm, RankSetup};
+use super::pull::PullRank;
 use super::{AlgorithmHost, CostRecipe, CostShape, Geometry, PhaseSpec};
+use crate::error::Result;
 
 pub(crate) struct TwoShotPull;
 
@@ -24,8 +27,13 @@ impl AlgorithmHost for TwoShotPull {
         false
     }
 
-    fn grid(&self, g: &Geometry, packs: u64) -> u32 {
-        div_ceil(div_ceil(packs, g.world as u64), Geometry::THREADS).clamp(1, g.pull_max_blocks as u64) as u32
+    fn launch_shape(&self, g: &Geometry, packs: u64) -> (u32, u32) {
+        let blocks = div_ceil(div_ceil(packs, g.world as u64), Geometry::THREADS).clamp(1, g.pull_max_blocks as u64);
+        (blocks as u32, Geometry::THREADS as u32)
+    }
+
+    fn prepare(&self, rank: &RankSetup<'_>) -> Result<Option<Box<dyn RankAlgorithm>>> {
+        Ok(Some(Box::new(TwoShotPullRank(PullRank::new(&TwoShotPull, rank)?))))
     }
 
     fn single_gpu_traffic_per_rank(&self, n: f64, s: f64) -> f64 {
@@ -40,5 +48,14 @@ impl AlgorithmHost for TwoShotPull {
             phases: vec![PhaseSpec::barrier_reads(slice, 1.0, 1.0), PhaseSpec::barrier_reads(slice, 2.0, 1.0)],
             local_passes: 3.0,
         }
+    }
+}
+
+/// TwoShotPull's side of one rank: the pull launches, nothing more.
+struct TwoShotPullRank(PullRank);
+
+impl RankAlgorithm for TwoShotPullRank {
+    fn run(&self, call: &Call, issue: &mut Issue<'_>) -> Result<()> {
+        self.0.run(call, issue)
     }
 }

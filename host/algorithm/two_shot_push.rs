@@ -5,17 +5,20 @@
 //! one island of every rank.
 //! Kernel: `kernels-rs/src/device/two_shot_push.rs` (body in
 //! `island_push.rs`); receive region: `ScratchLayout::two_shot_push_*`.
+//! What it shares with Hierarchical (template, launches, fused variant):
+//! `island_push.rs`.
 
 #![forbid(unsafe_code)]
 
-use tp_allreduce_kernels::ids::AlgorithmId;
-use tp_allreduce_kernels::params::ISLAND_PUSH_GROUP;
-use tp_allreduce_kernels::partition::div_ceil;
-use tp_allreduce_kernels::shares::owned_count;
+use std::mem::{align_of, size_of};
 
-use super::cost::access_groups;
-use super::one_shot_push::default_shape;
-use super::{AlgorithmHost, CostRecipe, CostShape, FlowSet, Geometry, IslandSplit, PhaseSpec, ResidentBlocks};
+use tp_allreduce_kernels::ids::{AlgorithmId, DType};
+use tp_allreduce_kernels::params::IslandPushParams;
+
+use super::island_push::{self, fused_entry, island_push_rounds, share_shape, IslandKind};
+use super::launch::{RankAlgorithm, RankSetup};
+use super::{AlgorithmHost, CostRecipe, CostShape, FlowSet, Geometry, IslandSplit, PhaseSpec};
+use crate::error::Result;
 
 pub(crate) struct TwoShotPush;
 
@@ -33,12 +36,21 @@ impl AlgorithmHost for TwoShotPush {
         g.layout.two_shot_push_share_packs * g.world as u64
     }
 
-    fn grid(&self, g: &Geometry, packs: u64) -> u32 {
-        self.launch_shape(g, packs).0
-    }
-
     fn launch_shape(&self, g: &Geometry, packs: u64) -> (u32, u32) {
         share_shape(packs, g.world as u64, &g.sentinel_resident)
+    }
+
+    fn fused_entries(&self, _sm: Option<u32>) -> Vec<String> {
+        DType::ALL.into_iter().map(|d| fused_entry(self.kernel(), d)).collect()
+    }
+
+    fn param_struct(&self, name: &str) -> Option<(usize, usize)> {
+        name.starts_with(self.kernel().kernel_prefix())
+            .then_some((size_of::<IslandPushParams>(), align_of::<IslandPushParams>()))
+    }
+
+    fn prepare(&self, rank: &RankSetup<'_>) -> Result<Option<Box<dyn RankAlgorithm>>> {
+        island_push::prepare(IslandKind::TwoShotPush, rank)
     }
 
     fn single_gpu_traffic_per_rank(&self, _n: f64, s: f64) -> f64 {
@@ -60,52 +72,4 @@ impl AlgorithmHost for TwoShotPush {
             local_passes: 2.0 + 4.0 * (n - 1.0) / n,
         }
     }
-}
-
-/// The default launch shape of an island push launch over `packs` packs cut
-/// into `shares` shares: threads walk the packs of one share (every phase
-/// is a grid-stride loop over a share's packs), so the default rule of
-/// OneShotPush applied to a share.
-pub(crate) fn share_shape(packs: u64, shares: u64, resident: &ResidentBlocks) -> (u32, u32) {
-    default_shape(div_ceil(packs, shares.max(1)), resident)
-}
-
-/// Dependent memory round trips of an island push launch beyond one poll
-/// per hop, per phase, for its slowest member (see
-/// [`PhaseSpec::access_rounds`]).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct IslandPushRounds {
-    /// Reduce-scatter sends (the first send alone, then groups: each
-    /// group's input loads return before its stores) and the partial's
-    /// polls beyond the first group.
-    pub scatter: f64,
-    /// Hierarchical: the cross polls beyond the first group.
-    pub cross: f64,
-    /// The all-gather polls beyond the first group.
-    pub gather: f64,
-}
-
-/// [`IslandPushRounds`] for `islands` (TwoShotPush: one island of every
-/// rank). Member `j` of an island of `m` owns `owned_count(S, m, j)` of the
-/// `S` shares, sends the other `S - owned`, polls `m - 1` reduce-scatter
-/// slots and `islands - 1` cross slots per owned share, and one all-gather
-/// slot per send.
-pub(crate) fn island_push_rounds(islands: &IslandSplit) -> IslandPushRounds {
-    let shares = islands.shares();
-    let count = islands.count();
-    let mut r = IslandPushRounds { scatter: 0.0, cross: 0.0, gather: 0.0 };
-    for g in 0..count {
-        let m = islands.size(g);
-        for j in 0..m {
-            let owned = owned_count(shares as u32, m as u32, j as u32) as usize;
-            let sends = shares - owned;
-            let send_rounds = if sends == 0 { 0.0 } else { 1.0 + access_groups(sends - 1, ISLAND_PUSH_GROUP) };
-            let beyond_hop = |polls: f64| (polls - 1.0).max(0.0);
-            let partial = beyond_hop(owned as f64 * access_groups(m - 1, ISLAND_PUSH_GROUP));
-            r.scatter = r.scatter.max(send_rounds + partial);
-            r.cross = r.cross.max(beyond_hop(owned as f64 * access_groups(count - 1, ISLAND_PUSH_GROUP)));
-            r.gather = r.gather.max(beyond_hop(access_groups(sends, ISLAND_PUSH_GROUP)));
-        }
-    }
-    r
 }

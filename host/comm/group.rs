@@ -13,8 +13,11 @@ use tp_allreduce_kernels::layout::MAX_RANKS;
 
 use super::selection_setup as selector;
 use super::{registry::Registry, setup, Comm};
+use crate::algorithm::entries::add_rms_norm_entry;
+use crate::algorithm::launch::{ByDtype, RankSetup};
+use crate::algorithm::RankAlgorithms;
 use crate::config::Config;
-use crate::driver::{self, KernelModule};
+use crate::driver::{self, DeviceMemory, KernelModule};
 use crate::error::{Error, Result};
 use crate::rendezvous::{self, Id, Rendezvous};
 
@@ -41,7 +44,32 @@ impl Comm {
             notes.push(note);
         }
         let setup = setup::build(&stream, rank, world, &*rendezvous, &config, &module)?;
-        let sentinel = super::params::SentinelLaunches::build(&ctx, &module, &setup, rank, &config)?;
+        let trace = if config.trace {
+            use tp_allreduce_kernels::params::{TraceRecord, TRACE_RECORDS};
+            Some(DeviceMemory::alloc_zeroed(&ctx, TRACE_RECORDS * std::mem::size_of::<TraceRecord>())?)
+        } else {
+            None
+        };
+        let memory = setup.memory();
+        let algorithms = RankAlgorithms::prepare(&RankSetup {
+            rank,
+            world,
+            transport: setup.transport,
+            islands: setup.island_split,
+            memory: &memory,
+            cross: setup.cross.as_ref().map(|c| &c.regions),
+            geometry: setup.geometry(),
+            handle: setup.handle.ptr(),
+            wait_bounds_ns: config.wait_bounds_ns(),
+            trace: trace.as_ref().map(DeviceMemory::ptr),
+            one_shot_push_tp2: config.one_shot_push_tp2,
+            fused_spread_push: config.fused_spread_push,
+            fused_island_kernels: config.fused_island_kernels,
+            fused_clusters: setup.fused_clusters,
+            module: &module,
+            ctx: &ctx,
+        })?;
+        let add_rms_norm = ByDtype::kernels(&module, add_rms_norm_entry)?;
         // Decided from the gathered placement, the same on every rank: NCCL's
         // creation is collective.
         let nccl = if setup.nccl_eligible {
@@ -64,10 +92,11 @@ impl Comm {
             world,
             ctx,
             stream,
-            module,
             config,
             setup,
-            sentinel,
+            algorithms,
+            add_rms_norm,
+            trace,
             registry: Mutex::new(Registry::default()),
             broken: Mutex::new(None),
             order: Mutex::new(Default::default()),

@@ -37,23 +37,15 @@
 //! [`Comm::close`] does the same and reports errors.
 
 mod call;
-mod copy_engine;
 mod fd_passing;
 mod group;
 mod ipc;
-mod island_params;
 mod p2p_check;
-pub(crate) mod params;
 mod registry;
 mod selection_setup;
 pub(crate) mod setup;
 mod shm;
 mod teardown;
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod test_hooks;
-#[cfg(not(feature = "tools"))]
-mod test_hooks;
 mod vmm_buffers;
 pub(crate) mod watchdog;
 
@@ -62,14 +54,15 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaStream};
 pub use cudarc::nccl::ReduceOp;
 
+pub use crate::algorithm::epilogue::FusedOptions;
 pub use crate::config::{Config, TransportPreference};
 pub use crate::element::Element;
-pub use call::fused::{FusedOptions, FusedPlan};
+pub use call::FusedPlan;
 
-use crate::algorithm::{Algorithm, Transport};
-use crate::driver::{self, KernelModule};
+use crate::algorithm::launch::ByDtype;
+use crate::algorithm::{Algorithm, RankAlgorithms, Transport};
+use crate::driver::{self, DeviceMemory, Kernel};
 use crate::error::{Error, Result};
-use crate::DType;
 
 /// One rank of a communicator.
 pub struct Comm {
@@ -77,10 +70,16 @@ pub struct Comm {
     world: usize,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
-    module: Arc<KernelModule>,
     config: Config,
     setup: setup::Setup,
-    sentinel: params::SentinelLaunches,
+    /// Every algorithm's side of this rank (templates, kernels), built at
+    /// init: a call looks nothing up by name.
+    algorithms: RankAlgorithms,
+    /// The separate epilogue kernel of the unfused path, per dtype.
+    add_rms_norm: ByDtype<Kernel>,
+    /// The sentinel kernels' trace ring (`Config::trace`),
+    /// `TRACE_RECORDS` records.
+    trace: Option<DeviceMemory>,
     registry: Mutex<registry::Registry>,
     broken: Mutex<Option<String>>,
     order: Mutex<call::CallOrder>,
@@ -226,11 +225,6 @@ impl Comm {
         }
     }
 
-    /// The plan for a call of `bytes` (what `all_reduce` would do).
-    pub fn plan_call(&self, bytes: usize, dtype: DType, capturing: bool, in_place: bool) -> CallPlan {
-        call::plan(self, bytes, dtype, capturing, in_place)
-    }
-
     /// Checks the error record the kernels write (no synchronisation).
     /// After an error the communicator is unusable and every call fails.
     pub fn check(&self) -> Result<()> {
@@ -254,7 +248,26 @@ impl Comm {
     pub fn take_trace_records(&self) -> Result<Option<Vec<tp_allreduce_kernels::params::TraceRecord>>> {
         let _bound = driver::CurrentContext::bind(&self.ctx)?;
         driver::synchronize(&self.stream)?;
-        self.sentinel.take_trace_records()
+        let Some(ring) = &self.trace else { return Ok(None) };
+        use tp_allreduce_kernels::params::{TraceRecord, TRACE_RECORDS};
+        const WORDS: usize = std::mem::size_of::<TraceRecord>() / 8;
+        let mut raw = vec![0u64; TRACE_RECORDS * WORDS];
+        driver::memcpy_dtoh(bytemuck::cast_slice_mut(&mut raw), ring.ptr())?;
+        let records = raw
+            .chunks_exact(WORDS)
+            .map(|w| TraceRecord {
+                entry_ns: w[0],
+                loaded_ns: w[1],
+                first_store_ns: w[2],
+                last_poll_ns: w[3],
+                exit_ns: w[4],
+                generation: w[5] as u32,
+                shape: (w[5] >> 32) as u32,
+                _pad: [0; 2],
+            })
+            .collect();
+        driver::memset_d8(ring.ptr(), 0, TRACE_RECORDS * std::mem::size_of::<TraceRecord>())?;
+        Ok(Some(records))
     }
 
     /// Test-only: this rank's protocol counters after its stream's work:

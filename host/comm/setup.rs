@@ -41,12 +41,12 @@ use super::ipc::{self, BufferOffer, PeerMapping, Region};
 use super::p2p_check::{self, TransportProblem};
 use super::shm::SharedHostRegion;
 use super::teardown::LocalGroup;
-use super::test_hooks;
-use crate::algorithm::{Geometry, IslandSplit, ResidentBlocks, Transport, CE_MAX_PIECES};
+use crate::algorithm::{Geometry, IslandSplit, RankMemory, ResidentBlocks, Transport, CE_MAX_PIECES};
 use crate::config::{Config, TransportPreference};
 use crate::driver::{self, CurrentContext, DeviceMemory, KernelModule, PinnedHostMemory};
 use crate::error::{Error, Result};
 use crate::rendezvous::{all_gather_json, Rendezvous};
+use crate::test_hooks;
 use per_pair::CrossSetup;
 use placement::{agree_placement, Placement};
 
@@ -426,6 +426,19 @@ impl Attempt {
             registered_mappings: Mutex::new(Vec::new()),
             region_bases,
             sentinel_resident,
+        }
+    }
+}
+
+impl Setup {
+    /// This rank's memory as the sentinel templates need it.
+    pub(crate) fn memory(&self) -> RankMemory {
+        RankMemory {
+            region_bases: self.region_bases.clone(),
+            scratch_offset: self.offsets.scratch as u64,
+            layout: self.layout,
+            local_state: self.local_state.ptr(),
+            error_record: self.error_record.device_ptr(),
         }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext};
 use tp_allreduce_kernels::params::CopyEngineParams;
 
-use super::{bind, cu, device_attribute, launch_struct, Event, KernelArgs};
+use super::{bind, cu, device_attribute, launch, launch_by_value, Event, Kernel, KernelArgs, ParamStruct};
 use crate::error::Result;
 
 /// A non-blocking stream of the library's own (the copy engine's queue).
@@ -88,15 +88,9 @@ pub struct CopyEngineRuntime {
     pub done: Vec<Event>,
     /// Publish with `cuStreamWriteValue32` (else the publish kernel).
     pub mem_ops: bool,
-    pub handshake: sys::CUfunction,
-    pub publish: sys::CUfunction,
+    pub handshake: Kernel,
+    pub publish: Kernel,
 }
-
-// SAFETY: the function handles belong to a module loaded for the process
-// lifetime; streams and events are Send/Sync themselves.
-unsafe impl Send for CopyEngineRuntime {}
-// SAFETY: as above.
-unsafe impl Sync for CopyEngineRuntime {}
 
 /// Issues `ops` of one call, `step` being the step kernel of the call's
 /// dtype. Capturable: nothing here allocates or creates a stream or event.
@@ -105,18 +99,13 @@ unsafe impl Sync for CopyEngineRuntime {}
 /// `main` is a live stream of the runtime's context; every address in the
 /// ops is valid for the copies and kernels (the communicator's mapped
 /// regions, the caller's buffers) until the work completes; the ops come
-/// from `comm/copy_engine.rs` (fork first, join last, each `AfterStep`
-/// after a `StepDone` of its piece).
-pub unsafe fn run(
-    rt: &CopyEngineRuntime,
-    ops: &[CopyEngineOp],
-    step: sys::CUfunction,
-    main: sys::CUstream,
-) -> Result<()> {
+/// from `algorithm/copy_engine_ring.rs` (fork first, join last, each
+/// `AfterStep` after a `StepDone` of its piece).
+pub unsafe fn run(rt: &CopyEngineRuntime, ops: &[CopyEngineOp], step: &Kernel, main: sys::CUstream) -> Result<()> {
     let copy = rt.copy.raw();
     for op in ops {
         match *op {
-            CopyEngineOp::Handshake(p) => launch_struct(rt.handshake, 1, 32, main, &p)?,
+            CopyEngineOp::Handshake(p) => launch_by_value(&rt.handshake, 1, 32, 1, main, ParamStruct::of(&p))?,
             CopyEngineOp::Fork => {
                 rt.fork.record(main)?;
                 rt.fork.wait(copy)?;
@@ -129,9 +118,11 @@ pub unsafe fn run(
             }
             CopyEngineOp::Publish { flag } => {
                 let args = KernelArgs::new().u64(flag);
-                super::launch(rt.publish, 1, 32, copy, &args)?
+                launch(&rt.publish, 1, 32, copy, &args)?
             }
-            CopyEngineOp::Step { params, blocks, threads } => launch_struct(step, blocks, threads, main, &params)?,
+            CopyEngineOp::Step { params, blocks, threads } => {
+                launch_by_value(step, blocks, threads, 1, main, ParamStruct::of(&params))?
+            }
             CopyEngineOp::StepDone { piece } => rt.done[piece].record(main)?,
             CopyEngineOp::Join => {
                 rt.join.record(copy)?;

@@ -65,11 +65,11 @@ unsafe fn sum_raw(
         return Ok(());
     }
     let module = KernelModule::for_context(stream.context())?;
-    let f = module.function(&format!("sum_{}", dtype.name()))?;
+    let kernel = module.kernel(&format!("sum_{}", dtype.name()))?;
     let table = DeviceMemory::alloc(stream.context(), inputs.len() * 8)?;
     driver::memcpy_htod(table.ptr(), bytemuck::cast_slice(inputs))?;
     let args = KernelArgs::new().u64(table.ptr()).u32(inputs.len() as u32).u64(output).u64(count as u64);
-    driver::launch(f, grid(count, dtype), THREADS_PER_BLOCK, stream.cu_stream(), &args)?;
+    driver::launch(&kernel, grid(count, dtype), THREADS_PER_BLOCK, stream.cu_stream(), &args)?;
     // The pointer table must outlive the kernel.
     driver::synchronize(stream)
 }
@@ -127,7 +127,7 @@ unsafe fn affine_raw(
         return Ok(());
     }
     let module = KernelModule::for_context(ctx)?;
-    let f = module.function(&format!("affine_{}", dtype.name()))?;
+    let kernel = module.kernel(&format!("affine_{}", dtype.name()))?;
     let args = KernelArgs::new().u64(input).u64(output).u64(count as u64).f32(scale).f32(bias);
-    driver::launch(f, grid(count, dtype), THREADS_PER_BLOCK, stream, &args)
+    driver::launch(&kernel, grid(count, dtype), THREADS_PER_BLOCK, stream, &args)
 }

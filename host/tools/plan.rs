@@ -223,11 +223,9 @@ fn fused_verify_pass(req: &PlanRequest, view: &Topology, c: &Constraints) -> Str
     let plain = select_with(&model, None, view, world, req.dtype, bytes, req.capturing, c);
     let separate_us = model.separate_epilogue_us(bytes, req.capturing);
     let separate = plain.predicted_us + separate_us;
-    // The default configuration: the island pushes' fused kernels are
-    // opt-in (`Config::fused_island_kernels`), as the model prices them.
-    let island_kernels = crate::Config::default().fused_island_kernels;
-    let fused_here = crate::algorithm::fused::has_fused_kernel(fused.algorithm)
-        && (island_kernels || !matches!(fused.algorithm, Algorithm::TwoShotPush | Algorithm::Hierarchical));
+    // The default configuration, as the model prices it (the island
+    // pushes' fused kernels are opt-in: `Config::fused_island_kernels`).
+    let fused_here = fused.algorithm.fuses_epilogue_by_default();
     let how = if fused_here { "fused" } else { "+ add_rms_norm" };
     let mut s = format!(
         "\nverify pass with the layer epilogue ({VERIFY_PASS_ALLREDUCES} x (allreduce + residual add + RMSNorm)):\n"

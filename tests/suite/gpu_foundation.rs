@@ -16,7 +16,7 @@ fn embedded_ptx_for_this_device_loads() {
     assert_eq!(module.arch, chosen.arch);
     eprintln!("device cc {major}.{minor}: loaded {} PTX ({})", module.arch, tp_allreduce::kernels::PTX_ORIGIN);
     for name in tp_allreduce::kernels::expected_entries_for(chosen.sm) {
-        module.function(&name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        module.kernel(&name).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
     // H200 and newer run thread-block clusters (the fused calls' cluster
     // entries); older GPUs must not claim to.

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
-use tp_allreduce::comm::test_hooks::{KernelPublication, NoCopyEngineHandshake, NoP2pAcrossIslands};
+use tp_allreduce::test_hooks::{KernelPublication, NoCopyEngineHandshake, NoP2pAcrossIslands};
 use tp_allreduce::{Algorithm, Comm, Config, DType, Error, Transport};
 use tp_allreduce_kernels::ids::Phase;
 

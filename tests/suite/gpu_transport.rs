@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext, CudaSlice};
 use rand::rngs::StdRng;
-use tp_allreduce::comm::test_hooks::{CorruptP2pCheck, FailRegionImport};
+use tp_allreduce::test_hooks::{CorruptP2pCheck, FailRegionImport};
 use tp_allreduce::{Algorithm, Comm, Config, Error, ReduceOp, Transport, TransportPreference};
 
 use crate::common;

@@ -13,12 +13,12 @@ use serde::{Deserialize, Serialize};
 use tp_allreduce_kernels::layout::THREADS_PER_BLOCK;
 
 use super::process_token;
+use crate::algorithm::entries::{fused_wide_entries, hot_entries, sentinel_entries};
 use crate::algorithm::ResidentBlocks;
 use crate::comm::watchdog::ProcessIdentity;
 use crate::config::Config;
 use crate::driver::{self, KernelModule};
 use crate::error::{Error, Result};
-use crate::kernels::{fused_wide_entries, sentinel_entries};
 use crate::rendezvous::all_gather_json;
 use crate::rendezvous::Rendezvous;
 
@@ -73,7 +73,7 @@ pub(super) fn agree_placement(
 ) -> Result<Placement> {
     let sms = driver::device_attribute(ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
     let mut blocks_per_sm = u32::MAX;
-    for name in crate::kernels::hot_entries() {
+    for name in hot_entries() {
         blocks_per_sm = blocks_per_sm.min(module.max_blocks_per_sm(&name, THREADS_PER_BLOCK)?);
     }
     let salt: u32 = rand_u32();

@@ -48,9 +48,10 @@ impl CostModel {
     /// (10.50 vs 8.84 us at 3 x 7168 bf16, 11.32 vs 10.90 at 64 x 7168;
     /// docs/RESULTS.md).
     pub fn epilogue_us(&self, algorithm: Algorithm, bytes: usize, capturing: bool) -> f64 {
-        match algorithm {
-            Algorithm::OneShotPush | Algorithm::OneShotPull => self.fused_epilogue_us(bytes),
-            _ => self.separate_epilogue_us(bytes, capturing),
+        if algorithm.fuses_epilogue_by_default() {
+            self.fused_epilogue_us(bytes)
+        } else {
+            self.separate_epilogue_us(bytes, capturing)
         }
     }
 

@@ -9,6 +9,7 @@ use tp_allreduce_kernels::layout::{ScratchConfig, ScratchLayout, MAX_RANKS};
 use tp_allreduce_kernels::shares::{share_packs, source_of};
 
 use super::*;
+use crate::algorithm::epilogue::EpilogueShape;
 
 const MAX_PACKS: u64 = 96;
 
@@ -231,4 +232,65 @@ fn every_share_is_owned_exactly_once_per_island() {
 
 fn owned_by(p: &IslandPushParams, k: u32) -> bool {
     (0..p.owned).any(|e| p.member_index + e * p.members == k)
+}
+
+fn shape(rows: usize, hidden: usize, dtype: DType) -> EpilogueShape {
+    EpilogueShape { rows, hidden, dtype, norm: true }
+}
+
+#[test]
+fn island_pushes_fuse_while_a_share_fits_half_a_position_range() {
+    let s = shape(64, 7168, DType::Bf16); // 896 packs a row
+    let mut two_shot = IslandCapacity { share_cap: 4 * 896 + 1, shares: 8 };
+    let hierarchical = IslandCapacity { share_cap: 1 << 20, shares: 4 };
+    // share_cap / 2 = 1792 packs: two rows per share, 16 rows a launch.
+    assert_eq!(fused_path(IslandKind::TwoShotPush, &s, Some(two_shot), true), FusedPath::Fused { rows_per_launch: 16 });
+    // Off (the default): the allreduce, then the separate kernel, saying why.
+    for kind in [IslandKind::TwoShotPush, IslandKind::Hierarchical] {
+        let off = fused_path(kind, &s, Some(two_shot), false);
+        assert!(matches!(&off, FusedPath::Unfused(why) if why.contains("fused_island_kernels")), "{off:?}");
+    }
+    assert_eq!(
+        fused_path(IslandKind::Hierarchical, &s, Some(hierarchical), true),
+        FusedPath::Fused { rows_per_launch: 4 * ((1 << 19) / 896) }
+    );
+    // Half a position range smaller than a row: unfused, saying why.
+    two_shot.share_cap = 2 * 896 - 2;
+    let small = fused_path(IslandKind::TwoShotPush, &s, Some(two_shot), true);
+    assert!(matches!(&small, FusedPath::Unfused(why) if why.contains("half a share")), "{small:?}");
+    // No islands: hierarchical cannot fuse (nor run).
+    assert!(matches!(fused_path(IslandKind::Hierarchical, &s, None, true), FusedPath::Unfused(_)));
+    // Rows past the fused limit or not whole packs: unfused, as for one-shot.
+    let long = fused_path(IslandKind::TwoShotPush, &shape(1, 16384, DType::F32), Some(hierarchical), true);
+    assert!(matches!(&long, FusedPath::Unfused(why) if why.contains("8192")), "{long:?}");
+    let odd = fused_path(IslandKind::Hierarchical, &shape(2, 13, DType::Bf16), Some(hierarchical), true);
+    assert!(matches!(&odd, FusedPath::Unfused(why) if why.contains("16-byte")), "{odd:?}");
+    assert_eq!(normed_slot_bytes(4 * 896 + 1), 1792 * 16);
+}
+
+/// Every row of a launch lies in exactly one share, shares hold at most
+/// `share_rows` rows, and the blocks cover a rank's owned rows.
+#[test]
+fn row_shares_partition_the_rows() {
+    for shares in 1..=8u64 {
+        for rows in 0..=70u64 {
+            let r = share_rows(rows, shares);
+            let mut seen = vec![0u32; rows as usize];
+            for k in 0..shares {
+                for row in (k * r)..((k + 1) * r).min(rows) {
+                    seen[row as usize] += 1;
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "rows {rows} shares {shares}");
+            assert!(r * shares >= rows && (rows == 0 || (r - 1) * shares < rows));
+        }
+    }
+    // One row over 8 shares: share 0 holds it, the other 7 are empty.
+    assert_eq!(share_rows(1, 8), 1);
+    assert_eq!(share_rows(7, 4), 2);
+    assert_eq!(island_blocks(64, 8, 1, 132), 8);
+    assert_eq!(island_blocks(64, 4, 2, 132), 32);
+    assert_eq!(island_blocks(1, 8, 1, 132), 1);
+    assert_eq!(island_blocks(1000, 2, 1, 132), 132);
+    assert_eq!(island_rows_per_launch(IslandCapacity { share_cap: 100, shares: 3 }, 0), 0);
 }
