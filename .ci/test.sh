@@ -17,9 +17,9 @@ export TP_ALLREDUCE_REQUIRE_PTXAS=1 TP_ALLREDUCE_REQUIRE_PTX_BUILD=1
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo bench --no-run --quiet
-# The examples and the library alone (without the tools) must build.
+# The examples and the library alone (without the tool's crate) must build.
 cargo build --examples --quiet
-cargo check --lib --no-default-features --features cuda-version-13000 --quiet
+cargo check -p tp-allreduce --lib --no-default-features --features cuda-version-13000 --quiet
 # Documentation builds with every doc link resolved.
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 mkdir -p target

@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use tp_allreduce::tools::bench::{Buffers, OurGroup, Ranks};
 use tp_allreduce::{Algorithm, Comm, Config, DType};
+use tp_allreduce_cli::bench::{Buffers, OurGroup, Ranks};
 
 fn gpu(c: &mut Criterion) {
     if tp_allreduce::driver::device_count() == 0 {
@@ -26,15 +26,15 @@ fn gpu(c: &mut Criterion) {
         let group = OurGroup { comms: &comms };
         c.bench_function(&format!("allreduce 2 ranks 42 KB bf16 {a} (eager, CUDA events)"), |b| {
             b.iter_custom(|iters| {
-                let opts = tp_allreduce::tools::bench::Options {
+                let opts = tp_allreduce_cli::bench::Options {
                     iterations: iters as usize,
                     repeats: 1,
                     warmup: 0,
-                    mode: tp_allreduce::tools::bench::Mode::Eager,
-                    ..tp_allreduce::tools::bench::Options::default()
+                    mode: tp_allreduce_cli::bench::Mode::Eager,
+                    ..tp_allreduce_cli::bench::Options::default()
                 };
                 let samples =
-                    tp_allreduce::tools::bench::time_collective(&group, &ranks, &mut bufs, &opts).expect("timed");
+                    tp_allreduce_cli::bench::time_collective(&group, &ranks, &mut bufs, &opts).expect("timed");
                 Duration::from_secs_f64(samples[0] * 1e-6 * iters as f64)
             })
         });

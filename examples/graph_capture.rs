@@ -16,7 +16,7 @@ const CALLS: usize = 16;
 
 fn main() -> tp_allreduce::Result<()> {
     // cudarc's CudaContext::new panics without a driver: probe first.
-    let gpus = tp_allreduce::driver::device_count();
+    let gpus = tp_allreduce::raw::device_count();
     if gpus == 0 {
         println!("no CUDA device visible: nothing to run (this example needs a GPU)");
         return Ok(());

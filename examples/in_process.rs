@@ -13,7 +13,7 @@ use tp_allreduce::{Comm, Config, DeviceBuffer, ReduceOp};
 
 fn main() -> tp_allreduce::Result<()> {
     // cudarc's CudaContext::new panics without a driver: probe first.
-    let gpus = tp_allreduce::driver::device_count();
+    let gpus = tp_allreduce::raw::device_count();
     if gpus == 0 {
         println!("no CUDA device visible: nothing to run (this example needs a GPU)");
         return Ok(());

@@ -16,7 +16,7 @@ fn main() -> tp_allreduce::Result<()> {
         return Ok(());
     };
     // cudarc's CudaContext::new panics without a driver: probe first.
-    if tp_allreduce::driver::device_count() <= env.device {
+    if tp_allreduce::raw::device_count() <= env.device {
         println!("rank {}: CUDA device {} is not visible: nothing to run", env.rank, env.device);
         return Ok(());
     }

@@ -26,8 +26,8 @@
 #![allow(unsafe_code)]
 
 pub mod copy_engine;
-#[cfg(feature = "tools")]
-pub(crate) mod elementwise;
+#[cfg(feature = "internals")]
+pub mod elementwise;
 mod memory;
 mod module;
 pub mod vmm;
@@ -100,7 +100,7 @@ pub fn device_count() -> usize {
 /// Binds `ctx` to the calling thread and leaves it bound (the CLI tools'
 /// helper for threads they own). The library itself uses
 /// [`CurrentContext::bind`], which restores the caller's context.
-pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
+pub fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread().map_err(|e| crate::error::driver("cuCtxSetCurrent", e))
 }
 

@@ -193,8 +193,7 @@ impl fmt::Display for DeviceFailure {
 }
 
 /// Converts a cudarc driver error with the name of the call that failed.
-#[allow(dead_code)]
-pub(crate) fn driver(call: &'static str, e: cudarc::driver::DriverError) -> Error {
+pub fn driver(call: &'static str, e: cudarc::driver::DriverError) -> Error {
     let code = format!("{:?}", e.0);
     let message = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     Error::Driver { call, code, message }

@@ -14,7 +14,7 @@
 //!
 //! fn main() -> tp_allreduce::Result<()> {
 //!     // cudarc's CudaContext::new panics without a driver: probe first.
-//!     if tp_allreduce::driver::device_count() == 0 {
+//!     if tp_allreduce::raw::device_count() == 0 {
 //!         return Ok(());
 //!     }
 //!     // Two ranks on GPU 0, one stream each (like ncclCommInitAll).
@@ -35,51 +35,60 @@
 
 #![deny(unsafe_code)]
 
-// `unsafe` is denied crate-wide and allowed (an inner `allow(unsafe_code)` attribute at the
-// top of the file) in four rooms only: `driver` (every CUDA driver call and
-// kernel launch), `comm::call` (the raw entry points and the call paths of
-// the allreduce and the fused epilogue), `comm::shm` (libc shared memory)
-// and `nccl`. (`comm::ipc` needs none: its
-// driver calls go through `driver`.) Most other files also say
+// `unsafe` is denied crate-wide and allowed (an inner `allow(unsafe_code)`
+// attribute at the top of the file) in four rooms only: `driver` (every
+// CUDA driver call and kernel launch), `comm::call` (the raw entry points,
+// the call pipeline's launches, the error record), `comm::shm` (libc
+// shared memory) and `nccl`. Most other files also say
 // `#![forbid(unsafe_code)]`; `tests/suite/cpu.rs` checks the allow list.
-pub mod algorithm;
-pub mod buffer;
+
+/// Declares the library's internal modules: private, and public (doc
+/// hidden, no API promise) with the `internals` feature, through which the
+/// `tp-allreduce-cli` crate (the tool and the test suite) reaches them.
+/// Without it, what only that crate uses is unused here (the lints that
+/// would say so are off for these declarations only).
+macro_rules! internal_modules {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[cfg(feature = "internals")]
+            #[doc(hidden)]
+            pub mod $name;
+            #[cfg(not(feature = "internals"))]
+            #[allow(dead_code, unused_imports)]
+            mod $name;
+        )*
+    };
+}
+
+internal_modules!(algorithm, buffer, comm, config, driver, element, embedded_ptx, env, error, nccl, rank_env, select);
+
 #[cfg(feature = "candle")]
 pub mod candle;
-pub mod comm;
-pub mod config;
-pub mod driver;
-pub mod element;
-pub mod embedded_ptx;
-pub mod env;
-pub mod error;
-pub mod nccl;
-pub mod rank_env;
+pub mod raw;
 pub mod rendezvous;
-pub mod select;
-#[cfg(feature = "tools")]
+
+/// Failure injection for the test suite (`testing` feature only).
+#[cfg(feature = "testing")]
 #[doc(hidden)]
 pub mod test_hooks;
-#[cfg(not(feature = "tools"))]
+#[cfg(not(feature = "testing"))]
+#[allow(dead_code)]
 mod test_hooks;
 
 /// The embedded PTX and every kernel entry the host launches, in one place
-/// for the tools and the PTX checks (`embedded_ptx`, `algorithm::entries`).
+/// for the tool and the PTX checks (`embedded_ptx`, `algorithm::entries`).
+#[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod kernels {
     pub use crate::algorithm::entries::*;
     pub use crate::embedded_ptx::*;
 }
 
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod tools;
-
 pub use algorithm::{Algorithm, Transport};
 pub use buffer::DeviceBuffer;
 pub use comm::{CallPlan, Comm, Element, FusedOptions, FusedPlan, ReduceOp};
 pub use config::{Config, TransportPreference};
-pub use error::{Error, Result};
+pub use error::{DeviceFailure, Error, Result};
 pub use rank_env::RankEnv;
 pub use tp_allreduce_kernels::ids::DType;
 

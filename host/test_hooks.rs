@@ -1,11 +1,10 @@
-//! Failure injection for the test suite: exported (hidden) with the `tools`
-//! feature only, never part of the library API. Each hook is a guard that
+//! Failure injection for the test suite: exported (hidden) with the
+//! `testing` feature only, never part of the library API. Each hook is a guard that
 //! is active while it lives; hooks are process-wide, so tests that use them
 //! must not initialise communicators concurrently (the GPU tests hold a
 //! lock). Without a live hook every query below answers "no".
 
 #![forbid(unsafe_code)]
-#![cfg_attr(not(feature = "tools"), allow(dead_code))]
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 

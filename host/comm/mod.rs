@@ -145,17 +145,23 @@ impl Comm {
     }
 
     /// The rank view of the machine the selection models.
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
     pub fn topology(&self) -> &crate::select::topology::Topology {
         &self.topology
     }
 
     /// The precomputed algorithm choice per size bucket.
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
     pub fn selection(&self) -> &crate::select::selection::SelectionTable {
         &self.selection
     }
 
     /// The precomputed choice per size bucket for fused calls
     /// (`all_reduce_add_rms_norm`): times include the epilogue.
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
     pub fn fused_selection(&self) -> &crate::select::selection::SelectionTable {
         &self.fused_selection
     }
@@ -166,6 +172,8 @@ impl Comm {
     }
 
     /// The NCCL communicator behind the `Nccl` algorithm, if one was created.
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
     pub fn nccl(&self) -> Option<&crate::nccl::NcclComm> {
         self.nccl.as_ref()
     }
@@ -207,6 +215,8 @@ impl Comm {
     /// Most blocks of `threads` threads a sentinel launch may use on this
     /// rank (they stay resident with the other ranks sharing the GPU); 0
     /// for an unsupported block size.
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
     pub fn max_sentinel_blocks(&self, threads: u32) -> u32 {
         self.setup.sentinel_resident.cap(threads)
     }
@@ -245,6 +255,8 @@ impl Comm {
     /// the communicator's stream completed; the ring is cleared. `None` when
     /// tracing is off. Diagnostics (`bench --trace`); call it only while
     /// this rank's calls are idle.
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
     pub fn take_trace_records(&self) -> Result<Option<Vec<tp_allreduce_kernels::params::TraceRecord>>> {
         let _bound = driver::CurrentContext::bind(&self.ctx)?;
         driver::synchronize(&self.stream)?;
@@ -274,6 +286,7 @@ impl Comm {
     /// the OneShotPush generation, block 0's barrier epoch (pull), the
     /// TwoShotPush and Hierarchical generations, ring messages sent and
     /// received (see `Config::test_initial_counter`).
+    #[cfg(feature = "internals")]
     #[doc(hidden)]
     pub fn test_counters(&self) -> Result<[u32; 6]> {
         use std::mem::offset_of;

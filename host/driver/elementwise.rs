@@ -3,9 +3,9 @@
 //! and `affine` (`x * scale + bias`, the stand-in for a model layer between
 //! two allreduces in tests and the verify-pass benchmark).
 //!
-//! Used by the tools and the tests only (compiled with the `tools`
-//! feature, reached through `tools::elementwise`). It lives in the driver
-//! room because its `unsafe` is a kernel launch.
+//! Used by the tool and the tests only (compiled with the `internals`
+//! feature). It lives in the driver room because its `unsafe` is a kernel
+//! launch.
 
 use std::sync::Arc;
 

@@ -87,9 +87,9 @@ fn plan_refuses_worlds_larger_than_the_topology_and_stays_narrow() {
 
 /// A results file whose table is larger than a pipe's buffer.
 fn large_results_file() -> std::path::PathBuf {
-    use tp_allreduce::tools::bench::report::{write_json, Report};
-    use tp_allreduce::tools::bench::stats::{measurement, RowKey};
-    use tp_allreduce::tools::bench::Mode;
+    use tp_allreduce_cli::bench::report::{write_json, Report};
+    use tp_allreduce_cli::bench::stats::{measurement, RowKey};
+    use tp_allreduce_cli::bench::Mode;
     let measurements = (1..4000)
         .map(|i| {
             let key = RowKey {
@@ -146,7 +146,7 @@ fn the_test_script_counts_distinct_skipped_tests() {
          test mp_c ... skipped: 4 processes on 2 GPU(s) need MPS (mp_c)\nok\n",
     )
     .unwrap();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/.ci/count-skips");
+    let script = crate::common::repo().join(".ci/count-skips");
     let out = Command::new("bash").arg(script).arg(&log).output().unwrap();
     std::fs::remove_file(&log).unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -155,7 +155,7 @@ fn the_test_script_counts_distinct_skipped_tests() {
 
 #[test]
 fn the_main_script_says_it_is_building_before_it_builds() {
-    let script = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/.ci/main.sh")).unwrap();
+    let script = std::fs::read_to_string(crate::common::repo().join(".ci/main.sh")).unwrap();
     let said = script.find("echo \"main.sh: building").expect("a line saying what is built");
     let built = script.find("cargo build --release").expect("the build");
     assert!(said < built);

@@ -16,6 +16,12 @@ use tp_allreduce::{Algorithm, Comm, DType, Element};
 /// directly: libtest's capture only intercepts the print macros, and a skip
 /// must be visible. One `write_all` of the whole line, so that concurrent
 /// output cannot split it (`writeln!` writes its pieces separately).
+/// The repository (this suite belongs to the `cli/` package).
+pub fn repo() -> &'static std::path::Path {
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest)
+}
+
 pub fn skipped(why: &str) {
     use std::io::Write;
     let _ = std::io::stderr().write_all(format!("skipped: {why}\n").as_bytes());

@@ -46,7 +46,7 @@ fn sum_case<T: TestElem + bytemuck::Pod>(
     let views: Vec<DeviceView<'_, T>> = bufs.iter().map(|b| b.slice(offset..).unwrap()).collect();
     let view_refs: Vec<&DeviceView<'_, T>> = views.iter().collect();
     let mut out_view = out.slice_mut(offset..).map_err(|e| e.to_string())?;
-    tp_allreduce::tools::elementwise::sum(&stream, &view_refs, &mut out_view).map_err(|e| e.to_string())?;
+    tp_allreduce::driver::elementwise::sum(&stream, &view_refs, &mut out_view).map_err(|e| e.to_string())?;
     let host = out.to_host().map_err(|e| e.to_string())?;
     if host[..offset].iter().any(|x| x.to_bits32() != common::poison_bits::<T>()) {
         return Err("wrote before the output view".into());
@@ -92,7 +92,7 @@ fn affine_case<T: TestElem>(
     let d_in = stream.clone_htod(&input).unwrap();
     let mut d_out = stream.alloc_zeros::<T>(n).unwrap();
     let (scale, bias) = (0.75f32, -0.125f32);
-    tp_allreduce::tools::elementwise::affine(&stream, &d_in, &mut d_out, scale, bias).map_err(|e| e.to_string())?;
+    tp_allreduce::driver::elementwise::affine(&stream, &d_in, &mut d_out, scale, bias).map_err(|e| e.to_string())?;
     let out = stream.clone_dtoh(&d_out).unwrap();
     for i in 0..n {
         let want = input[i].to_f64() * scale as f64 + bias as f64;

@@ -19,8 +19,8 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaSlice};
 use rand::rngs::StdRng;
 use rand::Rng;
-use tp_allreduce::tools::fused_reference;
 use tp_allreduce::{Algorithm, Comm, Config, DType, FusedOptions};
+use tp_allreduce_cli::fused_reference;
 
 use crate::common::{self, TestElem};
 

@@ -68,7 +68,7 @@ fn capture(comms: &[Comm], chains: &mut [Chain], opts: &FusedOptions) -> Vec<Cud
                 c.all_reduce_add_rms_norm(&ch.x[l], &mut after[0], &ch.weight[l], EPS, &mut ch.y[l], opts)
                     .unwrap_or_else(|e| panic!("capture rank {r} layer {l}: {e}"));
                 let (y, x) = (&ch.y[l], &mut ch.x[l + 1]);
-                tp_allreduce::tools::elementwise::affine(&s, y, x, scale(r), bias(l)).expect("affine");
+                tp_allreduce::driver::elementwise::affine(&s, y, x, scale(r), bias(l)).expect("affine");
             }
             s.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
                 .expect("end capture")
@@ -102,7 +102,7 @@ fn check_layer(
         let res = down(&ch.residual[l + 1])?;
         let y = down(&ch.y[l])?;
         let f = |v: &[bf16]| v.iter().map(|x| x.to_f64()).collect::<Vec<f64>>();
-        tp_allreduce::tools::fused_reference::check(
+        tp_allreduce_cli::fused_reference::check(
             tp_allreduce::DType::Bf16,
             &expected,
             &f(&res),

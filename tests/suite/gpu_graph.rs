@@ -81,7 +81,7 @@ fn capture(comms: &[Comm], bufs: &mut [RankBuffers]) -> Vec<CudaGraph> {
             c.all_reduce(&b.x[l], &mut b.y[l], &ReduceOp::Sum)
                 .unwrap_or_else(|e| panic!("capture rank {r} layer {l}: {e}"));
             let (x, y) = (&mut b.x[l + 1], &b.y[l]);
-            tp_allreduce::tools::elementwise::affine(&stream, y, x, 1.0 / world as f32, bias(l)).unwrap();
+            tp_allreduce::driver::elementwise::affine(&stream, y, x, 1.0 / world as f32, bias(l)).unwrap();
         }
     })
 }

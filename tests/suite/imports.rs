@@ -17,13 +17,6 @@ type Module = Vec<String>;
 /// of binaries and are left out).
 const CRATES: [(&str, &[&str]); 3] = [("host", &[]), ("kernels-rs/src", &[]), ("cli/src", &["main.rs"])];
 
-/// The repository: the nearest directory above the test's package that
-/// holds `kernels-rs`.
-fn repo() -> &'static Path {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest.ancestors().find(|d| d.join("kernels-rs").is_dir()).unwrap_or(manifest)
-}
-
 /// Every module of the crate in `dir` with its text, test-only modules left
 /// out and inline test modules cut from the text.
 fn modules(dir: &str, skip: &[&str]) -> BTreeMap<Module, String> {
@@ -50,7 +43,7 @@ fn modules(dir: &str, skip: &[&str]) -> BTreeMap<Module, String> {
             out.push((parts, std::fs::read_to_string(&path).unwrap(), is_root_file));
         }
     }
-    let root = repo().join(dir);
+    let root = crate::common::repo().join(dir);
     let mut files = Vec::new();
     walk(&root, &root, &mut files, skip);
     // Modules declared under `#[cfg(test)]` in their parent.

@@ -1,6 +1,9 @@
-//! The single integration-test binary. GPU tests skip visibly ("skipped: no
-//! CUDA device") without a GPU; `TP_ALLREDUCE_REQUIRE_GPU=1` turns a skip
-//! into a failure (use it on GPU machines).
+//! The single integration-test binary, a test target of the
+//! `tp-allreduce-cli` package (cli/Cargo.toml): it drives the library
+//! (with its doc-hidden `testing` feature), the `tp-allreduce` binary and
+//! the PTX. GPU tests skip visibly ("skipped: no CUDA device") without a
+//! GPU; `TP_ALLREDUCE_REQUIRE_GPU=1` turns a skip into a failure (use it on
+//! GPU machines).
 
 mod common;
 

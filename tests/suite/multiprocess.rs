@@ -304,7 +304,7 @@ fn bench_with_one_process_per_rank() {
     let out = text(&o);
     eprintln!("{out}");
     assert!(o.status.success(), "{out}");
-    let rep = tp_allreduce::tools::bench::report::read_json(&out_dir.join("results.json")).expect("results.json");
+    let rep = tp_allreduce_cli::bench::report::read_json(&out_dir.join("results.json")).expect("results.json");
     assert_eq!(rep.world, 2);
     assert_eq!(rep.measurements.len(), 12, "4 sizes x 3 selections");
     assert!(rep.measurements.iter().all(|m| m.median_us > 0.0 && m.median_us.is_finite()));

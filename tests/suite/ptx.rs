@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 use std::thread;
 
 use tp_allreduce::kernels;
-use tp_allreduce::tools::inspect::{self, Assembly};
+use tp_allreduce_cli::inspect::{self, Assembly};
 
 const REQUIRE_PTXAS: &str = "TP_ALLREDUCE_REQUIRE_PTXAS";
 const REQUIRE_PTX_BUILD: &str = "TP_ALLREDUCE_REQUIRE_PTX_BUILD";
@@ -315,7 +315,7 @@ fn register_budgets_are_stated_per_entry_in_the_ptx() {
 // ---------------------------------------------------------------- committed PTX
 
 fn committed_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels-rs").join("ptx")
+    crate::common::repo().join("kernels-rs").join("ptx")
 }
 
 /// `kernels-rs/ptx/<arch>.ptx` for every embedded architecture.
