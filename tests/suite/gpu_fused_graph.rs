@@ -16,9 +16,8 @@ use rand::rngs::StdRng;
 use tp_allreduce::{Algorithm, Comm, Config, DeviceBuffer, FusedOptions};
 
 use crate::common;
-use crate::gpu_fused::{
-    group, island_groups, residual_roundings, second_gpu, test_config, uniform, CallData, FusedCase, EPS,
-};
+use crate::gpu_fused::{group, island_groups, residual_roundings, test_config, uniform, CallData, FusedCase, EPS};
+use crate::gpu_fused_paths::second_gpu;
 
 const LAYERS: usize = 16;
 const REPLAYS: usize = 1000;

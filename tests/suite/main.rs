@@ -17,6 +17,7 @@ mod gpu_errors;
 mod gpu_foundation;
 mod gpu_fused;
 mod gpu_fused_graph;
+mod gpu_fused_paths;
 mod gpu_graph;
 mod gpu_mixed_placement;
 mod gpu_pcie_family;

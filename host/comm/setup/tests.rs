@@ -1,4 +1,5 @@
 use super::*;
+use crate::config::TransportPreference;
 
 const AUTO: TransportPreference = TransportPreference::Auto;
 const FORCE_P2P: TransportPreference = TransportPreference::Force(Transport::PeerToPeer);
@@ -75,7 +76,7 @@ fn the_first_transport_follows_reachability_and_preference() {
     assert_eq!(initial_transport(FORCE_P2P, &[], None).unwrap().0, Transport::PeerToPeer);
 }
 
-/// Issue 13 item 12: when only pairs across islands lack P2P, P2P inside
+/// When only pairs across islands lack P2P: P2P inside
 /// islands and host staging across them (per pair); a pair inside an island
 /// without P2P, or no islands, still means host staging for everyone.
 #[test]
