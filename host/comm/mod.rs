@@ -86,7 +86,7 @@ pub struct Comm {
     rendezvous: Arc<dyn crate::rendezvous::Rendezvous>,
     nccl: Option<crate::nccl::NcclComm>,
     selection: crate::select::selection::SelectionTable,
-    /// The same for fused calls (`all_reduce_add_rms_norm`, `fused.rs`).
+    /// The same for fused calls (`all_reduce_add_rms_norm`, `call/fused_calls.rs`).
     fused_selection: crate::select::selection::SelectionTable,
     topology: crate::select::topology::Topology,
     notes: Vec<String>,

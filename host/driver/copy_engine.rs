@@ -2,7 +2,7 @@
 //! init, never during a capture), event record/wait, the flag publication
 //! (`cuStreamWriteValue32` where stream memory operations are supported,
 //! else a one-thread kernel), and [`run`], which issues one call's
-//! program ([`CopyEngineOp`]s, built by `comm/copy_engine.rs`) on the
+//! program ([`CopyEngineOp`]s, built by `algorithm/copy_engine_ring.rs`) on the
 //! caller's stream and the helper stream. Inside a stream capture the
 //! same calls become graph nodes: the helper stream joins the capture
 //! through the fork event and leaves it through the join event.

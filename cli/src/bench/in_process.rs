@@ -103,7 +103,7 @@ fn fused_scenario(
     shape: (usize, usize),
     progress: &Progress,
     notes: &mut Vec<String>,
-) -> Result<super::fused_runs::FusedResults> {
+) -> Result<super::fused_epilogue_runs::FusedResults> {
     let forced = super::fused_forced(selections);
     for c in comms.iter_mut() {
         c.set_algorithm(forced)?;
@@ -114,7 +114,7 @@ fn fused_scenario(
             notes.push(format!("fused calls select (graph): {}", comms[0].fused_selection().describe(opts.dtype, true)))
         }
     }
-    let f = super::fused_runs::in_process(ranks, comms, opts, shape, scenarios.verify_pass, progress)?;
+    let f = super::fused_epilogue_runs::in_process(ranks, comms, opts, shape, scenarios.verify_pass, progress)?;
     for c in comms.iter_mut() {
         c.set_algorithm(None)?;
     }

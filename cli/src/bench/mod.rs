@@ -14,7 +14,7 @@
 //! | `timing.rs` | capture, replay, CUDA-event timing |
 //! | `in_process.rs` | `bench` in one process |
 //! | `scenarios.rs` | verify pass, launch floor, large-message efficiency |
-//! | `fused.rs`, `fused_runs.rs` | `--fused`: the layer epilogue (allreduce + residual add + RMSNorm) and its verify pass |
+//! | `fused_epilogue.rs`, `fused_epilogue_runs.rs` | `--fused`: the layer epilogue (allreduce + residual add + RMSNorm) and its verify pass |
 //! | `tune.rs` | `tune` (with the launch-shape sweep) |
 //! | `trace.rs` | `--trace`: per-launch timestamps of one-shot-push, medians |
 //! | `processes.rs` | `bench --processes`: one process per rank |
@@ -23,8 +23,8 @@
 #![forbid(unsafe_code)]
 
 pub mod collective;
-pub mod fused;
-pub mod fused_runs;
+pub mod fused_epilogue;
+pub mod fused_epilogue_runs;
 pub mod in_process;
 pub mod options;
 pub mod plot;

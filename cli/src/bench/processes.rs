@@ -240,7 +240,7 @@ pub fn run_rank(env: &RankEnv, opts: &Options, scenarios: &Scenarios, command_li
                 notes.push(format!("fused calls select (graph): {}", comm.fused_selection().describe(opts.dtype, true)))
             }
         }
-        let f = super::fused_runs::per_rank(&comm, env, opts, shape, scenarios.verify_pass)?;
+        let f = super::fused_epilogue_runs::per_rank(&comm, env, opts, shape, scenarios.verify_pass)?;
         comm.set_algorithm(None)?;
         fused = f.rows;
         verify.extend(f.verify_pass);

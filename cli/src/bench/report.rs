@@ -44,7 +44,7 @@ pub struct Report {
     pub trace: Vec<super::trace::TraceSummary>,
     /// `--fused`: the layer epilogue's variants (per layer).
     #[serde(default)]
-    pub fused: Vec<super::fused::FusedRow>,
+    pub fused: Vec<super::fused_epilogue::FusedRow>,
 }
 
 impl Report {
@@ -118,7 +118,7 @@ pub fn render_table(r: &Report) -> String {
     }
     out.push_str(&table::render(&t));
     out.push_str(&super::trace::render(&r.trace));
-    out.push_str(&super::fused::render(&r.fused));
+    out.push_str(&super::fused_epilogue::render(&r.fused));
     render_scenarios(r, &mut out);
     for n in &r.notes {
         let _ = writeln!(out, "note: {n}");

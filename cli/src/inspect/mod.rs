@@ -24,12 +24,12 @@
 #![forbid(unsafe_code)]
 
 mod cfg;
-pub mod ptx;
+pub mod ptx_text;
 pub mod render;
 pub mod sass;
 pub mod tools;
 
-pub use ptx::{analyze_ptx, entry_names, parse_functions, Access, MemOp, PtxFunction, PtxStats, Space};
+pub use ptx_text::{analyze_ptx, entry_names, parse_functions, Access, MemOp, PtxFunction, PtxStats, Space};
 pub use render::{render, summary};
 pub use tools::{
     assemble, disassemble, find_disassembler, find_tool, parse_ptxas_log, require_ptxas, split_sass, tool_env_var,

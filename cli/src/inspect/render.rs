@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use super::ptx::{Access, PtxStats, Space};
+use super::ptx_text::{Access, PtxStats, Space};
 use super::tools::Resources;
 use super::Report;
 use crate::table;

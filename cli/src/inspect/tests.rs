@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::ptx::callee;
+use super::ptx_text::callee;
 use super::*;
 
 const PTXAS_LOG: &str = "\

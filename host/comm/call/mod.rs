@@ -21,11 +21,11 @@
 #![allow(unsafe_code)]
 
 mod all_reduce;
-mod epilogue;
+mod fused_calls;
 mod order;
 mod validate;
 
-pub use epilogue::FusedPlan;
+pub use fused_calls::FusedPlan;
 pub(crate) use order::CallOrder;
 
 use cudarc::driver::sys;

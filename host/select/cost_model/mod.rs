@@ -60,10 +60,10 @@
 //! residual table (a test holds every asserted point within [`TOLERANCE`]).
 
 mod calibration;
-mod fused;
+mod epilogue_cost;
 mod nccl;
 mod network;
-mod params;
+mod cost_params;
 #[cfg(test)]
 mod tests;
 
@@ -78,9 +78,9 @@ use crate::select::topology::Topology;
 pub use calibration::{
     calibration_points, residual_table, residuals, CalibrationPoint, Residual, Role, Subject, Target, TOLERANCE,
 };
-pub use fused::{FUSED_EPILOGUE_US, SEPARATE_KERNEL_EAGER_US, SEPARATE_KERNEL_GRAPH_US};
+pub use epilogue_cost::{FUSED_EPILOGUE_US, SEPARATE_KERNEL_EAGER_US, SEPARATE_KERNEL_GRAPH_US};
 pub use nccl::{NcclAlgo, NcclProto, NcclVariant};
-pub use params::{CostParams, ParamRow};
+pub use cost_params::{CostParams, ParamRow};
 
 use network::{flows, Net, Phase};
 

@@ -14,7 +14,7 @@
 //! dependent chain. The verify-pass scenario gets the same variants: 122 x
 //! (layer epilogue + a dependent elementwise kernel) in one graph. This
 //! file holds what the in-process and the one-process-per-rank runs share
-//! (`fused_runs.rs` runs them).
+//! (`fused_epilogue_runs.rs` runs them).
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! `bench --fused` runs (the variants and data are in `fused.rs`): in one
+//! `bench --fused` runs (the variants and data are in `fused_epilogue.rs`): in one
 //! process (every rank a stream; NCCL from one thread over several GPUs
 //! cannot be captured per rank, so `nccl+separate` is left to
 //! `--processes`), and one rank of `--processes` (every variant, NCCL
@@ -7,7 +7,7 @@
 //! (122 x (epilogue + dependent kernel) in one graph) when asked for.
 #![forbid(unsafe_code)]
 
-use super::fused::{check, describe, issue, row, EpilogueBuffers, EpilogueData, FusedRow, Variant};
+use super::fused_epilogue::{check, describe, issue, row, EpilogueBuffers, EpilogueData, FusedRow, Variant};
 use super::progress::Progress;
 use super::ranks::Ranks;
 use super::report::VerifyPass;
