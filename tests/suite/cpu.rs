@@ -203,13 +203,13 @@ fn ptx_choice_follows_compute_capability() {
     assert_eq!(pick(8, 6), Some("sm_80"));
     assert_eq!(pick(7, 5), None);
     let entries = tp_allreduce::kernels::expected_entries();
-    // Seven allreduce kernels, the two-rank OneShotPush, sum and affine, the
-    // ten fused-epilogue entries (six fused OneShotPush: any world or two
-    // ranks with long or short rows, two ranks with wide rows, pushed by
+    // Every algorithm's kernel, the two-rank OneShotPush, sum and affine,
+    // the ten fused-epilogue entries (six fused OneShotPush: any world or
+    // two ranks with long or short rows, two ranks with wide rows, pushed by
     // their rows or spread; fused TwoShotPush and Hierarchical; fused
     // OneShotPull; add_rms_norm), per dtype; the P2P check; the copy-engine
     // ring's handshake and publish.
-    assert_eq!(entries.len(), 7 * 3 + 3 * 3 + 10 * 3 + 1 + 2);
+    assert_eq!(entries.len(), AlgorithmId::ALL.len() * 3 + 3 * 3 + 10 * 3 + 1 + 2);
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! The barrier-free PCIe family on the GPU (issue 15): Hierarchical with
+//! The barrier-free PCIe family on the GPU: Hierarchical with
 //! islands of any shape (unequal, interleaved, a lone rank), 2+2 islands
 //! over two GPUs, the per-pair transport (P2P inside islands, host-staged
 //! across, forced by a test hook), the copy-engine ring with the kernel
@@ -133,7 +133,7 @@ fn hierarchical_two_plus_two_over_two_gpus() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// Issue 13 item 12: no P2P across islands (a test hook) makes an `Auto`
+/// No P2P across islands (a test hook) makes an `Auto`
 /// communicator settle on the per-pair transport: Hierarchical runs with
 /// its cross slots in host memory, nothing else of ours is offered.
 #[test]

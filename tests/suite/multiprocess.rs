@@ -89,7 +89,7 @@ fn launcher_names_a_killed_rank_and_does_not_hang() {
 /// Where the ranks of a multi-process test run: `world` ranks over the
 /// first `min(world, visible GPUs)` GPUs (the launcher places rank r on
 /// `gpus[r % len]`), so the expected world never depends on how many GPUs
-/// the machine has (issue 13 item 6).
+/// the machine has.
 pub(crate) struct Placement {
     pub gpus: String,
     pub ranks_per_gpu: usize,
@@ -312,7 +312,7 @@ fn bench_with_one_process_per_rank() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Issue 13 item 13: a peer that starts its first call late (first-call
+/// A peer that starts its first call late (first-call
 /// JIT, model-load skew) is waited for within `launch_timeout`, not the
 /// stall `timeout`: with a 1 s timeout, rank 1 starts 3 s late and both
 /// ranks pass. (With one bound for both, as before, rank 0 timed out.)

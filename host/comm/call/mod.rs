@@ -13,14 +13,15 @@
 //! ```
 //!
 //! The collective is a kind of call (allreduce; all-gather and
-//! reduce-scatter once an algorithm implements them), the fused epilogue
-//! an option of the allreduce. The algorithms describe their launches
+//! reduce-scatter, `collectives.rs`, public once an algorithm implements
+//! them), the fused epilogue an option of the allreduce. The algorithms describe their launches
 //! (`algorithm::launch::Launch`); this room issues them: `unsafe` is
 //! allowed here (the raw entry points, the launches, the error record).
 
 #![allow(unsafe_code)]
 
 mod all_reduce;
+mod collectives;
 mod fused_calls;
 mod order;
 mod validate;
