@@ -421,7 +421,7 @@ fn selftest_options(
     env: &tp_allreduce::RankEnv,
 ) -> CliResult<tp_allreduce_cli::selftest::SelftestOptions> {
     let algorithms = match &args.algorithms {
-        None => Algorithm::OURS.to_vec(),
+        None => Algorithm::allreduce_algorithms().collect(),
         Some(list) => list.split(',').map(|a| a.parse::<Algorithm>().map_err(text)).collect::<CliResult<_>>()?,
     };
     let fault = match &args.fault {

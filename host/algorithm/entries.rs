@@ -106,3 +106,48 @@ pub fn hot_entries() -> Vec<String> {
     names.extend(hosts().flat_map(|h| h.entries()));
     names
 }
+
+#[cfg(test)]
+mod tests {
+    use std::mem::size_of;
+
+    use tp_allreduce_kernels::params::{FusedIslandPushParams, FusedOneShotPushParams};
+
+    use super::*;
+    use crate::driver::entry_signatures;
+
+    /// What every launch checks at run time holds for every entry of every
+    /// embedded PTX: the arguments the host passes have the sizes the
+    /// entry's parameters declare (a struct by value, or these scalars).
+    #[test]
+    fn the_host_passes_what_every_entry_declares() {
+        let scalars = |name: &str| -> Option<Vec<u32>> {
+            let starts = |p: &str| name.starts_with(p);
+            Some(match () {
+                _ if starts("one_shot_pull_") || starts("two_shot_pull_") => vec![8; 5],
+                _ if starts("ring_") => vec![8; 4],
+                _ if starts("fused_one_shot_pull_") => [vec![8; 7], vec![4; 4]].concat(),
+                _ if starts("add_rms_norm_") => [vec![8; 5], vec![4; 4]].concat(),
+                _ if starts("sum_") => vec![8, 4, 8, 8],
+                _ if starts("affine_") => vec![8, 8, 8, 4, 4],
+                _ if name == "p2p_check" => vec![8, 4],
+                _ if name == COPY_ENGINE_PUBLISH => vec![8],
+                _ => return None,
+            })
+        };
+        for p in crate::embedded_ptx::embedded() {
+            let declared = entry_signatures(p.text).unwrap();
+            for name in expected_entries_for(p.sm) {
+                let expected = match (param_struct(&name), scalars(&name)) {
+                    (Some((size, _)), _) => vec![size as u32],
+                    (None, Some(sizes)) => sizes,
+                    _ if name.starts_with("fused_one_shot_push") => vec![size_of::<FusedOneShotPushParams>() as u32],
+                    _ if name.starts_with("fused_") => vec![size_of::<FusedIslandPushParams>() as u32],
+                    _ => panic!("{name}: no argument list known"),
+                };
+                let signature = declared.iter().find(|(n, _)| *n == name).map(|(_, s)| s.sizes().to_vec());
+                assert_eq!(signature, Some(expected), "{} {name}", p.arch);
+            }
+        }
+    }
+}

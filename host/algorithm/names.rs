@@ -52,6 +52,12 @@ macro_rules! algorithm_enum {
 tp_allreduce_kernels::for_each_algorithm!(algorithm_enum);
 
 impl Algorithm {
+    /// The allreduce algorithms of ours: what the selection chooses among,
+    /// what `Comm::set_algorithm` forces.
+    pub fn allreduce_algorithms() -> impl Iterator<Item = Algorithm> {
+        Algorithm::OURS.into_iter().filter(|a| a.collective() == Collective::AllReduce)
+    }
+
     /// The collective it implements (NCCL's: the allreduce).
     pub fn collective(self) -> Collective {
         crate::algorithm::host(self).map_or(Collective::AllReduce, |h| h.collective())

@@ -193,6 +193,9 @@ impl Comm {
     /// Takes effect immediately on this rank; every rank must do the same.
     pub fn set_algorithm(&mut self, algorithm: Option<Algorithm>) -> Result<()> {
         if let Some(a) = algorithm {
+            if a.collective() != tp_allreduce_kernels::ids::Collective::AllReduce {
+                return Err(Error::Unsupported(format!("{a} is not an allreduce algorithm")));
+            }
             crate::algorithm::availability(a, &self.capabilities(), None).map_err(Error::Unsupported)?;
         }
         self.config.algorithm = algorithm;

@@ -151,7 +151,7 @@ pub fn parse_algorithms(s: &str) -> Result<AlgorithmList, String> {
         match a {
             "all" => {
                 list.selections.push(Selection::Auto);
-                list.selections.extend(Algorithm::OURS.iter().map(|a| Selection::Forced(*a)));
+                list.selections.extend(Algorithm::allreduce_algorithms().map(Selection::Forced));
                 list.include_nccl = true;
             }
             "nccl" => list.include_nccl = true,

@@ -174,7 +174,7 @@ pub fn tune(opts: &Options, out: Option<PathBuf>, shapes: Shapes) -> Result<Tune
     let transport = comms[0].transport();
     let nccl = nccl_group(&ranks).ok();
     let algorithms: Vec<Algorithm> =
-        Algorithm::OURS.into_iter().filter(|a| comms[0].set_algorithm(Some(*a)).is_ok()).collect();
+        Algorithm::allreduce_algorithms().filter(|a| comms[0].set_algorithm(Some(*a)).is_ok()).collect();
     let progress = Progress::new(opts.sizes.len() * (algorithms.len() + nccl.is_some() as usize));
     let (mut measurements, mut sweep) = (Vec::new(), Vec::new());
     for (i, &bytes) in opts.sizes.iter().enumerate() {

@@ -217,7 +217,8 @@ impl Comm {
         }
         let bytes = r.count * r.dtype.size_bytes();
         let fused_table = r.epilogue.is_some_and(|e| !e.opts.unfused);
-        let (algorithm, tuned_shape) = match self.config.algorithm {
+        let forced = self.config.algorithm.filter(|a| a.collective() == Collective::AllReduce);
+        let (algorithm, tuned_shape) = match forced {
             Some(forced) => (forced, None),
             None => {
                 let table = if fused_table { &self.fused_selection } else { &self.selection };

@@ -33,7 +33,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use tp_allreduce_kernels::ids::{Collective, DType};
+use tp_allreduce_kernels::ids::DType;
 
 use crate::algorithm::{self, Capabilities, IslandSplit};
 use crate::algorithm::{Algorithm, Transport};
@@ -303,7 +303,7 @@ impl Selecting<'_> {
     fn best_of_ours(&self) -> (Option<(Algorithm, Timed)>, Vec<String>) {
         let mut best: Option<(Algorithm, Timed)> = None;
         let mut skipped: Vec<String> = Vec::new();
-        for a in Algorithm::OURS.into_iter().filter(|a| a.collective() == Collective::AllReduce) {
+        for a in Algorithm::allreduce_algorithms() {
             if let Err(why) = self.c.available(a, self.view.len(), self.bytes) {
                 skipped.push(why);
                 continue;
