@@ -2,11 +2,12 @@
 //! checked wrapper (`cu!`), device queries that need no context, the
 //! current-context guard, RAII owners for the memory the library allocates
 //! or maps (`driver/memory.rs`), and kernel-module loading and launch
-//! (`driver/module.rs`).
+//! (`driver/module.rs`: every launch checks its arguments against the
+//! parameters the entry's PTX declares).
 //! No other module of the library calls the driver directly. `unsafe` is
-//! confined to this module, `nccl`, `comm` (the raw allreduce entry point
-//! and call path) and `comm::shm` (libc), plus the CLI tools; every other
-//! module file says `#![forbid(unsafe_code)]`.
+//! confined to this module, `nccl`, `comm::call` (the raw entry points and
+//! the call pipeline's launches) and `comm::shm` (libc); every other module
+//! file says `#![forbid(unsafe_code)]`.
 //!
 //! # The current context
 //! The driver keeps one *current context* per thread, and so does every
