@@ -13,7 +13,7 @@ refuses two ranks on one GPU). Only the FlashInfer backends (`fi_seed`,
 Nothing of FlashInfer's kernels or host code is changed: only the
 harness's device choice, process-group backend and warm-up collective.
 
-    python3 .ci/peer-shared-gpu.py SRC_DIR DEST_DIR
+    python3 benches/gpu/peer-shared-gpu.py SRC_DIR DEST_DIR
 """
 import shutil
 import sys
@@ -48,7 +48,7 @@ EDITS = [
 ]
 
 HEADER = (
-    "# Patched by tp-allreduce's .ci/peer-shared-gpu.py: ranks may share GPUs\n"
+    "# Patched by tp-allreduce's benches/gpu/peer-shared-gpu.py: ranks may share GPUs\n"
     "# (TP_PEER_SHARED_GPUS=1; gloo bootstrap, FlashInfer backends only).\n"
     "_SHARED_GPUS = __import__(\"os\").environ.get(\"TP_PEER_SHARED_GPUS\") == \"1\"\n"
 )

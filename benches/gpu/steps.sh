@@ -1,4 +1,4 @@
-# Shared by the GPU-machine scripts (.ci/speed-exp.sh, .ci/gpu-suite.sh):
+# Shared by the GPU-machine scripts (benches/gpu/vs-peers.sh, gpu-suite.sh, fused.sh):
 # bounded steps with their logs under $W, and the environment every
 # command there needs. Source it after setting OUT, BUDGET and W.
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU test suites as one device command on a 2-GPU machine (the GPU
-# machine has no Rust: build here first with `bash .ci/build-dev.sh`, and
+# The GPU test suites as one command on a 2-GPU machine (the GPU
+# machine has no Rust: build here first with `bash benches/gpu/build-dev.sh`, and
 # `bash python/build-wheel.sh .dev/wheels --with-pytest` for step 3):
 #   1. the integration suite's GPU tests, without MPS, with 2 GPUs required
 #      (tests that put two ranks' processes on one GPU skip visibly here);
@@ -13,22 +13,22 @@
 # The CPU-only parts (cpu::, ptx::, cli::, sentinel_model::) run in CI and
 # read the repository at its build path, so they are skipped here.
 #
-#   OUT=<dir> [PARTS="main mps new"] bash .ci/gpu-suite.sh
+#   OUT=<dir> [PARTS="main mps new"] bash benches/gpu/gpu-suite.sh
 # $OUT receives summary.txt, log.txt and gpu-suite.tar.gz (every log).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-results/gpu-suite}
 BUDGET=${BUDGET:-560}
 mkdir -p "$OUT"
 W=$(mktemp -d /tmp/gpu-suite.XXXXXX)
-source .ci/steps.sh
+source benches/gpu/steps.sh
 export TP_ALLREDUCE_BIN=$PWD/.dev/tp-allreduce TP_ALLREDUCE_TUNING_FILE=$W/no-tuning-table.toml
 SKIP_CPU=(--skip cpu:: --skip ptx:: --skip cli:: --skip sentinel_model::)
 nvidia-smi --query-gpu=index,name,driver_version --format=csv > "$W/gpus.txt" 2>&1
 
 T="env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_GPUS=2 .dev/suite --test-threads=1"
 # The new kernels' families run in their own step, after the rest.
-# PARTS picks the steps (one device command may not hold them all):
+# PARTS picks the steps (one run may not have time for them all):
 # "main mps new" by default.
 PARTS=" ${PARTS:-main mps new} "
 [[ $PARTS == *" main "* ]] &&
@@ -47,7 +47,7 @@ if ls .dev/wheels/tp_allreduce-*.whl > /dev/null 2>&1 && [ -n "${WITH_PYTHON:-}"
   step python 200 env OUT="$W/python" bash python/run-gpu-checks.sh .dev/wheels
 fi
 if [ -x .dev/candle_tp ] || [ -f .dev/candle_tp.xz ]; then
-  step candle 60 env OUT="$W/candle" bash .ci/candle-gpu.sh
+  step candle 60 env OUT="$W/candle" bash benches/gpu/candle-gpu.sh
 fi
 
 {

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# The candle example on 2 GPUs (issue 18): a 61-layer tensor-parallel stack
+# The candle example on 2 GPUs: a 61-layer tensor-parallel stack
 # in candle, tp-allreduce's candle ops against the cudarc NCCL op in the
 # same run (step time, max abs diff; non-zero exit beyond bf16 tolerance),
 # and, when its binary was brought along, the suite's candle GPU tests.
 #
 # Build here, run there (the GPU machine has no Rust toolchain):
-#   bash .ci/candle-gpu.sh --build        # here: release launcher, release
+#   bash benches/gpu/candle-gpu.sh --build        # here: release launcher, release
 #       example (sm_90), suite binary -> .dev/ (the last two xz-compressed, 13 MB)
-#   OUT=<results dir> bash .ci/candle-gpu.sh   # there, from the repository root
-# e.g. run(kind="nvidia-h200-x2", carry=[".dev"], command="OUT=$OUT bash .ci/candle-gpu.sh")
+#   OUT=<results dir> bash benches/gpu/candle-gpu.sh   # there, from the repository root
 #
 # The binaries link the CUDA libraries (candle-core's cudarc uses
 # `dynamic-linking`): libcuda.so.1 (driver), libnccl.so.2, libcublas.so.13
@@ -16,7 +15,7 @@
 # script looks for them in PyTorch's NVIDIA wheels (site-packages/nvidia/...)
 # and the CUDA toolkit (/usr/local/cuda) and says which are missing.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 if [ "${1:-}" = "--build" ]; then
   set -e
   # --target: one candle-kernels build shared by the example and the suite.
@@ -51,7 +50,7 @@ unpack() {
 }
 EXAMPLE=${CANDLE_TP_BIN:-$(unpack candle_tp)}
 SUITE=${CANDLE_SUITE_BIN:-$(unpack suite-candle)}
-[ -n "$EXAMPLE" ] || { echo "error: no .dev/candle_tp or .dev/candle_tp.xz (bash .ci/candle-gpu.sh --build)" >&2; exit 1; }
+[ -n "$EXAMPLE" ] || { echo "error: no .dev/candle_tp or .dev/candle_tp.xz (bash benches/gpu/candle-gpu.sh --build)" >&2; exit 1; }
 LOG=$OUT/log.txt
 : > "$LOG"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

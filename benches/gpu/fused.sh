@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The fused-epilogue experiment of issue 16 (allreduce + residual add +
-# RMSNorm), as one device command on 2 GPUs (kind nvidia-h200-x2):
+# The fused epilogue (allreduce + residual add + RMSNorm), as one command
+# on a 2-GPU machine:
 #   1. correctness: the fused GPU tests across the two GPUs (eager matrix,
 #      1000 graph replays, bad arguments, edge cases), then the one-GPU
 #      matrices (2-8 ranks sharing GPU 0, one-shot push and pull);
@@ -11,33 +11,33 @@
 #      older GPUs run), `auto` at 64 x 7168 (917 KB); with ISLAND=1 also
 #      one-shot-push forced, and two-shot-push forced (its fused kernel) at
 #      3 x 7168 and 64 x 7168.
-#   TESTS=0 skips step 1 (when .ci/gpu-suite.sh runs the same tests).
+#   TESTS=0 skips step 1 (when benches/gpu/gpu-suite.sh runs the same tests).
 # Every step is bounded (its own limit and a global budget). Writes
-# $OUT/summary.json (the figures against the issue's targets),
-# $OUT/summary.txt, $OUT/log.txt and $OUT/fused-exp.tar.gz (every log and
+# $OUT/summary.json (the figures against the targets set in the script),
+# $OUT/summary.txt, $OUT/log.txt and $OUT/fused.tar.gz (every log and
 # results.json).
 #
-# Build here first:  PEERS_SRC=none OLD_REV=none bash .ci/build-dev.sh
+# Build here first:  PEERS_SRC=none bash benches/gpu/build-dev.sh
 # (.dev/tp-allreduce and .dev/suite), then on the GPU machine, from the
-# repository root:  OUT=<dir> bash .ci/fused-exp.sh
+# repository root:  OUT=<dir> bash benches/gpu/fused.sh
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_DEVICE_MAX_CONNECTIONS=32 TP_ALLREDUCE_TIMEOUT_MS=5000
-OUT=${OUT:-results/fused-exp}
+OUT=${OUT:-results/fused}
 BUDGET=${BUDGET:-575}          # seconds for all steps together
 B=.dev/tp-allreduce SUITE=.dev/suite
 mkdir -p "$OUT"
-W=$(mktemp -d /tmp/fused-exp.XXXXXX)
-source .ci/steps.sh   # step, kill_tree, LOG, the NCCL library, the NVLS switches
+W=$(mktemp -d /tmp/fused.XXXXXX)
+source benches/gpu/steps.sh   # step, kill_tree, LOG, the NCCL library, the NVLS switches
 # No tuning table: the model's selection (what a fresh install does).
 export TP_ALLREDUCE_TUNING_FILE=$W/no-tuning-table.toml
 
 nvidia-smi --query-gpu=index,name,driver_version --format=csv > "$W/gpus.txt" 2>&1
 nvidia-smi topo -m > "$W/topo.txt" 2>&1
-for f in "$B" "$SUITE"; do [ -x "$f" ] || echo "missing: $f (run PEERS_SRC=none OLD_REV=none bash .ci/build-dev.sh)" | tee -a "$LOG"; done
+for f in "$B" "$SUITE"; do [ -x "$f" ] || echo "missing: $f (run PEERS_SRC=none bash benches/gpu/build-dev.sh)" | tee -a "$LOG"; done
 
-# 1. Correctness first (TESTS=0 skips it when .ci/gpu-suite.sh runs them).
+# 1. Correctness first (TESTS=0 skips it when benches/gpu/gpu-suite.sh runs them).
 T="env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_GPUS=2 $SUITE --test-threads=1"
 if [ "${TESTS:-1}" = 1 ]; then
   step tests-2gpu 130 $T gpu_fused::fused_two_ranks_on_two_gpus gpu_fused_graph::fused_graph_replays_two_gpus \
@@ -133,5 +133,5 @@ PY
 cat "$W/summary.txt" | tee -a "$LOG"
 cp "$W/summary.txt" "$LOG" "$OUT/"
 [ -f "$W/summary.json" ] && cp "$W/summary.json" "$OUT/"
-tar -czf "$OUT/fused-exp.tar.gz" -C "$W" . 2>/dev/null
+tar -czf "$OUT/fused.tar.gz" -C "$W" . 2>/dev/null
 echo "total $((SECONDS - START)) s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

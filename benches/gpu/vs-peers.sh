@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The measurements of issues 14, 15, 16 and 17 as one device command on 2
-# GPUs, after the GPU suites (.ci/gpu-suite.sh) checked correctness:
+# Our allreduce against its peers, as one command on a 2-GPU machine (run
+# the GPU suites first, benches/gpu/gpu-suite.sh, for correctness):
 #   1. ours (new) vs NCCL, one process per GPU, graph replay, with --trace;
 #   2. the FlashInfer PCIe-IPC peer, torch symm_mem and NCCL (same GPUs);
 #   3. `tune --shapes full`, then the tuned table with the verify pass;
@@ -10,16 +10,18 @@
 #      copy-engine ring vs one-shot push and NCCL over NVLink;
 #   7. the Python package's GPU tests and decode step (.dev/wheels).
 # Every step is bounded; what does not fit the budget is skipped and says so.
-#   OUT=<dir> bash .ci/final-exp.sh
+# Build here first (PEERS_SRC=<folder of run_peer_bench.py> bash benches/gpu/build-dev.sh),
+# then on the GPU machine, from the repository root:
+#   OUT=<dir> bash benches/gpu/vs-peers.sh
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT=${OUT:-results/final-exp}
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT=${OUT:-results/vs-peers}
 BUDGET=${BUDGET:-540}
 SIZES=${SIZES:-4K,16K,42K,64K,256K,1M,8M}
 NEW=.dev/tp-allreduce PEER=.peers/flashinfer-pcie/run_peer_bench.py
 mkdir -p "$OUT"
-W=$(mktemp -d /tmp/final-exp.XXXXXX)
-source .ci/steps.sh
+W=$(mktemp -d /tmp/vs-peers.XXXXXX)
+source benches/gpu/steps.sh
 export TP_ALLREDUCE_TUNING_FILE=$W/no-tuning-table.toml
 nvidia-smi --query-gpu=index,name,driver_version --format=csv > "$W/gpus.txt" 2>&1
 
@@ -102,5 +104,5 @@ PY
 cat "$W/summary.txt" | tee -a "$LOG"
 cp "$W/summary.txt" "$LOG" "$OUT/"
 for f in tuning.toml sweep.json peer/peer_bench.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/"; done
-tar -czf "$OUT/final-exp.tar.gz" -C "$W" . 2>/dev/null
+tar -czf "$OUT/vs-peers.tar.gz" -C "$W" . 2>/dev/null
 echo "total $((SECONDS - START)) s"

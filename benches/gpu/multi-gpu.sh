@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU run (issue 8), prepared as one script: correctness on 2, 4
+# The multi-GPU run as one script: correctness on 2, 4
 # and 8 GPUs (one process per GPU), the SIGKILL fault test across GPUs,
 # topology + tuning, the benchmark against NCCL in the same run (graph
 # replay, 1 KB .. 64 MB, bf16, verify pass), and host-staged vs NCCL with
@@ -7,7 +7,7 @@
 #
 # Build here, run there (the GPU machine has no Rust toolchain):
 #   cargo build --release && mkdir -p .dev && cp target/release/tp-allreduce .dev/ && strip .dev/tp-allreduce
-#   then on the GPU machine, from the repository root:  OUT=<results dir> bash .ci/multi-gpu.sh
+#   then on the GPU machine, from the repository root:  OUT=<results dir> bash benches/gpu/multi-gpu.sh
 # Keeps NVLink multicast off (the machines require it).
 set -uo pipefail
 B=${TP_ALLREDUCE_BIN:-.dev/tp-allreduce}

@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# Builds what the GPU experiment (.ci/speed-exp.sh) carries to the GPU
-# machine, which has no Rust toolchain:
+# Builds what the scripts of benches/gpu/ carry to a GPU machine that has no
+# Rust toolchain:
 #   .dev/tp-allreduce       release CLI of this tree (stripped)
 #   .dev/suite              the integration-test binary (`cargo test --release --no-run`, stripped)
-#   .dev/tp-allreduce-old   release CLI of OLD_REV (default 14cf5f6), built from `git archive`
-#                           in a temporary folder with its own target dir (skip: OLD_REV=none;
-#                           an existing .dev/tp-allreduce-old is kept unless REBUILD_OLD=1)
+#   .dev/tp-allreduce-old   only with OLD_REV=<rev>: the release CLI of that revision, to compare
+#                           against, built from `git archive` in a temporary folder with its own
+#                           target dir (an existing one is kept unless REBUILD_OLD=1)
 #   .peers/flashinfer-pcie  the FlashInfer peer benchmark, copied from PEERS_SRC (a folder
 #                           holding run_peer_bench.py; kept when already there)
 # and checks that .dev and .peers together stay under 60 MiB (the device
 # machine takes at most 64 MiB of carried files).
 #
-#   PEERS_SRC=/path/to/flashinfer-pcie bash .ci/build-dev.sh
-# (PEERS_SRC=none OLD_REV=none: the CLI and the test binary only, e.g. for .ci/fused-exp.sh)
-# then: run(kind="nvidia-h200-x2", carry=[".dev", ".peers"], command="OUT=$OUT bash .ci/speed-exp.sh")
+#   PEERS_SRC=/path/to/flashinfer-pcie bash benches/gpu/build-dev.sh
+# (PEERS_SRC=none: the CLI and the test binary only, e.g. for benches/gpu/fused.sh)
+# then copy .dev and .peers to the GPU machine and run e.g. `OUT=<dir> bash benches/gpu/vs-peers.sh`
+# from the repository root there.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
-OLD_REV=${OLD_REV:-14cf5f6}
+OLD_REV=${OLD_REV:-none}
 mkdir -p .dev .peers
 
 cargo build --release --bin tp-allreduce
