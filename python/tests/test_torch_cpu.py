@@ -5,7 +5,7 @@ visibly without PyTorch (fails with TP_ALLREDUCE_REQUIRE_GPU=1)."""
 
 import pytest
 import tp_allreduce
-from _gate import has_module, require
+from _gate import has_module, not_applicable, require
 from tp_allreduce import errors
 
 
@@ -91,7 +91,7 @@ def test_bad_fused_tensors_are_refused_before_the_core_is_called(torch, tpt):
 
 def test_process_group_plumbing_without_a_gpu(torch):
     if tp_allreduce.driver_available():
-        pytest.skip("a CUDA driver is present here (this test expects NoDriverError)")
+        not_applicable("a CUDA driver is present (this test expects NoDriverError)")
     import _spawn
 
     results = _spawn.run(2, "cpu_group_paths", {}, timeout_s=120)
