@@ -137,6 +137,7 @@ impl Registry {
     fn capture_staged(&mut self, why: String) {
         self.pending_calls.push(STAGED_CALL);
         if self.notes.len() < MAX_NOTES && !self.notes.contains(&why) {
+            log::warn!("{why} (one extra device copy per replay; reported once per reason)");
             self.notes.push(why);
         }
     }

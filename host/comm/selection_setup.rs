@@ -90,13 +90,15 @@ pub(crate) fn islands(view: &Topology, config: &Config, world: usize) -> Result<
 /// Collective: the selection tables for this communicator (plain calls,
 /// and fused calls built from the same inputs). Every rank must arrive at
 /// the same plain table (checked through a digest), hence the same fused one.
+/// The last value says where the choices come from (for the creation log).
+#[allow(clippy::type_complexity)]
 pub(crate) fn build_table(
     mut view: Topology,
     setup: &Setup,
     config: &Config,
     nccl_available: bool,
     rdv: &dyn Rendezvous,
-) -> Result<(SelectionTable, SelectionTable, Topology, Vec<String>)> {
+) -> Result<(SelectionTable, SelectionTable, Topology, Vec<String>, String)> {
     let world = view.len();
     // What the transfer check found, per pair: every pair with P2P, none
     // host-staged, only island-mates with the per-pair transport.
@@ -122,20 +124,28 @@ pub(crate) fn build_table(
     constraints.communicator_override = config.algorithm;
     let mut notes = Vec::new();
     let mut tuning_used = "none".to_string();
+    let mut source = "the cost model (no tuning table for this machine)".to_string();
     let tuning = match crate::env::tuning_file(&view.fingerprint(), world) {
         Some(path) => match TuningTable::load_for(&path, &view)? {
             Loaded::Usable(t) => {
                 notes.push(format!("tuning table {} applies", path.display()));
                 tuning_used = path.display().to_string();
+                source = format!("tuning table {} (the cost model where it has no entry)", path.display());
                 Some(t)
             }
             Loaded::Ignored { reason } => {
                 notes.push(format!("no tuning table used: {reason}"));
+                source = format!("the cost model (tuning table ignored: {reason})");
                 None
             }
         },
         None => None,
     };
+    if let Some(a) = config.algorithm {
+        source = format!("forced to {a} by the configuration");
+    } else if let Some(a) = constraints.env_override {
+        source = format!("forced to {a} by {} where it applies, else {source}", crate::env::ALGORITHM);
+    }
     let model = CostModel::new(CostParams::default());
     let table = SelectionTable::build(&model, tuning.as_ref(), &view, &constraints);
     let fused = SelectionTable::build_fused(&model, tuning.as_ref(), &view, &constraints);
@@ -144,7 +154,7 @@ pub(crate) fn build_table(
         inputs: format!("topology {}, tuning table {tuning_used}, {constraints:?}", view.fingerprint()),
     };
     agree_on_tables(&gather_json(rdv, &mine)?)?;
-    Ok((table, fused, view, notes))
+    Ok((table, fused, view, notes, source))
 }
 
 /// What a rank built its selection table from, and the table's digest.

@@ -289,6 +289,9 @@ pub(crate) fn build(
     let split = island_split(world, config)?;
     let unreachable = reachability(&ctx, &placement, rdv, split)?;
     let (mut transport, mut reason) = initial_transport(config.transport, &unreachable, split)?;
+    if config.transport == TransportPreference::Auto && transport != Transport::PeerToPeer {
+        log::warn!("rank {rank}: {reason} (slower than P2P)");
+    }
     let islands = island_layout(rank, split);
     let resident = super::params::resident_blocks(module, placement.hellos[rank].sms, placement.ranks_on_device)?;
     loop {
@@ -324,7 +327,10 @@ pub(crate) fn build(
                 return Ok(Setup { local_group: Some(local_group), ..setup });
             }
             // `attempt` is dropped here: its memory and mappings released.
-            Verdict::FallBack(why) => (transport, reason) = (Transport::HostStaged, why),
+            Verdict::FallBack(why) => {
+                log::warn!("rank {rank}: {why} (slower than P2P)");
+                (transport, reason) = (Transport::HostStaged, why);
+            }
             Verdict::Fail(e) => return Err(e),
         }
     }

@@ -60,6 +60,17 @@ pub(super) fn dial(endpoint: &Endpoint, rank: usize, deadline: Instant, timeout:
         if !not_up_yet {
             return Err(Error::io(format!("rank {rank} connecting to rank 0 at {endpoint}"), e));
         }
+        // Rank 0 created the private directory before handing out the id
+        // and removes it when it stops listening (the join ended, or it
+        // failed): once it is gone, waiting for the socket is pointless.
+        if let Endpoint::Unix(path) = endpoint {
+            if path.parent().is_some_and(|dir| !dir.exists()) {
+                return Err(Error::Rendezvous(format!(
+                    "rank {rank}: rank 0's rendezvous directory for {endpoint} is gone: rank 0 failed before \
+                     listening, or the join is over"
+                )));
+            }
+        }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(Error::RendezvousTimeout {

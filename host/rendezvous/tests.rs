@@ -352,3 +352,33 @@ fn duplicate_rank_first_connection_wins() {
         });
     }
 }
+
+/// Rank 0 failed before listening and its directory was removed (what
+/// `remove_files` does, as the Python layer does on every failure path):
+/// the other ranks fail at once instead of retrying until the timeout.
+#[test]
+fn members_fail_at_once_when_rank_0s_directory_is_gone() {
+    let id = unix_id();
+    let dir = private_dir(&id).expect("a Unix id has a private directory");
+    assert!(dir.exists());
+    id.remove_files();
+    let started = Instant::now();
+    let err = connect(&id, 1, 2, Duration::from_secs(30)).err().expect("joined without rank 0");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert!(matches!(err, Error::Rendezvous(_)), "{err}");
+    assert!(err.to_string().contains("rendezvous directory"), "{err}");
+}
+
+/// While the directory exists (rank 0 slow to start), members keep
+/// retrying: the check above does not cut the normal wait short.
+#[test]
+fn members_wait_for_a_slow_rank_0_while_its_directory_exists() {
+    let id = unix_id();
+    let late = id.clone();
+    let root = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(300));
+        connect(&late, 0, 2, Duration::from_secs(30)).map(|_| ())
+    });
+    connect(&id, 1, 2, Duration::from_secs(30)).expect("rank 1 joins a late rank 0");
+    root.join().unwrap().expect("rank 0 joins");
+}

@@ -3,11 +3,14 @@ errors. Runs anywhere; the tests that need a machine without a CUDA driver
 (or with one) say so when skipped."""
 
 import builtins
+import logging
 import random
+import threading
 
 import pytest
 import tp_allreduce
-from tp_allreduce import Communicator, Id, check_call_args, errors
+from _gate import not_applicable
+from tp_allreduce import Communicator, Id, PreparedRank, check_call_args, errors
 
 F32, F16, BF16 = tp_allreduce.dtypes.F32, tp_allreduce.dtypes.F16, tp_allreduce.dtypes.BF16
 
@@ -147,7 +150,7 @@ def test_communicator_rejects_an_unknown_algorithm():
 
 def test_communicator_without_a_driver_raises_no_driver_error():
     if tp_allreduce.driver_available():
-        pytest.skip("a CUDA driver is present here (this test is for machines without one)")
+        not_applicable("a CUDA driver is present (this test is for machines without one)")
     made = Id.new_unix()
     try:
         with pytest.raises(errors.NoDriverError, match="no CUDA driver") as info:
@@ -157,6 +160,54 @@ def test_communicator_without_a_driver_raises_no_driver_error():
             tp_allreduce.pointer_is_ipc_exportable(0x1000)
     finally:
         made.remove_files()
+
+
+def test_prepared_rank_checks_the_algorithm_then_the_driver():
+    with pytest.raises(errors.InvalidUsage, match="unknown algorithm `fastest`"):
+        PreparedRank(0, algorithm="fastest")
+    if tp_allreduce.driver_available():
+        return  # the GPU tests create real ones
+    with pytest.raises(errors.NoDriverError, match="no CUDA driver"):
+        PreparedRank(0)
+
+
+# ------------------------------------------------------------------ logging
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append((record.name, record.levelno, record.getMessage()))
+
+
+def test_rust_log_records_reach_python_logging_under_tp_allreduce():
+    """The Rust `log` facade (what the library logs through) bridged to
+    Python's logging: logger names under `tp_allreduce`, levels mapped, the
+    Python logger's level consulted on every record (reconfiguring it later
+    takes effect), records from other threads too."""
+    logger = logging.getLogger("tp_allreduce")
+    handler, level = Collect(), logger.level
+    logger.addHandler(handler)
+    try:
+        logger.setLevel(logging.WARNING)
+        tp_allreduce._core._emit_log("info", "below the level")
+        tp_allreduce._core._emit_log("warn", "a fallback")
+        logger.setLevel(logging.INFO)
+        tp_allreduce._core._emit_log("info", "a creation line")
+        t = threading.Thread(target=tp_allreduce._core._emit_log, args=("error", "from another thread"))
+        t.start()
+        t.join(10)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert handler.records == [
+        ("tp_allreduce.python", logging.WARNING, "a fallback"),
+        ("tp_allreduce.python", logging.INFO, "a creation line"),
+        ("tp_allreduce.python", logging.ERROR, "from another thread"),
+    ]
+    with pytest.raises(errors.InvalidUsage, match="unknown log level"):
+        tp_allreduce._core._emit_log("loud", "x")
 
 
 # ------------------------------------------------------------------ exception hierarchy
