@@ -423,8 +423,9 @@ def suite(rank, world, result):
 
 
 def sglang_group_coordinator(rank, world, result):
-    """SGLang's own GroupCoordinator (only where sglang imports): its
-    constructor builds our adapter through the patched dispatcher."""
+    """SGLang's own GroupCoordinator (only where sglang imports; its
+    constructor as of SGLang 0.5.23: ``use_mscclpp``, no NPU flag): it
+    builds our adapter through the patched dispatcher."""
     rec = Recorder(result)
 
     def run():
@@ -438,12 +439,11 @@ def sglang_group_coordinator(rank, world, result):
             local_rank=rank,
             torch_distributed_backend="gloo",
             use_pynccl=False,
-            use_pymscclpp=False,
+            use_mscclpp=False,
             use_custom_allreduce=True,
             use_torch_symm_mem_all_reduce=False,
             use_hpu_communicator=False,
             use_xpu_communicator=False,
-            use_npu_communicator=False,
             group_name="tp",
         )
         assert isinstance(gc.ca_comm, TpAllreduceCustomAllreduce) and not gc.ca_comm.disabled

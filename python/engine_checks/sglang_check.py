@@ -1,0 +1,334 @@
+"""One rank of the SGLang check (started by run_checks.py; SGLang 0.5.23's
+own parallel_state, custom-allreduce dispatch, graph_capture and RMSNorm,
+tp-allreduce activated by the pip-installed .pth with TP_ALLREDUCE_SGLANG=1).
+
+    python -m engine_checks.sglang_check RANK WORLD PORT OUT_DIR
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine_checks.common import (
+    NAN,
+    CallCounter,
+    Recorder,
+    bitwise_across_ranks,
+    everyone,
+    fresh,
+    mismatch,
+    raise_if,
+    reference,
+    stubs_loaded,
+)
+
+MIB8 = 8 << 20
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def eager_sizes(dtype):
+    """Element counts: odd, small, a verify pass' 3 x 7168, either side of
+    SGLang's 8 MiB limit."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    limit = MIB8 // elem
+    return [1, 7, 1000, 3 * 7168, 3 * 7168 + 5, limit - 8, limit, limit + 8]
+
+
+def setup(rank, world, port, shared_gpu):
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    backend = "gloo" if shared_gpu else "nccl"
+    if shared_gpu:
+        # NCCL refuses two ranks on one GPU: gloo device groups and no pynccl.
+        original = ps.init_model_parallel_group
+
+        def no_pynccl(*args, **kwargs):
+            kwargs["use_pynccl"] = False
+            return original(*args, **kwargs)
+
+        ps.init_model_parallel_group = no_pynccl
+    ps.init_distributed_environment(
+        world_size=world,
+        rank=rank,
+        local_rank=rank,
+        backend=backend,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+    )
+    # SGLang's own test fixture (sglang/test/test_utils.py publish_build_topology).
+    reset_context()
+    publish(ServerArgs(model_path="dummy", tp_size=world), role="test", ranks=SpawnRanks(world_rank=rank))
+    get_parallel().override_permanently(world_group=ps._WORLD)
+    ps.initialize_model_parallel(backend=backend)
+    return ps
+
+
+def main():
+    rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    ngpu = torch.cuda.device_count()
+    shared_gpu = ngpu < world
+    torch.cuda.set_device(rank % ngpu)
+    rec = Recorder("sglang", rank, out_dir)
+    try:
+        ps = setup(rank, world, port, shared_gpu)
+        body(rec, ps, rank, world, shared_gpu)
+        rec.save()
+    except BaseException:
+        import traceback
+
+        rec.save(fatal=traceback.format_exc())
+        raise
+
+
+def body(rec, ps, rank, world, shared_gpu):
+    import sglang
+    from sglang.srt.distributed import tensor_model_parallel_all_reduce
+    from sglang.srt.distributed.device_communicators import custom_all_reduce as car
+    from tp_allreduce.integrations.sglang import TpAllreduceCustomAllreduce
+
+    tp = ps.get_tp_group()
+    attn = ps.get_attn_tp_group()
+    device = tp.device
+    rec.facts.update(
+        sglang=sglang.__version__,
+        torch=torch.__version__,
+        gpu=torch.cuda.get_device_name(device),
+        mode="2 processes on one GPU (MPS), gloo device groups, no pynccl" if shared_gpu else "one GPU per process",
+        tp_ca_comm=type(tp.ca_comm).__name__,
+        attn_ca_comm=type(attn.ca_comm).__name__,
+        stubs=stubs_loaded(),
+    )
+    counters = {}
+
+    def activation():
+        problems = []
+        if getattr(car.dispatch_custom_allreduce, "__module__", "") != "tp_allreduce.integrations.sglang":
+            problems.append(f"dispatch_custom_allreduce is {car.dispatch_custom_allreduce} (the .pth hook did not run)")
+        for name, g in (("tp", tp), ("attn_tp", attn)):
+            ca = g.ca_comm
+            ours = getattr(ca, "_tpa", ca)
+            if not isinstance(ours, TpAllreduceCustomAllreduce) or ours.disabled or ca.disabled:
+                problems.append(f"{name}: ca_comm is {type(ca).__name__}, disabled reason {getattr(ours, 'disabled_reason', None)}")
+            elif id(ours.comm) not in counters:
+                counters[id(ours.comm)] = CallCounter(ours.comm)
+        raise_if(problems)
+        return f"tp and attention-tp groups: {type(tp.ca_comm).__name__}; same object: {tp.ca_comm is attn.ca_comm}"
+
+    rec.run("activation", activation)
+    tp_counter = counters.get(id(getattr(getattr(tp.ca_comm, "_tpa", tp.ca_comm), "comm", None)))
+
+    def eager():
+        problems, ours_before, n = [], tp_counter.get("all_reduce"), 0
+        expected_ours = 0
+        for dtype in DTYPES:
+            for count in eager_sizes(dtype):
+                x = fresh((count,), dtype, device)
+                before = x.clone()
+                if tp.ca_comm.should_custom_ar(x):
+                    expected_ours += 1
+                y = tensor_model_parallel_all_reduce(x)
+                torch.cuda.synchronize()
+                what = f"{dtype} n={count}"
+                problems += [
+                    mismatch(y, reference(before), dtype, what),
+                    bitwise_across_ranks(y, what),
+                    None if y.data_ptr() == x.data_ptr() or torch.equal(x, before) else f"{what}: input changed",
+                ]
+                n += 1
+        rec.calls += n
+        ours = tp_counter.get("all_reduce") - ours_before
+        if ours != expected_ours or ours == 0:
+            problems.append(f"{ours} of {n} calls reached tp-allreduce, expected {expected_ours}")
+        raise_if(problems)
+        return f"{n} calls, {ours} through tp-allreduce (the rest: SGLang's own path above 8 MiB)"
+
+    rec.run("eager_all_reduce", eager)
+
+    # ---- graphs: SGLang's CudaGraphRunner order
+    hidden = 7168
+    pool = torch.cuda.graph_pool_handle()
+
+    def forward(x):
+        h = tensor_model_parallel_all_reduce(x)
+        h = ps.get_attn_tp_group().all_reduce(h * 0.5)
+        return tensor_model_parallel_all_reduce(h + 1.0)
+
+    def expected(xs_all):  # f64 model of forward from every rank's input
+        s = sum(xs_all)
+        h = s.to(torch.bfloat16).double()
+        h = (world * (h * 0.5).to(torch.bfloat16).double()).to(torch.bfloat16).double()
+        return world * (h + 1.0).to(torch.bfloat16).double()
+
+    def capture_window(sizes, label):
+        graphs = {}
+        problems = []
+        with ps.graph_capture() as ctx:
+            for bs in sorted(sizes, reverse=True):
+                static = fresh((bs, hidden), torch.bfloat16, device)
+                dist.barrier(group=tp.cpu_group)
+                for _ in range(2):  # warm-ups inside the capture context, outside a graph
+                    static.copy_(fresh((bs, hidden), torch.bfloat16, device))
+                    warm = forward(static)
+                    torch.cuda.synchronize()
+                    problems.append(
+                        mismatch(warm, expected(everyone(static)), torch.bfloat16, f"{label} warm-up bs={bs}", scale=world * world * 2)
+                    )
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=ctx.stream):
+                    out = forward(static)
+                graphs[bs] = (g, static, out)
+        raise_if(problems)
+        return graphs
+
+    windows = {}
+
+    def capture1():
+        before = tp_counter.get("all_reduce")
+        windows["first"] = capture_window([1, 3, 8, 32], "window 1")
+        return f"4 batch sizes largest first, tp-allreduce calls during capture: {tp_counter.get('all_reduce') - before}"
+
+    def replay_all(label):
+        problems = []
+        for replay in range(3):
+            for name, graphs in windows.items():
+                for bs, (g, static, out) in graphs.items():
+                    static.copy_(fresh(static.shape, torch.bfloat16, device))
+                    out.fill_(NAN)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    what = f"{label} {name} bs={bs} replay {replay}"
+                    problems.append(mismatch(out, expected(everyone(static)), torch.bfloat16, what, scale=world * world * 2))
+                    problems.append(bitwise_across_ranks(out, what))
+                    rec.calls += 1
+                    # an eager call in between, as the scheduler's eager paths do
+                    x = fresh((5, 1024), torch.bfloat16, device)
+                    y = tensor_model_parallel_all_reduce(x)
+                    torch.cuda.synchronize()
+                    problems.append(mismatch(y, reference(x), torch.bfloat16, f"eager between ({what})"))
+                    rec.calls += 1
+        raise_if(problems)
+        return f"{sum(len(g) for g in windows.values())} graphs x 3 replays with fresh inputs, eager calls interleaved"
+
+    rec.run("graph_capture_window_1", capture1)
+    rec.run("replays_window_1", lambda: replay_all("after window 1"))
+
+    def capture2():
+        windows["second"] = capture_window([2, 16], "window 2")
+        return "a second graph_capture() window (2 more sizes), first window's graphs kept"
+
+    rec.run("graph_capture_window_2", capture2)
+    rec.run("replays_both_windows", lambda: replay_all("after window 2"))
+
+    rec.run("fused_rmsnorm_61_layers", lambda: fused_layers(rec, ps, tp, device, world, pool))
+    rec.facts["tp_allreduce_calls"] = dict(tp_counter.counts) if tp_counter else {}
+
+    def destroy():
+        for g in windows.values():
+            for graph, _, _ in g.values():
+                del graph
+        windows.clear()
+        torch.cuda.synchronize()
+        ps.destroy_model_parallel()
+        return "destroy_model_parallel() returned"
+
+    rec.run("destroy_model_parallel", destroy)
+
+
+def fused_layers(rec, ps, tp, device, world, pool, layers=61, tokens=3, hidden=7168):
+    """SGLang's own RMSNorm.forward_with_allreduce_fusion (which calls the
+    patched flashinfer_allreduce_residual_rmsnorm) in a captured 61-layer
+    verify-shaped graph, against the f64 reference, and timed against the
+    unfused path (SGLang's all-reduce, then RMSNorm's native forward) and
+    tp-allreduce's own unfused epilogue in the same run."""
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+    dt = torch.bfloat16
+    norms = [RMSNorm(hidden, eps=1e-6).to(device=device, dtype=dt) for _ in range(layers)]
+    for n in norms:
+        with torch.no_grad():
+            n.weight.copy_(fresh((hidden,), dt, device) + 1.5)
+    ca = tp.ca_comm
+    ours = getattr(ca, "_tpa", ca)
+    counter = CallCounter(ours.comm) if not hasattr(ours.comm.all_reduce_add_rms_norm, "__wrapped_count__") else None
+    x0 = fresh((tokens, hidden), dt, device)
+    res0 = fresh((tokens, hidden), dt, device)
+    partials = [fresh((tokens, hidden), dt, device) * 0.05 for _ in range(layers)]
+
+    def fused(x, residual):
+        for i, n in enumerate(norms):
+            x, residual = n.forward_with_allreduce_fusion(x * 0 + partials[i], residual)
+        return x, residual
+
+    def unfused_sglang(x, residual):
+        for i, n in enumerate(norms):
+            s = tensor_model_parallel_all_reduce(x * 0 + partials[i])
+            x, residual = n.forward_native(s, residual)
+        return x, residual
+
+    def unfused_ours(x, residual):
+        for i, n in enumerate(norms):
+            x, residual = ours.comm.all_reduce_add_rms_norm(x * 0 + partials[i], residual.clone(), n.weight, 1e-6, unfused=True)
+        return x, residual
+
+    def reference_run(x, residual):
+        # every rank's partials (and the same residual everywhere: rank 0's)
+        res = everyone(residual)[0]
+        for i, n in enumerate(norms):
+            s = sum(everyone(partials[i]))
+            res = (res + s).to(dt).double()
+            inv = (res.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+            x = (res * inv * n.weight.double().cpu()).to(dt).double()
+        return x, res
+
+    # residual identical on every rank, as in a model
+    dist.broadcast(res0, src=ps.get_tp_group().ranks[0], group=None)
+    results, times = {}, {}
+    for name, fn in (("fused", fused), ("unfused_sglang", unfused_sglang), ("unfused_tp_allreduce", unfused_ours)):
+        before = counter.get("all_reduce_add_rms_norm") if counter else 0
+        with ps.graph_capture() as ctx:
+            for _ in range(2):
+                fn(x0, res0.clone())
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            res_in = res0.clone()
+            with torch.cuda.graph(g, pool=pool, stream=ctx.stream):
+                out = fn(x0, res_in)
+        if name == "fused" and counter is not None:
+            results["fused_calls_captured"] = counter.get("all_reduce_add_rms_norm") - before
+        out[0].fill_(NAN)
+        g.replay()
+        torch.cuda.synchronize()
+        results[name] = (out[0].clone(), out[1].clone())
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(5):
+            g.replay()
+        dist.barrier(group=tp.cpu_group)
+        start.record()
+        for _ in range(50):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end) / 50 * 1000  # us per graph
+    want_x, want_res = reference_run(x0, res0)
+    problems = []
+    for name in ("fused", "unfused_sglang", "unfused_tp_allreduce"):
+        got_x, got_res = results[name]
+        problems.append(mismatch(got_x, want_x, dt, f"{name} normed", scale=torch.ones_like(want_x) * 4))
+        problems.append(bitwise_across_ranks(got_x, f"{name} normed"))
+        rec.calls += 1
+    if counter is not None and results.get("fused_calls_captured", 0) < layers:
+        problems.append(
+            f"the fused graph reached tp-allreduce's fused call {results.get('fused_calls_captured')} times, expected >= {layers}"
+        )
+    rec.facts["fused_61_layers_us_per_graph"] = {k: round(v, 1) for k, v in times.items()}
+    raise_if(problems)
+    return "us per 61-layer graph: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+
+
+if __name__ == "__main__":
+    main()
