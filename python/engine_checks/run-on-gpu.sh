@@ -25,6 +25,16 @@ exec > >(tee "$out/run-on-gpu.log") 2>&1
 start=$SECONDS
 "$base" -m venv --system-site-packages "$venv" || exit 1
 py="$venv/bin/python"
+# --system-site-packages reaches the base interpreter's system packages, not
+# those of a venv it belongs to (/opt/torch/.venv holds torch): a .pth file
+# adds them after the venv's own.
+site_pkgs="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+"$base" - "$site_pkgs/_tp_allreduce_base_env.pth" <<'EOF2' || exit 1
+import site, sys
+dirs = [d for d in site.getsitepackages() + [site.getusersitepackages()] if d]
+with open(sys.argv[1], "w") as f:
+    f.write("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs) + "\n")
+EOF2
 ours=$(ls "$wheels"/tp_allreduce-*.whl | tail -1)
 timeout 120 "$py" -m pip install --quiet --no-index --no-deps --disable-pip-version-check "$ours" "$ROOT"/.engine-wheels/carry/*.whl || {
     echo "run-on-gpu: pip install failed"
