@@ -16,6 +16,7 @@ mod gpu_fused;
 mod gpu_fused_graph;
 mod gpu_graph;
 mod gpu_mixed_placement;
+mod gpu_payload_edges;
 mod gpu_pcie_family;
 mod gpu_streams;
 mod gpu_teardown;
