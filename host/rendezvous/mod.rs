@@ -169,8 +169,10 @@
 //! * `unix.rs`, `tcp.rs` — the two transports (listen, dial, `Conn`).
 //! * `in_process.rs` — [`in_process_group`], no sockets.
 //! * Tests: each file tests its own code; `tests.rs` runs the whole
-//!   protocol over both transports, with helpers in `testing.rs`; `fuzz/`
-//!   feeds generated, mutated and replayed frames
+//!   protocol over both transports, with helpers in `testing.rs`;
+//!   `attacks.rs` attacks it as an attacker would (a squatter on rank 0's
+//!   port, floods, a relay that records, replays and alters frames, peers
+//!   of another user); `fuzz/` feeds generated, mutated and replayed frames
 //!   to both sides' handshakes, to rank 0 and to a member, and checks each
 //!   outcome against what the protocol above promises.
 
@@ -184,6 +186,8 @@ mod tcp;
 mod unix;
 mod wire;
 
+#[cfg(test)]
+mod attacks;
 #[cfg(test)]
 mod fuzz;
 #[cfg(test)]
