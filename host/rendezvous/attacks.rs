@@ -580,6 +580,8 @@ fn unix_member_refuses_a_rank_0_of_another_user() {
     let got = connect(&id, 1, 2, Duration::from_secs(2)).and_then(|r| r.all_gather(b"root's handle"));
     let _ = child.kill();
     let _ = child.wait();
+    // The killed child's socket and directory.
+    id.remove_files();
     let got = got.map_err(|e| e.to_string());
     assert!(got.as_ref().is_err_and(|e| e.contains("uid")), "the member joined a rank 0 of uid {OTHER_UID}: {got:?}");
 }

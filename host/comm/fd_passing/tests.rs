@@ -333,6 +333,8 @@ fn a_fetcher_refuses_a_server_of_another_user() {
     let r = fetch_fds(&address, 1, 2, seconds(3), collect(&mut got));
     let _ = child.kill();
     let _ = child.wait();
+    // The killed child's socket and directory.
+    let _ = std::fs::remove_dir_all(Path::new(&address.path).parent().unwrap());
     let e = r.err().unwrap_or_else(|| panic!("fetched {got:?} from a server of uid {OTHER_UID}"));
     assert!(e.to_string().contains("uid"), "{e}");
 }
