@@ -26,7 +26,7 @@ def test_unix_id_round_trips_through_its_string():
     made = Id.new_unix()
     try:
         text = str(made)
-        assert text.startswith("tpar1:unix:")
+        assert text.startswith("tpar2:unix:")
         back = Id.parse(text)
         assert back == made and not (back != made)
         assert hash(back) == hash(made)
@@ -40,12 +40,12 @@ def test_tcp_id_round_trips_and_ids_differ():
     port = random.randint(20000, 60000)
     a = Id.new_tcp(f"127.0.0.1:{port}")
     b = Id.new_tcp(f"127.0.0.1:{port}")
-    assert str(a).startswith(f"tpar1:tcp:127.0.0.1:{port}:")
+    assert str(a).startswith(f"tpar2:tcp:127.0.0.1:{port}:")
     assert Id.parse(str(a)) == a
-    assert a != b, "each id carries a fresh random job id"
+    assert a != b, "each id carries a fresh random secret"
     assert len({a, Id.parse(str(a)), b}) == 2
     v6 = Id.new_tcp("[::1]:29500")
-    assert str(v6).startswith("tpar1:tcp:[::1]:29500:") and Id.parse(str(v6)) == v6
+    assert str(v6).startswith("tpar2:tcp:[::1]:29500:") and Id.parse(str(v6)) == v6
     assert (a == "not an id") is False
 
 
@@ -55,11 +55,11 @@ def test_tcp_id_round_trips_and_ids_differ():
         ("", "not a tp-allreduce rendezvous id"),
         ("bogus", "not a tp-allreduce rendezvous id"),
         ("tpar9:unix:/tmp/x/rdv.sock:" + "0" * 32, "unsupported id version"),
-        ("tpar1:unix:/tmp/x/rdv.sock:" + "z" * 32, "32 lowercase hex digits"),
-        ("tpar1:unix:/tmp/x/rdv.sock:1234", "32 lowercase hex digits"),
-        ("tpar1:tcp:not-an-address:" + "0" * 32, "IP:port"),
-        ("tpar1:carrier-pigeon:x:" + "0" * 32, "unknown transport"),
-        ("tpar1:tcp:127.0.0.1:1 :" + "0" * 32, "printable ASCII"),
+        ("tpar2:unix:/tmp/x/rdv.sock:" + "z" * 32, "32 lowercase hex digits"),
+        ("tpar2:unix:/tmp/x/rdv.sock:1234", "32 lowercase hex digits"),
+        ("tpar2:tcp:not-an-address:" + "0" * 32, "IP:port"),
+        ("tpar2:carrier-pigeon:x:" + "0" * 32, "unknown transport"),
+        ("tpar2:tcp:127.0.0.1:1 :" + "0" * 32, "printable ASCII"),
         ("x" * 300, "longer than"),
     ],
 )
