@@ -10,7 +10,7 @@ use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
 
 use super::setup::{gather_json, Setup};
-use crate::algorithm::{IslandSplit, Transport};
+use crate::algorithm::{Algorithm, IslandSplit, Transport};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::rendezvous::Rendezvous;
@@ -122,6 +122,11 @@ pub(crate) fn build_table(
     constraints.one_shot_push_max_bytes =
         setup.layout.one_shot_push_max_packs as usize * tp_allreduce_kernels::layout::PACK_BYTES;
     constraints.communicator_override = config.algorithm;
+    if config.batch_invariant {
+        constraints.disabled.extend(Algorithm::BATCH_VARIANT);
+        // NCCL is never chosen, not even as the bar to clear.
+        constraints.nccl_available = false;
+    }
     let mut notes = Vec::new();
     let mut tuning_used = "none".to_string();
     let mut source = "the cost model (no tuning table for this machine)".to_string();
@@ -148,7 +153,25 @@ pub(crate) fn build_table(
     }
     let model = CostModel::new(CostParams::default());
     let table = SelectionTable::build(&model, tuning.as_ref(), &view, &constraints);
-    let fused = SelectionTable::build_fused(&model, tuning.as_ref(), &view, &constraints);
+    // Batch invariance: one fused path for every row count, the fused
+    // one-shot push (cut into launches of whole rows at any size): the
+    // fused kernels of other algorithms normalise with other block
+    // reductions, and an unfused path rounds the sum before the residual
+    // add. Which one depends on the row length only.
+    let fused_constraints = if config.batch_invariant {
+        Constraints { communicator_override: config.algorithm.or(Some(Algorithm::OneShotPush)), ..constraints.clone() }
+    } else {
+        constraints.clone()
+    };
+    let fused = SelectionTable::build_fused(&model, tuning.as_ref(), &view, &fused_constraints);
+    if config.batch_invariant && (table.chooses(Algorithm::Nccl) || fused.chooses(Algorithm::Nccl)) {
+        let why = table.lookup(42 << 10, crate::DType::Bf16, true).reason.clone();
+        return Err(Error::Config(format!(
+            "batch_invariant: no algorithm whose results are independent of the message size runs on this \
+             communicator (one-shot and two-shot push and pull; {}): {why}",
+            setup.transport
+        )));
+    }
     let mine = TableSummary {
         digest: table.digest(),
         inputs: format!("topology {}, tuning table {tuning_used}, {constraints:?}", view.fingerprint()),

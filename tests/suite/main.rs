@@ -9,6 +9,7 @@ mod candle;
 mod cli;
 mod cpu;
 mod gpu_allreduce;
+mod gpu_batch_invariant;
 mod gpu_context;
 mod gpu_errors;
 mod gpu_foundation;
