@@ -2,25 +2,32 @@
 own parallel_state, custom-allreduce dispatch, graph_capture and RMSNorm,
 tp-allreduce activated by the pip-installed .pth with TP_ALLREDUCE_SGLANG=1).
 
-    python -m engine_checks.sglang_check RANK WORLD PORT OUT_DIR
+    python -m engine_checks.sglang_check RANK WORLD PORT OUT_DIR [--dry-run]
+
+Rank r uses GPU r % GPUs, and SGLang gets that index as its local rank
+(SGLang puts its groups on cuda:<local rank>): with one GPU both ranks are
+on cuda:0. ``--dry-run`` (no GPU): SGLang's setup and teardown on CPU.
 """
 
-import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
+from engine_checks import common
 from engine_checks.common import (
     NAN,
+    PEER_TIMEOUT,
     CallCounter,
     Recorder,
     bitwise_across_ranks,
     everyone,
     fresh,
+    engine_modules,
+    imported_distributions,
     mismatch,
     raise_if,
+    rank_process_start,
     reference,
     stubs_loaded,
 )
@@ -37,10 +44,55 @@ def eager_sizes(dtype):
     return [1, 7, 1000, 3 * 7168, 3 * 7168 + 5, limit - 8, limit, limit + 8]
 
 
-def setup(rank, world, port, shared_gpu):
+def body_imports():
+    """Everything the check imports besides setup's (the dry run imports
+    these too)."""
+    import sglang
+    from sglang.srt.distributed import tensor_model_parallel_all_reduce
+    from sglang.srt.distributed.device_communicators import custom_all_reduce as car
+    from sglang.srt.layers import flashinfer_comm_fusion
+    from sglang.srt.layers.layer_boundary.residual import add_norm
+    from sglang.srt.layers.layernorm import RMSNorm
+    from tp_allreduce.integrations.sglang import TpAllreduceCustomAllreduce
+
+    return {
+        "sglang": sglang,
+        "tensor_model_parallel_all_reduce": tensor_model_parallel_all_reduce,
+        "car": car,
+        "fusion": flashinfer_comm_fusion,
+        "add_norm": add_norm,
+        "RMSNorm": RMSNorm,
+        "TpAllreduceCustomAllreduce": TpAllreduceCustomAllreduce,
+    }
+
+
+def patches_installed():
+    """What the .pth hook must have patched in SGLang (a list of problems)."""
+    m = body_imports()
+    from sglang.srt.distributed import parallel_state as ps
+
+    problems = []
+    if getattr(m["car"].dispatch_custom_allreduce, "__module__", "") != "tp_allreduce.integrations.sglang":
+        problems.append(f"dispatch_custom_allreduce is {m['car'].dispatch_custom_allreduce} (the .pth hook did not run)")
+    for what, fn in (
+        ("flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm", m["fusion"].flashinfer_allreduce_residual_rmsnorm),
+        ("add_norm.flashinfer_ar_fusion_applies", m["add_norm"].flashinfer_ar_fusion_applies),
+        ("GroupCoordinator._all_gather_into_tensor", ps.GroupCoordinator._all_gather_into_tensor),
+    ):
+        if getattr(fn, "_tp_allreduce_original", None) is None:
+            problems.append(f"{what} is not tp-allreduce's wrapper")
+    return problems
+
+
+def server_args(world):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path="dummy", tp_size=world)
+
+
+def setup(rank, world, port, local_rank, shared_gpu):
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
 
     backend = "gloo" if shared_gpu else "nccl"
     if shared_gpu:
@@ -55,40 +107,94 @@ def setup(rank, world, port, shared_gpu):
     ps.init_distributed_environment(
         world_size=world,
         rank=rank,
-        local_rank=rank,
+        local_rank=local_rank,
         backend=backend,
         distributed_init_method=f"tcp://127.0.0.1:{port}",
+        timeout=int(PEER_TIMEOUT.total_seconds()),
     )
     # SGLang's own test fixture (sglang/test/test_utils.py publish_build_topology).
     reset_context()
-    publish(ServerArgs(model_path="dummy", tp_size=world), role="test", ranks=SpawnRanks(world_rank=rank))
+    publish(server_args(world), role="test", ranks=SpawnRanks(world_rank=rank))
     get_parallel().override_permanently(world_group=ps._WORLD)
     ps.initialize_model_parallel(backend=backend)
+    common.GATHER_GROUP = ps.get_world_group().cpu_group
     return ps
 
 
 def main():
     rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    ngpu = torch.cuda.device_count()
-    shared_gpu = ngpu < world
-    torch.cuda.set_device(rank % ngpu)
+    dry_run = "--dry-run" in sys.argv[5:]
     rec = Recorder("sglang", rank, out_dir)
-    try:
-        ps = setup(rank, world, port, shared_gpu)
-        body(rec, ps, rank, world, shared_gpu)
-        rec.save()
-    except BaseException:
-        import traceback
+    rec.guard(lambda: run(rec, rank, world, port, dry_run))
 
-        rec.save(fatal=traceback.format_exc())
-        raise
+
+def run(rec, rank, world, port, dry_run):
+    index, gpus, shared_gpu = rank_process_start(rank, world)
+    if not dry_run and gpus == 0:
+        raise RuntimeError("no GPU visible (torch.cuda.device_count() == 0)")
+    local_rank = 0 if index is None else index
+    rec.facts.update(local_rank=local_rank, gpus=gpus)
+    rec.running = "setup (init_distributed_environment, publish, initialize_model_parallel)"
+    ps = setup(rank, world, port, local_rank, shared_gpu)
+    rec.running = None
+    if dry_run:
+        dry_body(rec, ps, rank, world)
+    else:
+        body(rec, ps, rank, world, shared_gpu)
+    rec.facts["distributions"] = imported_distributions()
+    rec.facts["modules"] = engine_modules()
+
+
+def dry_body(rec, ps, rank, world):
+    """CPU: SGLang's groups and tp-allreduce's adapter on them (which cannot
+    start without a GPU and must say so on every rank), the reference
+    helpers over gloo, the teardown."""
+    tp = ps.get_tp_group()
+    attn = ps.get_attn_tp_group()
+
+    def hooks():
+        raise_if(patches_installed())
+        body_imports()
+        return "the .pth hook patched SGLang's dispatcher, fused entry, its gate and the all-gather call site; the check's imports load"
+
+    rec.run("patches_and_imports", hooks)
+
+    def adapter_on_cpu():
+        m = body_imports()
+        problems = []
+        for name, g in (("tp", tp), ("attn_tp", attn)):
+            ca = g.ca_comm
+            if not isinstance(ca, m["TpAllreduceCustomAllreduce"]):
+                problems.append(f"{name}: ca_comm is {type(ca).__name__}, not tp-allreduce's (device {g.device})")
+                continue
+            why = ca.disabled_reason or ""
+            if not ca.disabled or not all(f"rank {r}:" in why for r in range(world)):
+                problems.append(f"{name}: expected disabled on CPU with every rank's reason, got disabled={ca.disabled} reason={why!r}")
+        raise_if(problems)
+        return f"tp group on {tp.device}, local_rank {tp.local_rank}: {tp.ca_comm.disabled_reason}"
+
+    rec.run("adapter_built_and_disabled_on_cpu", adapter_on_cpu)
+
+    def helpers():
+        x = fresh((1000,), torch.bfloat16, "cpu")
+        ref = reference(x)
+        problems = [bitwise_across_ranks(ref.to(torch.bfloat16), "reference")]
+        if mismatch(ref + 1.0, ref, torch.bfloat16, "shifted") is None:
+            problems.append("mismatch() accepted a result off by 1.0")
+        if mismatch(ref * NAN, ref, torch.bfloat16, "poisoned") is None:
+            problems.append("mismatch() accepted NaN")
+        raise_if(problems)
+        return "reference, bitwise comparison and mismatch over the world CPU group"
+
+    rec.run("reference_helpers", helpers)
+    rec.run("destroy_model_parallel", lambda: (ps.destroy_model_parallel(), "destroy_model_parallel() returned")[1])
 
 
 def body(rec, ps, rank, world, shared_gpu):
-    import sglang
-    from sglang.srt.distributed import tensor_model_parallel_all_reduce
-    from sglang.srt.distributed.device_communicators import custom_all_reduce as car
-    from tp_allreduce.integrations.sglang import TpAllreduceCustomAllreduce
+    m = body_imports()
+    sglang = m["sglang"]
+    tensor_model_parallel_all_reduce = m["tensor_model_parallel_all_reduce"]
+    TpAllreduceCustomAllreduce = m["TpAllreduceCustomAllreduce"]
 
     tp = ps.get_tp_group()
     attn = ps.get_attn_tp_group()
@@ -105,9 +211,7 @@ def body(rec, ps, rank, world, shared_gpu):
     counters = {}
 
     def activation():
-        problems = []
-        if getattr(car.dispatch_custom_allreduce, "__module__", "") != "tp_allreduce.integrations.sglang":
-            problems.append(f"dispatch_custom_allreduce is {car.dispatch_custom_allreduce} (the .pth hook did not run)")
+        problems = patches_installed()
         for name, g in (("tp", tp), ("attn_tp", attn)):
             ca = g.ca_comm
             ours = getattr(ca, "_tpa", ca)
@@ -116,9 +220,13 @@ def body(rec, ps, rank, world, shared_gpu):
             elif id(ours.comm) not in counters:
                 counters[id(ours.comm)] = CallCounter(ours.comm)
         raise_if(problems)
-        return f"tp and attention-tp groups: {type(tp.ca_comm).__name__}; same object: {tp.ca_comm is attn.ca_comm}"
+        return f"tp and attention-tp groups on {device}: {type(tp.ca_comm).__name__}; same object: {tp.ca_comm is attn.ca_comm}"
 
-    rec.run("activation", activation)
+    if not rec.run("activation", activation):
+        # Every later check counts calls through tp-allreduce: without it
+        # they would fail for this one reason; SGLang's teardown still runs.
+        rec.run("destroy_model_parallel", lambda: (ps.destroy_model_parallel(), "destroy_model_parallel() returned")[1])
+        return
     tp_counter = counters.get(id(getattr(getattr(tp.ca_comm, "_tpa", tp.ca_comm), "comm", None)))
 
     def eager():
@@ -244,8 +352,9 @@ def fused_layers(rec, ps, tp, device, world, pool, layers=61, tokens=3, hidden=7
     verify-shaped graph, against the f64 reference, and timed against the
     unfused path (SGLang's all-reduce, then RMSNorm's native forward) and
     tp-allreduce's own unfused epilogue in the same run."""
-    from sglang.srt.layers.layernorm import RMSNorm
-    from sglang.srt.distributed import tensor_model_parallel_all_reduce
+    m = body_imports()
+    RMSNorm = m["RMSNorm"]
+    tensor_model_parallel_all_reduce = m["tensor_model_parallel_all_reduce"]
 
     dt = torch.bfloat16
     norms = [RMSNorm(hidden, eps=1e-6).to(device=device, dtype=dt) for _ in range(layers)]
@@ -285,8 +394,9 @@ def fused_layers(rec, ps, tp, device, world, pool, layers=61, tokens=3, hidden=7
             x = (res * inv * n.weight.double().cpu()).to(dt).double()
         return x, res
 
-    # residual identical on every rank, as in a model
-    dist.broadcast(res0, src=ps.get_tp_group().ranks[0], group=None)
+    # residual identical on every rank, as in a model: rank 0's (bf16 -> f64
+    # -> bf16 is exact), over gloo
+    res0.copy_(everyone(res0)[0].to(dt))
     results, times = {}, {}
     for name, fn in (("fused", fused), ("unfused_sglang", unfused_sglang), ("unfused_tp_allreduce", unfused_ours)):
         before = counter.get("all_reduce_add_rms_norm") if counter else 0
