@@ -215,6 +215,25 @@ def dry_body(rec, ps, tp, comm, mode, world, records):
         return "reference and bitwise comparison over the world CPU group"
 
     rec.run("reference_helpers", helpers)
+
+    def eager_on_cpu():
+        """vLLM's dispatch with CPU tensors: CudaCommunicator.all_reduce (its
+        torch.distributed fallback: no custom allreduce, no pynccl here; the
+        group's all_reduce goes through vLLM's custom op, registered for CUDA
+        only); the unguarded custom all-gather / reduce-scatter calls return
+        None (vLLM falls back)."""
+        dt = torch.bfloat16
+        problems = []
+        x = fresh((5, 1024), dt, "cpu")
+        problems.append(mismatch(comm.all_reduce(x.clone()), reference(x), dt, "CudaCommunicator.all_reduce (cpu)"))
+        g = comm.custom_all_gather(fresh((4, 1024), dt, "cpu"))
+        r = comm.custom_reduce_scatter(fresh((4 * world, 512), dt, "cpu"))
+        if g is not None or r is not None:
+            problems.append(f"custom_all_gather / custom_reduce_scatter returned {type(g).__name__} / {type(r).__name__} with no usable custom allreduce")
+        raise_if(problems)
+        return "CudaCommunicator.all_reduce matches the reference; custom all-gather / reduce-scatter None"
+
+    rec.run("all_reduce_on_cpu", eager_on_cpu)
     rec.run("destroy", lambda: (ps.destroy_model_parallel(), "destroy_model_parallel() returned")[1])
 
 
