@@ -2,84 +2,242 @@
 platform resolution (``vllm.platforms.current_platform``, plugins from the
 installed entry points), its tp ``GroupCoordinator`` and ``CudaCommunicator``.
 
-    python -m engine_checks.vllm_check RANK WORLD PORT OUT_DIR MODE
+    python -m engine_checks.vllm_check RANK WORLD PORT OUT_DIR MODE [--dry-run]
 
 MODE: ``on`` (TP_ALLREDUCE_VLLM=1 in the environment), ``off`` (vLLM's own
-path), ``invariant`` (on, VLLM_BATCH_INVARIANT=1).
+path), ``invariant`` (on, VLLM_BATCH_INVARIANT=1). Rank r uses GPU
+r % GPUs and vLLM gets that index as its local rank (vLLM puts its groups
+on cuda:<local rank>). ``--dry-run`` (no GPU): vLLM's setup and teardown
+on CPU, NVML stood in (cpu_stand_ins.py) so that the platform is CUDA's.
 """
 
+import logging
 import sys
 
 import torch
-import torch.distributed as dist
 
+from engine_checks import common
 from engine_checks.common import (
     NAN,
+    PEER_TIMEOUT,
     CallCounter,
+    NotRun,
     Recorder,
     bitwise_across_ranks,
     everyone,
     fresh,
+    engine_modules,
+    imported_distributions,
     mismatch,
     raise_if,
+    rank_process_start,
     reference,
     stubs_loaded,
 )
 
 
-def main():
-    rank, world, port, out_dir, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    ngpu = torch.cuda.device_count()
-    shared_gpu = ngpu < world
-    torch.cuda.set_device(rank % ngpu)
-    rec = Recorder(f"vllm-{mode}", rank, out_dir)
-    try:
-        body(rec, rank, world, port, mode, shared_gpu)
-        rec.save()
-    except BaseException:
-        import traceback
-
-        rec.save(fatal=traceback.format_exc())
-        raise
-
-
-def body(rec, rank, world, port, mode, shared_gpu):
+def body_imports():
+    """What the check imports (the dry run imports these too)."""
     import vllm
-    from vllm.platforms import current_platform
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+    from vllm.platforms import current_platform
+    from vllm.platforms.cuda import CudaPlatform
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    backend = "gloo" if shared_gpu else "nccl"
+    from tp_allreduce.integrations._adapter import SIZE_INDEPENDENT_ALGORITHMS
+
+    return {
+        "vllm": vllm,
+        "VllmConfig": VllmConfig,
+        "set_current_vllm_config": set_current_vllm_config,
+        "ps": ps,
+        "CudaCommunicator": CudaCommunicator,
+        "current_platform": current_platform,
+        "CudaPlatform": CudaPlatform,
+        "resolve_obj_by_qualname": resolve_obj_by_qualname,
+        "SIZE_INDEPENDENT_ALGORITHMS": SIZE_INDEPENDENT_ALGORITHMS,
+    }
+
+
+def platform_problems(mode):
+    """vLLM's platform as resolved from the installed entry points, against
+    the mode: (problems, description)."""
+    m = body_imports()
+    platform = m["current_platform"]
+    cls = type(platform)
+    cc = m["resolve_obj_by_qualname"](platform.get_device_communicator_cls())
+    problems = []
+    # vllm.platforms.cuda.CudaPlatform names NvmlCudaPlatform (or
+    # NonNvmlCudaPlatform): compare classes, not names.
+    if mode == "off" and cls is not m["CudaPlatform"]:
+        problems.append(f"switch off but the platform is {cls.__module__}.{cls.__qualname__}, not vLLM's CudaPlatform ({m['CudaPlatform'].__name__})")
+    if mode != "off":
+        if cls.__name__ != "TpAllreduceCudaPlatform" or cls.__module__ != "tp_allreduce.integrations.vllm.platform":
+            problems.append(f"switch on but the platform is {cls.__module__}.{cls.__qualname__} (entry point not found?)")
+        elif not issubclass(cls, m["CudaPlatform"]):
+            problems.append(f"{cls.__name__} does not derive from vLLM's CudaPlatform")
+    if cc is not m["CudaCommunicator"]:
+        problems.append(f"device communicator class {cc} is not vLLM's CudaCommunicator")
+    installed = bool(m["CudaCommunicator"].__dict__.get("_tp_allreduce_installed"))
+    if installed != (mode != "off"):
+        problems.append(f"tp-allreduce installed into CudaCommunicator: {installed}, mode {mode}")
+    return problems, f"{cls.__name__} (a {m['CudaPlatform'].__name__}); device communicator: vLLM's CudaCommunicator, tp-allreduce installed: {installed}"
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def main():
+    rank, world, port, out_dir, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    dry_run = "--dry-run" in sys.argv[6:]
+    rec = Recorder(f"vllm-{mode}", rank, out_dir)
+    rec.guard(lambda: run(rec, rank, world, port, mode, dry_run))
+
+
+def run(rec, rank, world, port, mode, dry_run):
+    index, gpus, shared_gpu = rank_process_start(rank, world)
+    if not dry_run and gpus == 0:
+        raise RuntimeError("no GPU visible (torch.cuda.device_count() == 0)")
+    if dry_run:
+        from engine_checks.cpu_stand_ins import pretend_nvml
+
+        pretend_nvml()
+    local_rank = 0 if index is None else index
+    records = _Records()
+    logging.getLogger("tp_allreduce").addHandler(records)
+    logging.getLogger("tp_allreduce").setLevel(logging.INFO)
+    m = body_imports()
+    current_platform = m["current_platform"]
     rec.facts.update(
-        vllm=vllm.__version__,
+        vllm=m["vllm"].__version__,
         torch=torch.__version__,
         platform=type(current_platform).__name__,
-        mode="2 processes on one GPU (MPS), gloo device group, VLLM_DISABLE_PYNCCL=1" if shared_gpu else "one GPU per process",
+        local_rank=local_rank,
+        gpus=gpus,
+        mode=(
+            "dry run on CPU (gloo)"
+            if dry_run
+            else "2 processes on one GPU (MPS), gloo device group, VLLM_DISABLE_PYNCCL=1"
+            if shared_gpu
+            else "one GPU per process"
+        ),
     )
 
     def platform():
-        name = type(current_platform).__name__
-        cls = resolve_obj_by_qualname(current_platform.get_device_communicator_cls())
-        problems = []
-        if mode == "off" and name != "CudaPlatform":
-            problems.append(f"switch off but the platform is {name}")
-        if mode != "off" and name != "TpAllreduceCudaPlatform":
-            problems.append(f"switch on but the platform is {name} (entry point not found?)")
-        if cls is not CudaCommunicator:
-            problems.append(f"device communicator class {cls} is not vLLM's CudaCommunicator")
+        problems, description = platform_problems(mode)
         raise_if(problems)
-        return f"{name}; device_comm_cls == CudaCommunicator: {cls == CudaCommunicator}"
+        return description
 
     rec.run("platform_resolution", platform)
+    # initialize_model_parallel reads the current vLLM config; vLLM's own
+    # tests of this layer set a default one (tests/conftest.py
+    # default_vllm_config: set_current_vllm_config(VllmConfig())).
+    with m["set_current_vllm_config"](m["VllmConfig"]()):
+        setup_and_checks(rec, m, rank, world, port, mode, dry_run, local_rank, shared_gpu, records)
+    rec.facts["distributions"] = imported_distributions()
+    rec.facts["modules"] = engine_modules()
+
+
+def setup_and_checks(rec, m, rank, world, port, mode, dry_run, local_rank, shared_gpu, records):
+    ps = m["ps"]
+    backend = "gloo" if shared_gpu else "nccl"
+    rec.running = "setup (init_distributed_environment, initialize_model_parallel)"
     ps.init_distributed_environment(
-        world_size=world, rank=rank, local_rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", backend=backend
+        world_size=world,
+        rank=rank,
+        local_rank=local_rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend=backend,
+        timeout=PEER_TIMEOUT,
     )
     ps.initialize_model_parallel(tensor_model_parallel_size=world, backend=backend)
+    rec.running = None
+    common.GATHER_GROUP = ps.get_world_group().cpu_group
     tp = ps.get_tp_group()
     comm = tp.device_communicator
     ca = getattr(comm, "ca_comm", None)
-    rec.facts.update(ca_comm=type(ca).__name__, stubs=stubs_loaded(), fi_ar_comm=type(getattr(comm, "fi_ar_comm", None)).__name__)
+    rec.facts.update(
+        device=str(tp.device),
+        device_communicator=type(comm).__name__,
+        ca_comm=type(ca).__name__,
+        stubs=stubs_loaded(),
+        fi_ar_comm=type(getattr(comm, "fi_ar_comm", None)).__name__,
+    )
+    if dry_run:
+        dry_body(rec, ps, tp, comm, mode, world, records)
+    else:
+        body(rec, ps, tp, comm, ca, rank, world, mode, shared_gpu)
+
+
+def dry_body(rec, ps, tp, comm, mode, world, records):
+    """CPU: vLLM's tp group with its CudaCommunicator (device cuda:0, never
+    used); with the switch on, tp-allreduce's adapter was built into it and
+    reported itself disabled on every rank (no GPU), leaving vLLM's own."""
+    m = body_imports()
+
+    def communicator():
+        problems = []
+        if type(comm) is not m["CudaCommunicator"]:
+            problems.append(f"tp device communicator is {type(comm).__name__}, not vLLM's CudaCommunicator")
+        if str(tp.device) != "cuda:0":
+            problems.append(f"tp group device {tp.device}, expected cuda:0 (local rank 0 for every rank)")
+        ours = [msg for msg in records.messages if "tp-allreduce disabled for this group" in msg]
+        if mode == "off":
+            if ours or comm.__dict__.get("_tp_allreduce_done"):
+                problems.append("switch off but tp-allreduce's adapter ran")
+        else:
+            if not comm.__dict__.get("_tp_allreduce_done"):
+                problems.append("tp-allreduce's install did not run in CudaCommunicator.__init__")
+            if not ours or not all(f"rank {r}:" in ours[0] for r in range(world)):
+                problems.append(f"expected tp-allreduce disabled on CPU with every rank's reason; log: {records.messages}")
+            if type(comm.ca_comm).__name__.startswith("TpAllreduce"):
+                problems.append("a disabled tp-allreduce adapter was left as ca_comm")
+        raise_if(problems)
+        return f"{type(comm).__name__} on {tp.device}; ca_comm {type(comm.ca_comm).__name__}" + (f"; {ours[0]}" if ours else "")
+
+    rec.run("communicator_on_cpu", communicator)
+
+    def helpers():
+        x = fresh((1000,), torch.bfloat16, "cpu")
+        ref = reference(x)
+        problems = [bitwise_across_ranks(ref.to(torch.bfloat16), "reference")]
+        if mismatch(ref + 1.0, ref, torch.bfloat16, "shifted") is None:
+            problems.append("mismatch() accepted a result off by 1.0")
+        raise_if(problems)
+        return "reference and bitwise comparison over the world CPU group"
+
+    rec.run("reference_helpers", helpers)
+
+    def eager_on_cpu():
+        """vLLM's dispatch with CPU tensors: CudaCommunicator.all_reduce (its
+        torch.distributed fallback: no custom allreduce, no pynccl here; the
+        group's all_reduce goes through vLLM's custom op, registered for CUDA
+        only); the unguarded custom all-gather / reduce-scatter calls return
+        None (vLLM falls back)."""
+        dt = torch.bfloat16
+        problems = []
+        x = fresh((5, 1024), dt, "cpu")
+        problems.append(mismatch(comm.all_reduce(x.clone()), reference(x), dt, "CudaCommunicator.all_reduce (cpu)"))
+        g = comm.custom_all_gather(fresh((4, 1024), dt, "cpu"))
+        r = comm.custom_reduce_scatter(fresh((4 * world, 512), dt, "cpu"))
+        if g is not None or r is not None:
+            problems.append(f"custom_all_gather / custom_reduce_scatter returned {type(g).__name__} / {type(r).__name__} with no usable custom allreduce")
+        raise_if(problems)
+        return "CudaCommunicator.all_reduce matches the reference; custom all-gather / reduce-scatter None"
+
+    rec.run("all_reduce_on_cpu", eager_on_cpu)
+    rec.run("destroy", lambda: (ps.destroy_model_parallel(), "destroy_model_parallel() returned")[1])
+
+
+def body(rec, ps, tp, comm, ca, rank, world, mode, shared_gpu):
     counter = CallCounter(ca.comm) if ca is not None and hasattr(ca, "comm") and ca.comm is not None else None
 
     def attributes():
@@ -144,6 +302,11 @@ def body(rec, rank, world, port, mode, shared_gpu):
         """vLLM's profile_cudagraph_memory then capture_model: a profiling
         window into a throwaway pool that is freed, then the real window,
         whose inputs land at the freed addresses."""
+        if mode == "off" and shared_gpu:
+            raise NotRun(
+                "vLLM's own path has no capturable allreduce with two ranks on one GPU "
+                "(no pynccl: NCCL refuses them; the gloo fallback cannot be captured)"
+            )
         problems = []
         sizes = [32, 8, 3, 1]
         addresses = {}
@@ -181,8 +344,12 @@ def body(rec, rank, world, port, mode, shared_gpu):
                 what = f"replay {replay} bs={bs}"
                 problems += [mismatch(out, reference(static), torch.bfloat16, what), bitwise_across_ranks(out, what)]
                 rec.calls += 1
-                y = comm.all_reduce(fresh((7, 512), torch.bfloat16, tp.device))
+                # an eager call between replays, as vLLM's eager paths do
+                x = fresh((7, 512), torch.bfloat16, tp.device)
+                y = comm.all_reduce(x)
                 torch.cuda.synchronize()
+                problems.append(mismatch(y, reference(x), torch.bfloat16, f"eager between ({what})"))
+                rec.calls += 1
         raise_if(problems)
         return f"profiling window freed, real window: {reused} of {len(sizes)} inputs at reused addresses, 3 replays"
 
@@ -200,7 +367,7 @@ def body(rec, rank, world, port, mode, shared_gpu):
                 if not torch.equal(part, full[:bs]):
                     problems.append(f"batch {bs}: rows differ bitwise from the same rows in a batch of 64")
             plans = sorted({ca.comm.plan(n, torch.bfloat16)[0] for n in (16, 4096, 43008, 1 << 20, 8 << 20, 32 << 20)})
-            from tp_allreduce.integrations._adapter import SIZE_INDEPENDENT_ALGORITHMS
+            SIZE_INDEPENDENT_ALGORITHMS = body_imports()["SIZE_INDEPENDENT_ALGORITHMS"]
 
             if not set(plans) <= set(SIZE_INDEPENDENT_ALGORITHMS):
                 problems.append(f"plans {plans} include a size-dependent algorithm")

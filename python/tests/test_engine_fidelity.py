@@ -9,12 +9,19 @@ import ast
 import glob
 import importlib.metadata
 import os
+import subprocess
+import sys
+import time
 import zipfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CARRY = os.path.join(ROOT, ".engine-wheels", "carry")
+sys.path.insert(0, os.path.join(ROOT, "python", "engine_checks"))
+import prepare  # noqa: E402 (python/engine_checks/prepare.py: stdlib and pip only)
+
+sys.path.pop(0)
 
 
 def wheel(name):
@@ -162,3 +169,103 @@ def test_installed_wheel_registers_the_vllm_entry_point_and_the_pth():
     files = [str(f) for f in dist.files or []]
     assert "tp_allreduce_sglang.pth" in files
     assert any(os.path.exists(os.path.join(d, "tp_allreduce_sglang.pth")) for d in site.getsitepackages())
+
+
+# ---------------------------------------------------------------- prepare.py and the launcher
+def _wheel(folder, name, version, requires=(), files=None):
+    """A minimal wheel (METADATA with Requires-Dist) for prepare's checks."""
+    path = os.path.join(folder, f"{name}-{version}-py3-none-any.whl")
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta + "\n")
+        for n, text in (files or {}).items():
+            z.writestr(n, text)
+    return path
+
+
+def test_prepare_flags_a_carried_wheel_that_misses_its_engines_pin(tmp_path):
+    engine = _wheel(tmp_path, "engine", "1.0", ["openai>=2.25.0", "xgrammar==0.2.8; platform_machine == 'x86_64'", "absent"])
+    old = _wheel(tmp_path, "openai", "2.8.0", ["jiter<1"])
+    jiter = _wheel(tmp_path, "jiter", "0.19.0")
+    xg = _wheel(tmp_path, "xgrammar", "0.2.7")
+    bad, _ = prepare.check_install_set("engine", [engine, old, jiter, xg], "3.12", {})
+    assert any("openai>=2.25.0" in b and "2.8.0" in b for b in bad), bad
+    assert any("xgrammar==0.2.8" in b for b in bad), bad
+    assert len(bad) == 2, bad  # jiter 0.19.0 meets openai's <1; "absent" is only reported
+    new = _wheel(tmp_path, "openai", "2.25.0", ["jiter<0.10"])
+    xg8 = _wheel(tmp_path, "xgrammar", "0.2.8")
+    bad, report = prepare.check_install_set("engine", [engine, new, jiter, xg8], "3.12", {})
+    assert bad == [f"openai 2.25.0 requires jiter<0.10; carried for engine: jiter 0.19.0"], bad
+    assert any("absent" in line for line in report)
+
+
+def test_prepare_evaluates_markers_and_extras_for_the_gpu_machine(tmp_path):
+    engine = _wheel(tmp_path, "engine", "1.0", ["web[std]<1", "six==1; python_version < '3.12'"])
+    web = _wheel(tmp_path, "web", "0.5", ["six>=2; extra == 'std'"])
+    six = _wheel(tmp_path, "six", "1")
+    bad, _ = prepare.check_install_set("engine", [engine, web, six], "3.12", {})
+    assert bad == ["web 0.5[std] requires six>=2; extra == \"std\"; carried for engine: six 1"], bad
+    bad, _ = prepare.check_install_set("engine", [engine, web, six], "3.11", {"numpy": "2.0"})
+    assert len(bad) == 1, bad  # 3.11: six==1 met as well, the extra still not
+
+
+def test_prepare_closure_skips_what_only_type_checking_imports(tmp_path):
+    path = _wheel(
+        tmp_path,
+        "pkg",
+        "1",
+        files={
+            "pkg/__init__.py": "from typing import TYPE_CHECKING\nimport pkg.a\nif TYPE_CHECKING:\n    import pkg.b\nelse:\n    import pkg.c\n",
+            "pkg/a.py": "def f():\n    import pkg.d\n",
+            "pkg/b.py": "",
+            "pkg/c.py": "",
+            "pkg/d.py": "",
+        },
+    )
+    files = prepare.closure(zipfile.ZipFile(path), "pkg", ["pkg"])
+    assert files == {"pkg/__init__.py", "pkg/a.py", "pkg/c.py"}, files
+
+
+def test_prepare_wheel_tags_for_the_target_python():
+    assert prepare._fits("x-1-cp312-cp312-manylinux_2_28_x86_64.whl", "3.12")
+    assert not prepare._fits("x-1-cp312-cp312-manylinux_2_28_x86_64.whl", "3.11")
+    assert prepare._fits("x-1-cp38-abi3-manylinux_2_28_x86_64.whl", "3.11")
+    assert not prepare._fits("x-1-cp312-abi3-manylinux_2_28_x86_64.whl", "3.11")
+    assert prepare._fits("x-1-py3-none-any.whl", "3.12")
+
+
+def test_carried_venvs_meet_their_engines_requirements():
+    lists = sorted(glob.glob(os.path.join(CARRY, "*.install")))
+    if not lists:
+        pytest.skip(f"no <engine>.install in {CARRY}: run bash python/engine_checks/prepare.sh")
+    assert sorted(os.path.basename(p) for p in lists) == ["sglang.install", "vllm.install"]
+    image = prepare.read_image_list()
+    for path in lists:
+        engine = os.path.basename(path).split(".")[0]
+        wheels = [os.path.join(CARRY, line.strip()) for line in open(path) if line.strip()]
+        bad, _ = prepare.check_install_set(engine, wheels, prepare.PYTHON_VERSION, image)
+        assert bad == [], bad
+        names = {os.path.basename(w).split("-")[0] for w in wheels}
+        assert engine in names and "openai" in names
+
+
+def test_launcher_stops_the_other_rank_when_one_fails(tmp_path):
+    """run_checks.supervise: a rank exiting with an error ends the run in
+    seconds (the other gets SIGUSR1, its stack dump, then SIGKILL)."""
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    try:
+        from engine_checks import run_checks
+    finally:
+        sys.path.pop(0)
+    code = "import faulthandler, signal, time\nfaulthandler.register(signal.SIGUSR1)\ndef waiting_for_peer():\n    time.sleep(120)\nwaiting_for_peer()\n"
+    crashed = run_checks.start([sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(1)"], dict(os.environ), str(tmp_path / "a.log"))
+    waiting = run_checks.start([sys.executable, "-c", code], dict(os.environ), str(tmp_path / "b.log"))
+    t = time.monotonic()
+    timed_out, first = run_checks.supervise([crashed, waiting], 60, ["rank 0", "rank 1"])
+    assert (timed_out, first) == (False, "rank 0")
+    assert time.monotonic() - t < 15
+    assert waiting.returncode not in (None, 0)
+    assert "waiting_for_peer" in (tmp_path / "b.log").read_text()
+    hung = run_checks.start([sys.executable, "-c", "import time; time.sleep(120)"], dict(os.environ), str(tmp_path / "c.log"))
+    assert run_checks.supervise([hung], 1, ["rank 0"]) == (True, None)
+    assert hung.returncode not in (None, 0)
