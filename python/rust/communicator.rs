@@ -64,7 +64,9 @@ struct Prepared {
 }
 
 impl Prepared {
-    fn new(ordinal: usize, algorithm: Option<Algorithm>) -> Result<Prepared, Error> {
+    /// `batch_invariant` turns `Config::batch_invariant` on (it is never
+    /// turned off here: `TP_ALLREDUCE_BATCH_INVARIANT=1` also turns it on).
+    fn new(ordinal: usize, algorithm: Option<Algorithm>, batch_invariant: bool) -> Result<Prepared, Error> {
         device::require_driver()?;
         let _restore = CurrentContext::save();
         let ctx = CudaContext::new(ordinal).map_err(|e| device::driver_error("cuDevicePrimaryCtxRetain", e))?;
@@ -73,6 +75,7 @@ impl Prepared {
         if algorithm.is_some() {
             config.algorithm = algorithm;
         }
+        config.batch_invariant |= batch_invariant;
         config.validate()?;
         Ok(Prepared { ctx, stream, config })
     }
@@ -313,10 +316,10 @@ pub struct PyPreparedRank {
 #[pymethods]
 impl PyPreparedRank {
     #[new]
-    #[pyo3(signature = (device, *, algorithm=None))]
-    fn new(py: Python<'_>, device: usize, algorithm: Option<&str>) -> PyResult<PyPreparedRank> {
+    #[pyo3(signature = (device, *, algorithm=None, batch_invariant=false))]
+    fn new(py: Python<'_>, device: usize, algorithm: Option<&str>, batch_invariant: bool) -> PyResult<PyPreparedRank> {
         let algorithm = parse_algorithm(py, algorithm)?;
-        let prepared = py.detach(move || Prepared::new(device, algorithm)).py(py)?;
+        let prepared = py.detach(move || Prepared::new(device, algorithm, batch_invariant)).py(py)?;
         Ok(PyPreparedRank { prepared: Mutex::new(Some(prepared)), ordinal: device })
     }
 
@@ -391,7 +394,8 @@ impl PyCommunicator {
     /// cannot export (0 disables it). The same as
     /// `PreparedRank(device, algorithm=...).join(rank, world_size, id, ...)`.
     #[new]
-    #[pyo3(signature = (rank, world_size, id, device, *, algorithm=None, capture_copy_bytes=DEFAULT_CAPTURE_COPY_BYTES))]
+    #[pyo3(signature = (rank, world_size, id, device, *, algorithm=None, capture_copy_bytes=DEFAULT_CAPTURE_COPY_BYTES, batch_invariant=false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         rank: usize,
@@ -400,10 +404,11 @@ impl PyCommunicator {
         device: usize,
         algorithm: Option<&str>,
         capture_copy_bytes: usize,
+        batch_invariant: bool,
     ) -> PyResult<PyCommunicator> {
         let id = parse_id(py, id)?;
         let algorithm = parse_algorithm(py, algorithm)?;
-        let prepared = py.detach(move || Prepared::new(device, algorithm)).py(py)?;
+        let prepared = py.detach(move || Prepared::new(device, algorithm, batch_invariant)).py(py)?;
         PyCommunicator::join(py, prepared, (rank, world_size, id), device, capture_copy_bytes)
     }
 

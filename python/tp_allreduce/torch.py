@@ -90,6 +90,7 @@ class Communicator:
         *,
         algorithm=None,
         capture_copy_bytes: int = _core.DEFAULT_CAPTURE_COPY_BYTES,
+        batch_invariant: bool = False,
     ) -> "Communicator":
         """Collective over ``group`` (a ``torch.distributed`` process group,
         typically gloo: only small messages cross it): rank 0 creates the
@@ -100,7 +101,9 @@ class Communicator:
         ``RendezvousError`` naming it, at once (nobody waits in the
         rendezvous for a rank that already failed). Rank 0 removes the
         rendezvous id's directory on every failure. The ranks must be
-        processes of one host."""
+        processes of one host. ``batch_invariant``: results that do not
+        depend on the message size or the batch shape (the size-independent
+        algorithms only; also ``TP_ALLREDUCE_BATCH_INVARIANT=1``)."""
         group = group if group is not None else dist.group.WORLD
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
@@ -120,7 +123,7 @@ class Communicator:
                 raise RendezvousError(f"rank 0 could not create the rendezvous id: {value}")
             prepared, own, why = None, None, None
             try:
-                prepared = _core.PreparedRank(device.index, algorithm=algorithm)
+                prepared = _core.PreparedRank(device.index, algorithm=algorithm, batch_invariant=batch_invariant)
             except Exception as e:  # told to the others before raising
                 own, why = e, f"{type(e).__name__}: {e}"
             failed = [(r, w) for r, w in enumerate(_gather_object(group, why)) if w is not None]
