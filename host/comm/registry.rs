@@ -301,6 +301,20 @@ impl Comm {
     /// The inputs must stay allocated until [`deregister_buffers`](Self::deregister_buffers)
     /// returns, or until every rank's communicator is dropped (as for
     /// [`register_buffer`](Self::register_buffer)).
+    ///
+    /// # Replaying graphs
+    /// A rank's calls must run one after the other, also across graphs:
+    /// the kernels of one communicator share the rank's per-region
+    /// generation counters and receive regions. Replay graphs that hold
+    /// calls of one communicator in an order the stream sees (one stream,
+    /// or events between them), and do not replay one while an eager call
+    /// of the communicator runs on another stream. The library orders what
+    /// it can see (eager calls on any stream; it refuses two calls of one
+    /// capture on different streams), not replays, which the driver runs
+    /// without it. Two replays that overlap anyway do not give wrong sums
+    /// silently: a call then waits for data its peers put in the other
+    /// half of the receive region and fails with `Error::Timeout`, or a
+    /// peer's does (tested: `gpu_streams::concurrent_replays_of_two_graphs_never_fail_silently`).
     pub fn register_graph_buffers(&self) -> Result<usize> {
         let context = CurrentContext::bind(&self.ctx);
         let (pending, calls) = {
