@@ -321,6 +321,15 @@ pub(crate) fn build(
         }
         match verdict(config.transport, transport, step, &problems) {
             Verdict::Keep => {
+                if transport != Transport::PeerToPeer {
+                    if let Some(why) = relaxed_ordering_enabled() {
+                        log::warn!(
+                            "rank {rank}: {why}: the host-staged protocol assumes a GPU's posted writes to host \
+                             memory stay in order (ARCHITECTURE.md, the memory-ordering contract); with relaxed \
+                             ordering a call can lose a payload and fail with a timeout"
+                        );
+                    }
+                }
                 let sentinel = (peer_bases, resident);
                 let mut setup = attempt.into_setup(transport, reason, &placement, config, sentinel);
                 (setup.island_split, setup.cross) = (split, cross);
@@ -334,6 +343,22 @@ pub(crate) fn build(
             Verdict::Fail(e) => return Err(e),
         }
     }
+}
+
+/// Why this host's NVIDIA driver may set PCIe Relaxed Ordering on the GPU's
+/// outbound writes, if it says so: `EnablePCIERelaxedOrderingMode: 1` in
+/// `/proc/driver/nvidia/params` (its default is 0, docs/SOURCES.md \[F43\]).
+/// `None` when the file says 0 or cannot be read.
+fn relaxed_ordering_enabled() -> Option<String> {
+    let params = std::fs::read_to_string("/proc/driver/nvidia/params").ok()?;
+    relaxed_ordering_in(&params)
+}
+
+/// [`relaxed_ordering_enabled`] of the file's text. Pure.
+fn relaxed_ordering_in(params: &str) -> Option<String> {
+    let line = params.lines().find(|l| l.trim_start().starts_with("EnablePCIERelaxedOrderingMode:"))?;
+    let value = line.split(':').nth(1)?.trim();
+    (value != "0").then(|| format!("the NVIDIA driver sets PCIe Relaxed Ordering ({})", line.trim()))
 }
 
 /// The salt this rank's check kernel runs with (another one only under a
