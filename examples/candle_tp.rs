@@ -16,7 +16,7 @@
 //! cargo build --release --no-default-features --features candle --example candle_tp
 //! tp-allreduce launch -n 2 --gpus 0,1 -- target/release/examples/candle_tp
 //! ```
-//! (.ci/candle-gpu.sh does both on the GPU machine.) Options: `--help`.
+//! (benches/gpu/candle-gpu.sh does both on the GPU machine.) Options: `--help`.
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -80,6 +80,16 @@ pub struct Config {
     /// turns it off, to compare). The same output bits either way, so
     /// ranks may differ.
     pub fused_spread_push: bool,
+    /// Results that do not depend on the message size or the batch shape
+    /// (`TP_ALLREDUCE_BATCH_INVARIANT=1`; what vLLM's `VLLM_BATCH_INVARIANT`
+    /// and SGLang's deterministic inference ask of an allreduce): every
+    /// size runs an algorithm that sums each element in rank order with one
+    /// rounding (one-shot and two-shot push and pull give the same bits;
+    /// the ring, hierarchical, the copy-engine ring and NCCL are not used),
+    /// and fused calls run the fused one-shot push only, a block per row
+    /// (no thread-block clusters, whose use depends on the row count).
+    /// Every rank must use the same value.
+    pub batch_invariant: bool,
     /// Sentinel kernels record per-launch timestamps into a ring the host
     /// reads with `Comm::trace_records` (`TP_ALLREDUCE_TRACE=1`; `bench
     /// --trace`). Costs a few instructions per launch.
@@ -133,6 +143,7 @@ impl Default for Config {
             fused_island_kernels: false,
             fused_clusters: true,
             fused_spread_push: true,
+            batch_invariant: false,
             trace: false,
             test_initial_counter: None,
             pull_max_blocks: 36,
@@ -165,7 +176,7 @@ impl Config {
     pub(crate) fn shape_fingerprint(&self) -> String {
         format!(
             "chunk={} oneshot={} push_blocks={} pull_blocks={} ring={}x{}x{} islands={:?} {:?} transport={:?} table={} \
-             counters={:?} fused_island={} fused_clusters={} tp2={}",
+             counters={:?} fused_island={} fused_clusters={} tp2={} batch_invariant={}",
             self.max_chunk_bytes,
             self.one_shot_push_max_bytes,
             self.push_blocks,
@@ -180,12 +191,21 @@ impl Config {
             self.test_initial_counter,
             self.fused_island_kernels,
             self.fused_clusters,
-            self.one_shot_push_tp2
+            self.one_shot_push_tp2,
+            self.batch_invariant
         )
     }
 
     /// Checks value ranges; the message names the field.
     pub fn validate(&self) -> crate::Result<()> {
+        if self.batch_invariant {
+            if let Some(a) = self.algorithm.filter(|a| Algorithm::BATCH_VARIANT.contains(a)) {
+                return Err(crate::error::Error::invalid(format!(
+                    "batch_invariant with algorithm {a}: its results depend on the message size; force one-shot-push, \
+                     two-shot-push, one-shot-pull or two-shot-pull, or none"
+                )));
+            }
+        }
         use crate::error::Error;
         let pack = tp_allreduce_kernels::layout::PACK_BYTES;
         let max_blocks = tp_allreduce_kernels::layout::MAX_BLOCKS as u32;
@@ -279,6 +299,9 @@ impl Config {
         }
         if let Some(on) = env::fused_spread_push()? {
             c.fused_spread_push = on;
+        }
+        if let Some(on) = env::batch_invariant()? {
+            c.batch_invariant = on;
         }
         if let Some(on) = env::trace()? {
             c.trace = on;

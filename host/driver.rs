@@ -208,7 +208,9 @@ pub unsafe fn stream_context(stream: sys::CUstream) -> Result<sys::CUcontext> {
 /// destroyed, an id never is.
 ///
 /// # Safety
-/// `stream` must be a live stream handle of this process (or null).
+/// `stream` must be a live stream handle of this process (or null) that is
+/// not capturing: on a capturing stream the query invalidates the capture
+/// (seen on an H200, CUDA 13.0 driver).
 pub unsafe fn stream_id(stream: sys::CUstream) -> Result<u64> {
     let mut id: std::ffi::c_ulonglong = 0;
     cu!(cuStreamGetId(stream, &mut id))?;

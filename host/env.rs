@@ -21,6 +21,7 @@
 //! | `TP_ALLREDUCE_FUSED_CLUSTERS` | `1`/`0`: fused one-shot-push calls over a few long rows spread each row over a thread-block cluster (sm_90+) | `1` |
 //! | `TP_ALLREDUCE_FUSED_SPREAD_PUSH` | `1`/`0`: fused one-shot-push calls of a block per row over two or more rows spread their push over more blocks than rows (outputs apart from the input) | `1` |
 //! | `TP_ALLREDUCE_CE_PUBLISH` | how the copy-engine ring raises its flags: `memop` (`cuStreamWriteValue32`, where the device supports stream memory operations) or `kernel` (a one-thread kernel) | `memop` where supported |
+//! | `TP_ALLREDUCE_BATCH_INVARIANT` | `1`: results independent of message size and batch shape (rank-order sums with one rounding only: one-/two-shot push and pull; fused calls on the fused one-shot push without clusters) | `0` |
 //! | `TP_ALLREDUCE_TRACE` | `1`: one-shot-push launches record timestamps (`bench --trace`) | `0` |
 //! | `TP_ALLREDUCE_RANK` | rank of a process started by `tp-allreduce launch` | set by the launcher |
 //! | `TP_ALLREDUCE_WORLD_SIZE` | world size of a launched process | set by the launcher |
@@ -66,6 +67,7 @@ pub const FUSED_ISLAND_KERNELS: &str = "TP_ALLREDUCE_FUSED_ISLAND_KERNELS";
 pub const FUSED_CLUSTERS: &str = "TP_ALLREDUCE_FUSED_CLUSTERS";
 pub const FUSED_SPREAD_PUSH: &str = "TP_ALLREDUCE_FUSED_SPREAD_PUSH";
 pub const TRACE: &str = "TP_ALLREDUCE_TRACE";
+pub const BATCH_INVARIANT: &str = "TP_ALLREDUCE_BATCH_INVARIANT";
 pub const RANK: &str = "TP_ALLREDUCE_RANK";
 pub const WORLD_SIZE: &str = "TP_ALLREDUCE_WORLD_SIZE";
 pub const ID: &str = "TP_ALLREDUCE_ID";
@@ -135,6 +137,11 @@ pub const VARS: &[EnvVar] = &[
         name: FUSED_CLUSTERS,
         meaning: "1/0: fused one-shot-push calls over a few long rows spread each row over a thread-block cluster",
         default: "1",
+    },
+    EnvVar {
+        name: BATCH_INVARIANT,
+        meaning: "1: results independent of message size and batch shape (rank-order sums with one rounding only)",
+        default: "0",
     },
     EnvVar {
         name: FUSED_SPREAD_PUSH,
@@ -278,6 +285,11 @@ pub fn fused_island_kernels() -> Result<Option<bool>> {
 /// `TP_ALLREDUCE_FUSED_CLUSTERS`, if set.
 pub fn fused_clusters() -> Result<Option<bool>> {
     flag(FUSED_CLUSTERS)
+}
+
+/// `TP_ALLREDUCE_BATCH_INVARIANT`, if set.
+pub fn batch_invariant() -> Result<Option<bool>> {
+    flag(BATCH_INVARIANT)
 }
 
 /// `TP_ALLREDUCE_FUSED_SPREAD_PUSH`, if set.

@@ -147,7 +147,8 @@ impl fmt::Display for DeviceFailure {
             Some(DeviceErrorCode::Timeout) => write!(
                 f,
                 "timeout: rank {} waited {:.1} ms for rank {} in {} ({}, block {}, epoch {}: expected flag {}, saw {}); \
-                 that rank is not running the same collective (crashed, hung, or issued a different sequence of calls)",
+                 that rank is not running the same collective (crashed, hung, or issued a different sequence of calls), \
+                 or one of the two ran two calls of this communicator at once (graphs replayed on unordered streams)",
                 self.rank,
                 self.waited_ns as f64 / 1e6,
                 self.peer.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),

@@ -4,8 +4,8 @@
 //!
 //! cudarc looks for `libnccl.so` (and versioned names ending in `.so.1`,
 //! `.so.9`..`.so.12`, `.so.<cuda major>`); NCCL wheels ship `libnccl.so.2`, so
-//! put a `libnccl.so` symlink to it on `LD_LIBRARY_PATH` (the GPU scripts in
-//! `.ci/` do this).
+//! put a `libnccl.so` symlink to it on `LD_LIBRARY_PATH` (`.ci/main.sh` and
+//! `benches/gpu/steps.sh` do this).
 
 #![allow(unsafe_code)]
 

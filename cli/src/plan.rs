@@ -251,7 +251,7 @@ fn assumptions(model: &CostModel) -> String {
     let _ = writeln!(
         s,
         "    each dependent hop costs the link latency ({:.2} us NVSwitch, {:.2} us same switch, {:.2} us root complex,\n    \
-         {:.2} us across sockets, {:.0} us through host memory)",
+         {:.2} us across sockets, {:.1} us through host memory)",
         p.latency_nvswitch_us,
         p.latency_pcie_switch_us,
         p.latency_pcie_root_complex_us,

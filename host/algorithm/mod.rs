@@ -136,8 +136,8 @@ pub(crate) trait AlgorithmHost: Sync {
 
     /// Device-memory bytes one rank moves for an `s`-byte allreduce of `n`
     /// ranks when all ranks are on one GPU (every peer access is local
-    /// memory): the definition `bench`'s large-message efficiency divides
-    /// by, as published in docs/RESULTS.md. (The cost model prices the same
+    /// memory): the definition `bench --efficiency` divides by. (The cost
+    /// model prices the same
     /// traffic differently: its `local_passes` plus the same-device flows,
     /// each a read and a write.)
     fn single_gpu_traffic_per_rank(&self, n: f64, s: f64) -> f64;

@@ -52,6 +52,16 @@ macro_rules! algorithm_enum {
 tp_allreduce_kernels::for_each_algorithm!(algorithm_enum);
 
 impl Algorithm {
+    /// The algorithms whose bits depend on the message size for a world of
+    /// three or more (the ring and the copy-engine ring cut the message into
+    /// pieces summed in a rotating order, hierarchical sums island partials
+    /// rounded to the element type, NCCL's order follows its protocol and
+    /// channels): what `Config::batch_invariant` leaves out. One-shot and
+    /// two-shot push and pull sum every element in rank order with one
+    /// rounding, whatever the size, so they agree bit for bit.
+    pub const BATCH_VARIANT: [Algorithm; 4] =
+        [Algorithm::Ring, Algorithm::Hierarchical, Algorithm::CopyEngineRing, Algorithm::Nccl];
+
     /// The allreduce algorithms of ours: what the selection chooses among,
     /// what `Comm::set_algorithm` forces.
     pub fn allreduce_algorithms() -> impl Iterator<Item = Algorithm> {

@@ -168,9 +168,9 @@ fn ids_fit_the_128_byte_payload() {
         assert!(id.to_string().len() < ID_PAYLOAD_BYTES, "{id}");
         assert_eq!(decode_id(&payload).unwrap(), id);
     }
-    // Unix ids: "tpar1:unix:<base>/tpar-<16 hex>/rdv.sock:<32 hex>" = 75 + base bytes.
+    // Unix ids: "tpar2:unix:<base>/tpar-<16 hex>/rdv.sock:<32 hex>" = 75 + base bytes.
     let job = "0123456789abcdef0123456789abcdef";
-    let unix = |base: &str| format!("tpar1:unix:{base}/tpar-0123456789abcdef/rdv.sock:{job}").parse::<Id>().unwrap();
+    let unix = |base: &str| format!("tpar2:unix:{base}/tpar-0123456789abcdef/rdv.sock:{job}").parse::<Id>().unwrap();
     let base_52 = format!("/{}", "d".repeat(51));
     let fits = unix(&base_52);
     assert_eq!(fits.to_string().len(), 127);

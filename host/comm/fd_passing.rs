@@ -19,18 +19,28 @@
 //! Access control is the directory: `<$XDG_RUNTIME_DIR or the temp
 //! dir>/tpar-fd-<16 hex>/`, mode 0700, socket mode 0600, so only the same
 //! user can connect; the nonce keeps any other connection from being
-//! served. A peer fetches only from a path of that shape in a private
-//! directory. The socket and its directory are removed when the server
-//! ends (every expected rank served, the deadline passed, or the step
-//! abandoned). Every wait is bounded by the step's deadline; a fetcher
-//! drains every batch even when it cannot use them, so the owner never
-//! waits for a peer that already gave up.
+//! served. Both ends also check the other's uid (`SO_PEERCRED`): the owner
+//! serves no process of another user, whatever path it took to the socket,
+//! and a peer fetches only from a path of that shape in a directory of its
+//! own user, closed to others, from a server of its own user. The socket
+//! and its directory are removed when the server ends (every expected rank
+//! served, the deadline passed, or the step abandoned). Every wait is
+//! bounded by the step's deadline; a fetcher drains every batch even when
+//! it cannot use them, so the owner never waits for a peer that already
+//! gave up.
+//!
+//! The descriptors are cuMem exports: on the NVIDIA driver (checked with
+//! 580.159), `fstat` shows each as the control device `/dev/nvidiactl`
+//! (a character device owned by root, size 0), so neither its owner nor its
+//! size says anything about the allocation behind it; what a fetcher checks
+//! is that each is a character device ([`check_cumem_fd`]) before the
+//! driver imports it, and the driver checks the sizes it maps.
 
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeSet;
 use std::io::{self, IoSlice, IoSliceMut, Read};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -40,7 +50,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use nix::sys::socket::{getsockopt, recvmsg, sendmsg, sockopt, ControlMessage, ControlMessageOwned, MsgFlags};
 use serde::{Deserialize, Serialize};
 
 use crate::driver::vmm::adopt_received_fds;
@@ -175,6 +185,7 @@ impl FdServer {
         deadline: Deadline,
     ) -> Result<usize> {
         stream.set_nonblocking(false).map_err(|e| Error::io("configuring a descriptor connection", e))?;
+        check_peer_uid(stream, "a process asking for descriptors")?;
         set_timeouts(stream, deadline)?;
         // A fetcher asks as soon as it connects: a silent connection must not
         // hold up the ranks behind it for the whole step.
@@ -243,9 +254,7 @@ pub(crate) fn fetch_fds(
 ) -> Result<()> {
     let path = Path::new(&address.path);
     check_socket_path(path)?;
-    if !in_private_dir(path) {
-        return Err(protocol(&format!("{} is not in a private directory", address.path)));
-    }
+    check_private_dir(path)?;
     let stream = UnixStream::connect(&address.path).map_err(|e| {
         Error::io(
             format!(
@@ -256,6 +265,7 @@ pub(crate) fn fetch_fds(
             e,
         )
     })?;
+    check_peer_uid(&stream, "the process serving descriptors")?;
     set_timeouts(&stream, deadline)?;
     send_all(&stream, &encode_request(&address.nonce, rank), &[], deadline, "sending a descriptor request")?;
     receive_fds(&stream, expected, deadline, on_batch)
@@ -496,11 +506,66 @@ fn check_socket_path(socket: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Whether the directory of `socket` exists, is a directory and is closed to
-/// other users.
-fn in_private_dir(socket: &Path) -> bool {
-    let meta = socket.parent().and_then(|d| std::fs::symlink_metadata(d).ok());
-    meta.is_some_and(|m| m.is_dir() && m.mode() & 0o077 == 0)
+/// This process's effective uid.
+fn own_uid() -> u32 {
+    nix::unistd::geteuid().as_raw()
+}
+
+/// Checks that the directory of `socket` exists, is a directory of this
+/// user and is closed to other users.
+fn check_private_dir(socket: &Path) -> Result<()> {
+    let dir = socket.parent().unwrap_or(socket);
+    let meta = std::fs::symlink_metadata(dir)
+        .map_err(|e| Error::io(format!("the descriptor socket's directory {}", dir.display()), e))?;
+    if !meta.is_dir() || meta.mode() & 0o077 != 0 {
+        return Err(protocol(&format!("{} is not in a private directory", socket.display())));
+    }
+    if meta.uid() != own_uid() {
+        return Err(protocol(&format!(
+            "{} belongs to uid {}, and this process runs as uid {}: not a rank of this job",
+            dir.display(),
+            meta.uid(),
+            own_uid()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks (`SO_PEERCRED`) that the process at the other end of `stream`
+/// runs as this process's user; `who` names it in the error.
+fn check_peer_uid(stream: &UnixStream, who: &str) -> Result<()> {
+    let cred = getsockopt(stream, sockopt::PeerCredentials)
+        .map_err(|e| Error::io(format!("reading the uid of {who}"), io::Error::from_raw_os_error(e as i32)))?;
+    if cred.uid() != own_uid() {
+        return Err(protocol(&format!(
+            "{who} runs as uid {}, and this process as uid {}: refused (ranks of one job run as one user)",
+            cred.uid(),
+            own_uid()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a descriptor a peer sent before the driver imports it as a cuMem
+/// allocation: it must be a character device, as the NVIDIA driver's
+/// exports are (see the module docs); anything else (a file, a socket, a
+/// pipe) is refused.
+pub(crate) fn check_cumem_fd(fd: BorrowedFd<'_>) -> Result<()> {
+    let meta = std::fs::File::from(fd.try_clone_to_owned().map_err(|e| Error::io("duplicating a descriptor", e))?)
+        .metadata()
+        .map_err(|e| Error::io("fstat of a descriptor a peer sent", e))?;
+    use std::os::unix::fs::FileTypeExt;
+    if !meta.file_type().is_char_device() {
+        return Err(protocol(&format!(
+            "a descriptor sent as a cuMem allocation is a {:?} (mode {:o}, uid {}, {} bytes), not the NVIDIA \
+             driver's character device",
+            meta.file_type(),
+            meta.mode() & 0o7777,
+            meta.uid(),
+            meta.len()
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

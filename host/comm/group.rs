@@ -76,6 +76,10 @@ impl Comm {
             match crate::nccl::NcclComm::from_rendezvous(&stream, &*rendezvous) {
                 Ok(n) => n,
                 Err(e) => {
+                    log::warn!(
+                        "rank {rank}: NCCL could not be set up ({e}); sizes where NCCL is faster run this \
+                         library's algorithms instead"
+                    );
                     notes.push(format!("NCCL fallback unavailable: {e}"));
                     None
                 }
@@ -83,10 +87,24 @@ impl Comm {
         } else {
             None
         };
-        let (selection, fused_selection, topology, more) =
+        let (selection, fused_selection, topology, more, table_source) =
             selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
         notes.extend(more);
         let watchdog = super::watchdog::Watchdog::start(&ctx, setup.watched_peers.clone(), setup.abort_targets(rank))?;
+        log::info!(
+            "communicator rank {rank} of {world} on GPU {}: transport {}{} ({}); algorithms from {table_source}; \
+             bf16 eager: {}; NCCL {}",
+            ctx.ordinal(),
+            setup.transport,
+            match (setup.transport, setup.island_split) {
+                (crate::algorithm::Transport::PerPair, Some(s)) =>
+                    format!(" (P2P inside islands {s}, host-staged across)"),
+                _ => String::new(),
+            },
+            setup.transport_reason,
+            selection.describe(crate::DType::Bf16, false),
+            if nccl.is_some() { "available" } else { "not available" },
+        );
         Ok(Comm {
             rank,
             world,

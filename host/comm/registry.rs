@@ -118,25 +118,38 @@ impl Registry {
         Ok(e)
     }
 
-    /// The entry for a pull call of `bytes` captured on `ptr`: calls on the
-    /// same input within one capture share an entry (one registration each).
-    fn capture_entry(&mut self, ptr: u64, bytes: usize, capacity: usize) -> Result<usize> {
+    /// Where a pull call of `bytes` captured on `ptr` reads its input:
+    /// calls on the same input within one capture share an entry (one
+    /// registration each). When the table is full the call reads a staged
+    /// copy instead (with a note): capture never fails for it. Entries are
+    /// not reused, since a graph captured earlier may still read its own;
+    /// every rank fills its table in the same order (registration and
+    /// capture are collective), so all ranks reach the end at the same call.
+    fn capture_entry(&mut self, ptr: u64, bytes: usize, capacity: usize) -> InputSource {
         if let Some(index) = self.pending_graph.iter().position(|p| p.ptr == ptr) {
             self.pending_calls.push(index as u32);
             let input = &mut self.pending_graph[index];
             input.bytes = input.bytes.max(bytes);
-            return Ok(input.entry);
+            return InputSource::Table(input.entry);
         }
-        let entry = self.alloc_entry(capacity)?;
+        let Ok(entry) = self.alloc_entry(capacity) else {
+            self.capture_staged(format!(
+                "the registration table is full ({capacity} entries over this communicator's life; an entry is \
+                 never reused, since a graph captured earlier may still read it): further captured pull calls read \
+                 a staged copy; raise Config::max_registered_buffers to keep them zero-copy"
+            ));
+            return InputSource::Staging;
+        };
         self.pending_calls.push(self.pending_graph.len() as u32);
         self.pending_graph.push(PendingInput { ptr, entry, bytes });
-        Ok(entry)
+        InputSource::Table(entry)
     }
 
     /// A captured call that reads the staging copy, and why.
     fn capture_staged(&mut self, why: String) {
         self.pending_calls.push(STAGED_CALL);
         if self.notes.len() < MAX_NOTES && !self.notes.contains(&why) {
+            log::warn!("{why} (one extra device copy per replay; reported once per reason)");
             self.notes.push(why);
         }
     }
@@ -197,7 +210,7 @@ impl Comm {
             reg.capture_staged(format!("captured pull calls on such inputs read a staged copy: {why}"));
             return Ok(InputSource::Staging);
         }
-        Ok(InputSource::Table(reg.capture_entry(send, bytes, self.setup.table_capacity)?))
+        Ok(reg.capture_entry(send, bytes, self.setup.table_capacity))
     }
 
     /// Why a captured input cannot be registered, if it cannot: pool memory
@@ -288,6 +301,20 @@ impl Comm {
     /// The inputs must stay allocated until [`deregister_buffers`](Self::deregister_buffers)
     /// returns, or until every rank's communicator is dropped (as for
     /// [`register_buffer`](Self::register_buffer)).
+    ///
+    /// # Replaying graphs
+    /// A rank's calls must run one after the other, also across graphs:
+    /// the kernels of one communicator share the rank's per-region
+    /// generation counters and receive regions. Replay graphs that hold
+    /// calls of one communicator in an order the stream sees (one stream,
+    /// or events between them), and do not replay one while an eager call
+    /// of the communicator runs on another stream. The library orders what
+    /// it can see (eager calls on any stream; it refuses two calls of one
+    /// capture on different streams), not replays, which the driver runs
+    /// without it. Two replays that overlap anyway do not give wrong sums
+    /// silently: a call then waits for data its peers put in the other
+    /// half of the receive region and fails with `Error::Timeout`, or a
+    /// peer's does (tested: `gpu_streams::concurrent_replays_of_two_graphs_never_fail_silently`).
     pub fn register_graph_buffers(&self) -> Result<usize> {
         let context = CurrentContext::bind(&self.ctx);
         let (pending, calls) = {
@@ -498,10 +525,10 @@ mod tests {
     #[test]
     fn captured_calls_on_one_input_share_an_entry() {
         let mut reg = Registry::default();
-        let a = reg.capture_entry(0x1000, 64, 16).unwrap();
-        let b = reg.capture_entry(0x2000, 64, 16).unwrap();
-        assert_eq!((a, b), (1, 2), "entry 0 is the staging buffer");
-        assert_eq!(reg.capture_entry(0x1000, 64, 16).unwrap(), a);
+        let a = reg.capture_entry(0x1000, 64, 16);
+        let b = reg.capture_entry(0x2000, 64, 16);
+        assert_eq!((a, b), (InputSource::Table(1), InputSource::Table(2)), "entry 0 is the staging buffer");
+        assert_eq!(reg.capture_entry(0x1000, 64, 16), a);
         assert_eq!(reg.pending_graph.len(), 2);
     }
 
@@ -509,9 +536,9 @@ mod tests {
     fn a_captured_input_records_its_longest_call() {
         // Peers map what the calls read of a cuMem input: the longest one.
         let mut reg = Registry::default();
-        reg.capture_entry(0x1000, 64, 16).unwrap();
-        reg.capture_entry(0x1000, 4096, 16).unwrap();
-        reg.capture_entry(0x1000, 128, 16).unwrap();
+        reg.capture_entry(0x1000, 64, 16);
+        reg.capture_entry(0x1000, 4096, 16);
+        reg.capture_entry(0x1000, 128, 16);
         assert_eq!(reg.pending_graph, [PendingInput { ptr: 0x1000, entry: 1, bytes: 4096 }]);
     }
 
@@ -519,7 +546,7 @@ mod tests {
     fn staged_captures_count_as_calls_and_leave_one_note_per_reason() {
         let mut reg = Registry::default();
         reg.capture_staged("cuMem without a POSIX fd handle type".into());
-        reg.capture_entry(0x1000, 64, 16).unwrap();
+        reg.capture_entry(0x1000, 64, 16);
         reg.capture_staged("cuMem without a POSIX fd handle type".into());
         reg.capture_staged("pool memory".into());
         assert_eq!(reg.pending_calls, [STAGED_CALL, 0, STAGED_CALL, STAGED_CALL]);
@@ -534,14 +561,14 @@ mod tests {
     fn released_entries_are_never_handed_out_again() {
         let mut reg = Registry::default();
         assert_eq!(reg.release_all(), 1..1, "nothing to release yet");
-        reg.capture_entry(0x1000, 64, 16).unwrap();
+        reg.capture_entry(0x1000, 64, 16);
         reg.alloc_entry(16).unwrap();
         assert_eq!(reg.release_all(), 1..3);
         assert!(reg.pending_graph.is_empty() && reg.registered.is_empty());
         assert_eq!(reg.release_all(), 3..3, "a second release zeroes nothing");
         // The same pointer captured again gets a new entry: a graph captured
         // before the release keeps finding its zeroed one.
-        assert_eq!(reg.capture_entry(0x1000, 64, 16).unwrap(), 3);
+        assert_eq!(reg.capture_entry(0x1000, 64, 16), InputSource::Table(3));
         assert_eq!(reg.release_all(), 3..4);
     }
 
@@ -550,10 +577,10 @@ mod tests {
         let mut a = Registry::default();
         let mut b = Registry::default();
         for p in [0x10, 0x10, 0x20] {
-            a.capture_entry(p, 64, 16).unwrap();
+            a.capture_entry(p, 64, 16);
         }
         for p in [0x30, 0x40, 0x40] {
-            b.capture_entry(p, 64, 16).unwrap();
+            b.capture_entry(p, 64, 16);
         }
         assert_eq!(a.pending_calls, [0, 0, 1]);
         let why = pattern_mismatch(&[a.pending_calls.clone(), b.pending_calls.clone()]).unwrap();
@@ -572,12 +599,23 @@ mod tests {
     }
 
     #[test]
-    fn the_table_capacity_is_enforced() {
+    fn the_table_capacity_is_enforced_for_registration_and_capture_stages_past_it() {
         let mut reg = Registry::default();
         for expected in 1..4 {
             assert_eq!(reg.alloc_entry(4).unwrap(), expected);
         }
-        let e = reg.capture_entry(0x1000, 64, 4).unwrap_err().to_string();
+        // An explicit registration past the end is refused ...
+        let e = reg.alloc_entry(4).unwrap_err().to_string();
         assert!(e.contains("max_registered_buffers"), "{e}");
+        // ... a captured call reads a staged copy, with a note, however many
+        // more are captured.
+        for p in 0..10_000u64 {
+            assert_eq!(reg.capture_entry(0x1000 + 16 * p, 64, 4), InputSource::Staging);
+        }
+        assert_eq!(reg.pending_calls.len(), 10_000);
+        assert!(reg.pending_calls.iter().all(|&c| c == STAGED_CALL));
+        assert_eq!(reg.notes.len(), 1, "one note for the reason: {:?}", reg.notes);
+        assert!(reg.notes[0].contains("registration table is full"), "{:?}", reg.notes);
+        assert!(reg.pending_graph.is_empty(), "nothing to register");
     }
 }

@@ -10,7 +10,7 @@ use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
 
 use super::setup::Setup;
-use crate::algorithm::{IslandSplit, Transport};
+use crate::algorithm::{Algorithm, IslandSplit, Transport};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::rendezvous::{all_gather_json, Rendezvous};
@@ -90,13 +90,15 @@ pub(crate) fn islands(view: &Topology, config: &Config, world: usize) -> Result<
 /// Collective: the selection tables for this communicator (plain calls,
 /// and fused calls built from the same inputs). Every rank must arrive at
 /// the same plain table (checked through a digest), hence the same fused one.
+/// The last value says where the choices come from (for the creation log).
+#[allow(clippy::type_complexity)]
 pub(crate) fn build_table(
     mut view: Topology,
     setup: &Setup,
     config: &Config,
     nccl_available: bool,
     rdv: &dyn Rendezvous,
-) -> Result<(SelectionTable, SelectionTable, Topology, Vec<String>)> {
+) -> Result<(SelectionTable, SelectionTable, Topology, Vec<String>, String)> {
     let world = view.len();
     // What the transfer check found, per pair: every pair with P2P, none
     // host-staged, only island-mates with the per-pair transport.
@@ -120,31 +122,62 @@ pub(crate) fn build_table(
     constraints.one_shot_push_max_bytes =
         setup.layout.one_shot_push_max_packs as usize * tp_allreduce_kernels::layout::PACK_BYTES;
     constraints.communicator_override = config.algorithm;
+    if config.batch_invariant {
+        constraints.disabled.extend(Algorithm::BATCH_VARIANT);
+        // NCCL is never chosen, not even as the bar to clear.
+        constraints.nccl_available = false;
+    }
     let mut notes = Vec::new();
     let mut tuning_used = "none".to_string();
+    let mut source = "the cost model (no tuning table for this machine)".to_string();
     let tuning = match crate::env::tuning_file(&view.fingerprint(), world) {
         Some(path) => match TuningTable::load_for(&path, &view)? {
             Loaded::Usable(t) => {
                 notes.push(format!("tuning table {} applies", path.display()));
                 tuning_used = path.display().to_string();
+                source = format!("tuning table {} (the cost model where it has no entry)", path.display());
                 Some(t)
             }
             Loaded::Ignored { reason } => {
                 notes.push(format!("no tuning table used: {reason}"));
+                source = format!("the cost model (tuning table ignored: {reason})");
                 None
             }
         },
         None => None,
     };
+    if let Some(a) = config.algorithm {
+        source = format!("forced to {a} by the configuration");
+    } else if let Some(a) = constraints.env_override {
+        source = format!("forced to {a} by {} where it applies, else {source}", crate::env::ALGORITHM);
+    }
     let model = CostModel::new(CostParams::default());
     let table = SelectionTable::build(&model, tuning.as_ref(), &view, &constraints);
-    let fused = SelectionTable::build_fused(&model, tuning.as_ref(), &view, &constraints);
+    // Batch invariance: one fused path for every row count, the fused
+    // one-shot push (cut into launches of whole rows at any size): the
+    // fused kernels of other algorithms normalise with other block
+    // reductions, and an unfused path rounds the sum before the residual
+    // add. Which one depends on the row length only.
+    let fused_constraints = if config.batch_invariant {
+        Constraints { communicator_override: config.algorithm.or(Some(Algorithm::OneShotPush)), ..constraints.clone() }
+    } else {
+        constraints.clone()
+    };
+    let fused = SelectionTable::build_fused(&model, tuning.as_ref(), &view, &fused_constraints);
+    if config.batch_invariant && (table.chooses(Algorithm::Nccl) || fused.chooses(Algorithm::Nccl)) {
+        let why = table.lookup(42 << 10, crate::DType::Bf16, true).reason.clone();
+        return Err(Error::Config(format!(
+            "batch_invariant: no algorithm whose results are independent of the message size runs on this \
+             communicator (one-shot and two-shot push and pull; {}): {why}",
+            setup.transport
+        )));
+    }
     let mine = TableSummary {
         digest: table.digest(),
         inputs: format!("topology {}, tuning table {tuning_used}, {constraints:?}", view.fingerprint()),
     };
     agree_on_tables(&all_gather_json(rdv, &mine)?)?;
-    Ok((table, fused, view, notes))
+    Ok((table, fused, view, notes, source))
 }
 
 /// What a rank built its selection table from, and the table's digest.

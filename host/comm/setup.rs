@@ -43,7 +43,7 @@ use super::p2p_check::{self, TransportProblem};
 use super::shm::SharedHostRegion;
 use super::teardown::LocalGroup;
 use crate::algorithm::{Geometry, IslandSplit, RankMemory, ResidentBlocks, Transport, CE_MAX_PIECES};
-use crate::config::Config;
+use crate::config::{Config, TransportPreference};
 use crate::driver::{self, CurrentContext, DeviceMemory, KernelModule, PinnedHostMemory};
 use crate::error::{Error, Result};
 use crate::rendezvous::{all_gather_json, Rendezvous};
@@ -176,6 +176,9 @@ pub(crate) fn build(
     let split = island_split(world, config)?;
     let unreachable = reachability(&ctx, &placement, rdv, split)?;
     let (mut transport, mut reason) = initial_transport(config.transport, &unreachable, split)?;
+    if config.transport == TransportPreference::Auto && transport != Transport::PeerToPeer {
+        log::warn!("rank {rank}: {reason} (slower than P2P)");
+    }
     let islands = island_layout(rank, split);
     let resident = placement::resident_blocks(module, placement.hellos[rank].sms, placement.ranks_on_device)?;
     loop {
@@ -205,16 +208,44 @@ pub(crate) fn build(
         }
         match verdict(config.transport, transport, step, &problems) {
             Verdict::Keep => {
+                if transport != Transport::PeerToPeer {
+                    if let Some(why) = relaxed_ordering_enabled() {
+                        log::warn!(
+                            "rank {rank}: {why}: the host-staged protocol assumes a GPU's posted writes to host \
+                             memory stay in order (ARCHITECTURE.md, the memory-ordering contract); with relaxed \
+                             ordering a call can lose a payload and fail with a timeout"
+                        );
+                    }
+                }
                 let sentinel = (peer_bases, resident);
                 let mut setup = attempt.into_setup(transport, reason, &placement, config, sentinel);
                 (setup.island_split, setup.cross) = (split, cross);
                 return Ok(Setup { local_group: Some(local_group), ..setup });
             }
             // `attempt` is dropped here: its memory and mappings released.
-            Verdict::FallBack(why) => (transport, reason) = (Transport::HostStaged, why),
+            Verdict::FallBack(why) => {
+                log::warn!("rank {rank}: {why} (slower than P2P)");
+                (transport, reason) = (Transport::HostStaged, why);
+            }
             Verdict::Fail(e) => return Err(e),
         }
     }
+}
+
+/// Why this host's NVIDIA driver may set PCIe Relaxed Ordering on the GPU's
+/// outbound writes, if it says so: `EnablePCIERelaxedOrderingMode: 1` in
+/// `/proc/driver/nvidia/params` (its default is 0, docs/SOURCES.md \[F43\]).
+/// `None` when the file says 0 or cannot be read.
+fn relaxed_ordering_enabled() -> Option<String> {
+    let params = std::fs::read_to_string("/proc/driver/nvidia/params").ok()?;
+    relaxed_ordering_in(&params)
+}
+
+/// [`relaxed_ordering_enabled`] of the file's text. Pure.
+fn relaxed_ordering_in(params: &str) -> Option<String> {
+    let line = params.lines().find(|l| l.trim_start().starts_with("EnablePCIERelaxedOrderingMode:"))?;
+    let value = line.split(':').nth(1)?.trim();
+    (value != "0").then(|| format!("the NVIDIA driver sets PCIe Relaxed Ordering ({})", line.trim()))
 }
 
 /// The salt this rank's check kernel runs with (another one only under a

@@ -188,6 +188,7 @@ pub(crate) fn fetch_chunks(export: &VmmExport, me: usize, deadline: Deadline) ->
     let mut handles = Vec::with_capacity(expected);
     fd_passing::fetch_fds(&export.socket, me, expected, deadline, |batch| {
         for fd in batch {
+            fd_passing::check_cumem_fd(fd.as_fd())?;
             handles.push(ChunkHandle::import_fd(fd.as_fd())?);
         }
         Ok(())

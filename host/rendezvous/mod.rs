@@ -9,8 +9,10 @@
 //! * [`Id`] — made once by rank 0 ([`Id::new_unix`] or [`Id::new_tcp`]) and
 //!   handed to the other ranks the way NCCL unique ids are: a file, an
 //!   environment variable, your launcher. It is a one-line ASCII string
-//!   (`tpar1:unix:<socket path>:<job hex>`, `tpar1:tcp:<addr>:<job hex>`);
-//!   `to_string()` and `parse()` round-trip it, and serde uses the same form.
+//!   (`tpar2:unix:<socket path>:<secret hex>`, `tpar2:tcp:<addr>:<secret
+//!   hex>`) that carries a random 128-bit secret, so treat it like a
+//!   password; `to_string()` and `parse()` round-trip it, serde uses the
+//!   same form, and `{:?}` leaves the secret out.
 //! * [`connect`] — joins rank `rank` of `world_size` through an `Id` over a
 //!   Unix socket or TCP, with the protocol below.
 //! * [`in_process_group`] — ranks that are threads of one process.
@@ -58,25 +60,47 @@
 //! # Protocol of [`connect`]
 //!
 //! A star around rank 0. Every frame has a checked header (magic, version,
-//! kind, job id, sender rank, round, payload length; see `wire.rs`), and
-//! every wait is bounded by the `timeout` given to `connect`.
+//! kind, flags, job id, sender rank, round, payload length; see
+//! `wire.rs`), and every wait is bounded by the `timeout` given to
+//! `connect`. The job id is derived from the id's secret and travels in the
+//! clear; the secret never goes on a socket.
 //!
 //! 1. **Join.** Rank 0 listens: a Unix socket of mode 0600 inside a private
 //!    0700 directory, or a TCP port. Ranks 1..N-1 connect, retrying while
-//!    rank 0 is not up yet, and send HELLO (their rank and world size).
-//!    Rank 0 reads each new connection's HELLO on its own thread, within a
-//!    per-connection limit, and admits it if it is a well-formed HELLO of
-//!    this job from a rank in 1..N-1 with the same world size that has not
-//!    joined yet (the first connection for a rank wins). Anything else is
-//!    refused and closed — with an ABORT that says why when the header was
-//!    readable — and rank 0 keeps waiting for the good ranks. When all N-1
-//!    have joined, rank 0 stops listening (the socket file and directory are
-//!    removed) and sends WELCOME to each.
+//!    rank 0 is not up yet. Each connection then runs a handshake in which
+//!    both ends prove that they hold the secret, with HMAC-SHA256 tags over
+//!    fresh nonces (what each tag covers is in `auth.rs`):
+//!    * (Unix sockets) each end checks that the other runs as the same user
+//!      (`SO_PEERCRED`);
+//!    * the member sends HELLO: its rank, world size, a fresh nonce, and a
+//!      tag over them;
+//!    * rank 0 checks the HELLO's tag (and that it has not seen its nonce
+//!      in this join) and answers CHALLENGE: its world size, a fresh
+//!      nonce, and a tag over everything said so far;
+//!    * the member checks the CHALLENGE's tag, and only then sends PROOF, a
+//!      tag over everything said so far under another label;
+//!    * rank 0 checks the PROOF.
+//!
+//!    From then on every frame of that connection is sealed: it ends with a
+//!    tag under a key of this connection and direction (derived from the
+//!    secret and both nonces) over a sequence number, the header and the
+//!    payload. A frame altered in flight, replayed (from this connection
+//!    or another one, this rendezvous or an earlier one) or sent back to
+//!    its sender does not open, and the connection fails with that reason.
+//!    Rank 0 admits an authenticated connection if its rank is in 1..N-1,
+//!    its world size is rank 0's and no connection has joined as that rank
+//!    yet (the first one wins); else it refuses it with a sealed ABORT
+//!    that says why, and the member fails at once with that reason. A
+//!    member also fails at once when the CHALLENGE shows rank 0 was started
+//!    with another world size. When all N-1 have joined, rank 0 stops
+//!    listening (the socket file and directory are removed) and sends a
+//!    sealed WELCOME to each.
 //! 2. **Rounds.** For each `all_gather`, ranks 1..N-1 send GATHER(round,
-//!    bytes); rank 0 waits for all of them and sends RESULT(round, all bytes)
-//!    back. Connections stay open for the next round. Every frame must come
-//!    from the rank its connection joined as, for this job, of the expected
-//!    kind and round; a rank also checks that RESULT holds its own bytes.
+//!    bytes); rank 0 waits for all of them and sends RESULT(round, all
+//!    bytes) back. Connections stay open for the next round. Every frame
+//!    must open under its connection's session and come from the rank its
+//!    connection joined as, for this job, of the expected kind and round; a
+//!    rank also checks that RESULT holds its own bytes.
 //! 3. **Failure.** A rank that does not arrive in time, closes its
 //!    connection (exit, crash, drop) or breaks the protocol fails rank 0's
 //!    current call with an error naming it; rank 0 then sends ABORT with the
@@ -84,45 +108,78 @@
 //!    instead of timing out. A rank that loses rank 0 reports rank 0. After
 //!    any failure the rendezvous is unusable: every later call fails.
 //!
+//! **Strangers, floods and squatters.** Rank 0 runs each new connection's
+//! handshake on a thread of its own, within a short limit (a second at
+//! most), and keeps accepting meanwhile. Anything that fails the handshake
+//! is refused and closed (with a plain ABORT that says why when its header
+//! was readable, carrying the job id the peer sent), and rank 0 keeps
+//! waiting for the good ranks. At most 64 connections that have not sent
+//! a HELLO with a valid tag are held at once; a new one closes the oldest
+//! of them, so silent or garbage connections, however many, only push one
+//! another out, never a connection that has shown the secret. A member
+//! trusts nothing before rank 0's CHALLENGE checks out: when the peer
+//! fails the handshake (a process squatting on rank 0's port, a plain
+//! ABORT, garbage), or the connection ends before WELCOME (rank 0 had no
+//! room for it), the member has sent nothing but its HELLO; it closes that
+//! connection and dials again, backing off up to 100 ms, until its timeout,
+//! and then fails naming the last reason ("nothing there passed
+//! authentication as rank 0 of this job" if no peer ever proved itself).
+//!
 //! Guarantees: a malformed, foreign or hostile connection never crashes a
-//! rank, never makes one allocate more than the frame limit, and never
-//! stops the good ranks from joining; no call blocks longer than its
-//! timeout (ranks 1..N-1 wait a short grace beyond it for rank 0's answer,
-//! so that they receive its diagnosis — "ranks [2, 5] did not join" —
-//! rather than only "rank 0 did not answer"). The timeout therefore also
-//! bounds how far apart in time the ranks may reach the same call. One
-//! round carries at most [`MAX_ROUND_BYTES`].
+//! rank, never makes one allocate more than the frame limit, never learns
+//! a rank's round bytes, never makes a rank accept bytes it did not send
+//! with the secret, and never stops the good ranks from joining; no call
+//! blocks longer than its timeout (ranks 1..N-1 wait a short grace beyond
+//! it for rank 0's answer, so that they receive its diagnosis — "ranks [2,
+//! 5] did not join" — rather than only "rank 0 did not answer"). The
+//! timeout therefore also bounds how far apart in time the ranks may reach
+//! the same call. One round carries at most [`MAX_ROUND_BYTES`].
 //!
 //! # Security
 //!
-//! With Unix sockets, only processes of the same user can connect (0700
-//! directory, 0600 socket). With TCP anyone who can reach the port can
-//! connect; the random 128-bit job id is what admits a rank, so treat the
-//! id string like a password, and bind to loopback (`127.0.0.1:<port>`),
-//! which suffices for the GPUs of one host. Binding to another address
-//! works but exposes the port to that network.
+//! What admits a rank is the secret in the id: hand the id string to the
+//! ranks the way you would a password (an environment variable, a file of
+//! mode 0600), never on a command line others can read. With Unix sockets,
+//! only processes of the same user can connect (0700 directory, 0600
+//! socket) and both ends check the other's uid. With TCP anyone who can
+//! reach the port can connect, or bind it before rank 0 does; they cannot
+//! join, nor pass for rank 0, nor read or change what the ranks exchange
+//! without the secret (the rounds are authenticated, not encrypted: a
+//! process that can read loopback traffic sees the bytes), but they can
+//! delay the join until the timeout by holding the port. Bind to loopback
+//! (`127.0.0.1:<port>`), which suffices for the GPUs of one host;
+//! [`Id::new_tcp`] logs a warning for an unspecified address (`0.0.0.0`,
+//! `::`), which listens on every network of the host.
 //!
 //! # Files
 //!
 //! * `mod.rs` — the [`Rendezvous`] trait, [`Id`], [`connect`], and what
 //!   both sides of [`connect`] share: the `Conn` and `Listen` seams
 //!   over the transports, deadline-bounded frame I/O, ABORT helpers.
-//! * `root.rs` — rank 0: accepting connections and their HELLOs, WELCOME,
-//!   collecting each round, relaying ABORTs.
-//! * `member.rs` — ranks 1..N-1: dialing rank 0, HELLO, each round's
-//!   GATHER and RESULT.
+//! * `auth.rs` — the secret, the nonces, every tag and what it covers, and
+//!   the sealing of a connection's frames.
+//! * `root.rs` — rank 0: accepting connections, their handshakes (and
+//!   making room under a flood), admission, WELCOME, collecting each
+//!   round, relaying ABORTs.
+//! * `member.rs` — ranks 1..N-1: dialing rank 0, the handshake (and
+//!   dialing again past peers that fail it), each round's GATHER and
+//!   RESULT.
 //! * `wire.rs` — the frame format: encoding, reading from any `Read`,
 //!   and the checks of what a frame says and of what the receiver expects.
 //! * `unix.rs`, `tcp.rs` — the two transports (listen, dial, `Conn`).
 //! * `in_process.rs` — [`in_process_group`], no sockets.
 //! * `json.rs` — all-gathers of JSON-encoded records (init, registration).
 //! * Tests: each file tests its own code; `tests.rs` runs the whole
-//!   protocol over both transports, with helpers in `testing.rs`; `fuzz/`
-//!   feeds generated and mutated frames to rank 0 and to a member and
-//!   checks each outcome against what the protocol above promises.
+//!   protocol over both transports, with helpers in `testing.rs`;
+//!   `attacks.rs` attacks it as an attacker would (a squatter on rank 0's
+//!   port, floods, a relay that records, replays and alters frames, peers
+//!   of another user); `fuzz/` feeds generated, mutated and replayed frames
+//!   to both sides' handshakes, to rank 0 and to a member, and checks each
+//!   outcome against what the protocol above promises.
 
 #![forbid(unsafe_code)]
 
+mod auth;
 mod in_process;
 mod json;
 mod member;
@@ -131,6 +188,8 @@ mod tcp;
 mod unix;
 mod wire;
 
+#[cfg(test)]
+mod attacks;
 #[cfg(test)]
 mod fuzz;
 #[cfg(test)]
@@ -150,6 +209,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use auth::{Sealer, Secret};
 use member::Member;
 use root::Root;
 use wire::{Abort, AbortCode, Frame, Kind, WireError};
@@ -177,15 +237,20 @@ pub const MAX_ROUND_BYTES: usize = wire::MAX_PAYLOAD;
 /// Largest world size [`connect`] accepts (rank 0 keeps a thread per rank).
 pub const MAX_WORLD_SIZE: usize = 1024;
 
-const ID_PREFIX: &str = "tpar1";
+/// The id string's version: `tpar2` ids carry a secret (`tpar1` ids carried
+/// the job id itself, and builds that read them would send it in the clear).
+const ID_PREFIX: &str = "tpar2";
 /// Longest id string `FromStr` accepts.
 const MAX_ID_LEN: usize = 256;
 
-/// Where rank 0 listens and which job the ranks belong to. Created by rank
-/// 0 and passed to the others; see the [module docs](self).
+/// Where rank 0 listens, and the secret that admits a rank to the job.
+/// Created by rank 0 and passed to the others out of band, like a
+/// password; see the [module docs](self).
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Id {
     endpoint: Endpoint,
+    secret: Secret,
+    /// Derived from `secret`.
     job: [u8; 16],
 }
 
@@ -212,19 +277,32 @@ impl Id {
     /// [`connect`] removes the directory when the join phase ends; an id
     /// that is never connected leaves the empty directory behind.
     pub fn new_unix() -> Result<Id> {
-        let job = random_bytes::<16>()?;
-        Ok(Id { endpoint: Endpoint::Unix(unix::create_private_dir()?), job })
+        let secret = random_bytes::<{ auth::SECRET_LEN }>()?;
+        Ok(Id::with_secret(Endpoint::Unix(unix::create_private_dir()?), secret))
     }
 
     /// A new id for a TCP rendezvous where rank 0 listens on `addr`. Use a
-    /// loopback address with a free port (`127.0.0.1:29500`); any other
-    /// address exposes the port beyond this host (see the module docs).
+    /// loopback address with a free port (`127.0.0.1:29500`). An
+    /// unspecified address (`0.0.0.0`, `::`) listens on every network of
+    /// the host and is logged as a warning; see the module docs.
     pub fn new_tcp(addr: SocketAddr) -> Id {
-        let job = random_bytes::<16>().unwrap_or_else(|_| fallback_random());
-        Id { endpoint: Endpoint::Tcp(addr), job }
+        if addr.ip().is_unspecified() {
+            log::warn!(
+                "rendezvous Id::new_tcp({addr}): rank 0 will listen on every network of this host, so anyone who \
+                 can reach the port can connect (without the id's secret they cannot join, but they can hold \
+                 connections open); use 127.0.0.1:{} for the GPUs of one host",
+                addr.port()
+            );
+        }
+        let secret = random_bytes::<{ auth::SECRET_LEN }>().unwrap_or_else(|_| fallback_random());
+        Id::with_secret(Endpoint::Tcp(addr), secret)
     }
 
-    /// The random job id every frame carries.
+    fn with_secret(endpoint: Endpoint, secret: Secret) -> Id {
+        Id { endpoint, secret, job: auth::job_id(&secret) }
+    }
+
+    /// The job id every frame carries (derived from the secret; public).
     pub fn job_id(&self) -> [u8; 16] {
         self.job
     }
@@ -247,15 +325,17 @@ impl fmt::Display for Id {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.endpoint {
             // Paths are checked to be printable ASCII when the id is made.
-            Endpoint::Unix(p) => write!(f, "{ID_PREFIX}:unix:{}:{}", p.display(), hex(&self.job)),
-            Endpoint::Tcp(a) => write!(f, "{ID_PREFIX}:tcp:{a}:{}", hex(&self.job)),
+            Endpoint::Unix(p) => write!(f, "{ID_PREFIX}:unix:{}:{}", p.display(), hex(&self.secret)),
+            Endpoint::Tcp(a) => write!(f, "{ID_PREFIX}:tcp:{a}:{}", hex(&self.secret)),
         }
     }
 }
 
+/// Leaves the secret out (debug output ends up in logs); `Display` is the
+/// whole id.
 impl fmt::Debug for Id {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Id({self})")
+        write!(f, "Id({}, job {}, secret not shown)", self.endpoint, hex(&self.job))
     }
 }
 
@@ -281,8 +361,8 @@ impl FromStr for Id {
             });
         };
         let (kind, rest) = rest.split_once(':').ok_or_else(|| bad("missing the transport"))?;
-        let (place, job_hex) = rest.rsplit_once(':').ok_or_else(|| bad("missing the job id"))?;
-        let job = unhex16(job_hex).ok_or_else(|| bad("the job id must be 32 lowercase hex digits"))?;
+        let (place, secret_hex) = rest.rsplit_once(':').ok_or_else(|| bad("missing the secret"))?;
+        let secret = unhex16(secret_hex).ok_or_else(|| bad("the secret must be 32 lowercase hex digits"))?;
         let endpoint = match kind {
             "unix" => {
                 let path = PathBuf::from(place);
@@ -292,7 +372,7 @@ impl FromStr for Id {
             "tcp" => Endpoint::Tcp(place.parse().map_err(|_| bad("the address must be IP:port, [IPv6]:port"))?),
             other => return Err(bad(&format!("unknown transport {other:?} (expected unix or tcp)"))),
         };
-        Ok(Id { endpoint, job })
+        Ok(Id::with_secret(endpoint, secret))
     }
 }
 
@@ -330,17 +410,18 @@ fn unhex16(s: &str) -> Option<[u8; 16]> {
     Some(out)
 }
 
-/// Bytes from the OS random source.
+/// Bytes from the OS random source (`getrandom(2)`).
 pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     let mut out = [0u8; N];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut out))
-        .map_err(|e| Error::io("reading /dev/urandom for a rendezvous id", e))?;
+    getrandom::getrandom(&mut out).map_err(|e| {
+        Error::io("reading the OS random source for a rendezvous secret or nonce", io::Error::other(e.to_string()))
+    })?;
     Ok(out)
 }
 
-/// Only for `Id::new_tcp`, which cannot fail, when /dev/urandom cannot be
-/// read: std's per-process random hash keys, the time and the pid.
+/// Only for `Id::new_tcp`, which cannot fail, when the OS random source
+/// cannot be read: SipHash under std's hash keys (themselves taken from the
+/// OS random source once per thread), the time and the pid.
 fn fallback_random() -> [u8; 16] {
     use std::hash::{BuildHasher, Hasher};
     let mut out = [0u8; 16];
@@ -366,9 +447,12 @@ pub fn connect(id: &Id, rank: usize, world_size: usize, timeout: Duration) -> Re
 /// Internal knobs, derived from the timeout; tests shorten them.
 #[derive(Clone, Copy, Debug)]
 struct Limits {
-    /// How long a new connection to rank 0 has to send its HELLO.
-    hello_timeout: Duration,
-    /// Connections waiting for their HELLO at once; more are closed.
+    /// How long a new connection to rank 0 has for its whole handshake
+    /// (HELLO, then PROOF); a member waits twice this for a CHALLENGE
+    /// before it tries again.
+    handshake_timeout: Duration,
+    /// Connections rank 0 holds at once that have not sent a valid HELLO
+    /// yet; a new one closes the oldest of them.
     max_pending: usize,
     /// Extra time ranks 1.. wait for rank 0, so rank 0's own timeout fires
     /// first and its diagnosis reaches them.
@@ -378,7 +462,7 @@ struct Limits {
 impl Limits {
     fn for_timeout(timeout: Duration) -> Limits {
         Limits {
-            hello_timeout: timeout.min(Duration::from_secs(5)),
+            handshake_timeout: timeout.min(Duration::from_secs(1)),
             max_pending: 64,
             grace: (timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(2)),
         }
@@ -398,7 +482,7 @@ fn connect_with(id: &Id, rank: usize, world: usize, timeout: Duration, limits: L
     if timeout.is_zero() {
         return Err(Error::invalid("rendezvous timeout must be positive"));
     }
-    let link = Link { job: id.job, world, timeout, limits };
+    let link = Link { secret: id.secret, job: id.job, world, timeout, limits };
     if rank == 0 {
         let listener: Box<dyn Listen> = match &id.endpoint {
             Endpoint::Unix(path) => Box::new(unix::bind(path)?),
@@ -420,6 +504,9 @@ trait Conn: Send + Sync + 'static {
     /// Shuts both directions down: a read blocked in another thread
     /// returns at once, and the peer sees end of stream.
     fn disconnect(&self);
+    /// The peer process's user id, where the transport knows it (Unix
+    /// sockets: `SO_PEERCRED`); `None` for TCP.
+    fn peer_uid(&self) -> io::Result<Option<u32>>;
 }
 
 /// Rank 0's listening socket (non-blocking).
@@ -481,11 +568,31 @@ fn write_frame(conn: &dyn Conn, deadline: Instant, frame: &[u8]) -> io::Result<(
     Timed { conn, deadline: Some(deadline) }.write_all(frame)
 }
 
-/// Best-effort ABORT: the peer may already be gone.
-fn send_abort(conn: &dyn Conn, job: &[u8; 16], sender: u32, round: u32, abort: &Abort) {
+/// Best-effort plain ABORT, to a peer that has not authenticated (the
+/// peer may already be gone).
+fn send_plain_abort(conn: &dyn Conn, job: &[u8; 16], sender: u32, round: u32, abort: &Abort) {
     if let Ok(frame) = wire::encode(Kind::Abort, job, sender, round, &wire::encode_abort(abort)) {
         let _ = write_frame(conn, Instant::now() + ABORT_WRITE_TIMEOUT, &frame);
     }
+}
+
+/// Best-effort sealed ABORT, within an authenticated session.
+fn send_abort(conn: &dyn Conn, seal: &mut Sealer, job: &[u8; 16], sender: u32, round: u32, abort: &Abort) {
+    if let Ok(frame) = wire::encode_unsealed_body(Kind::Abort, job, sender, round, &wire::encode_abort(abort)) {
+        let _ = write_frame(conn, Instant::now() + ABORT_WRITE_TIMEOUT, &seal.seal(frame));
+    }
+}
+
+/// One sealed frame of `kind`.
+fn sealed(seal: &mut Sealer, kind: Kind, job: &[u8; 16], sender: u32, round: u32, payload: &[u8]) -> Result<Vec<u8>> {
+    let frame =
+        wire::encode_unsealed_body(kind, job, sender, round, payload).map_err(|e| Error::Rendezvous(e.to_string()))?;
+    Ok(seal.seal(frame))
+}
+
+/// This process's effective user id, which a Unix-socket peer must share.
+fn own_uid() -> u32 {
+    nix::unistd::geteuid().as_raw()
 }
 
 fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
@@ -525,6 +632,7 @@ fn error_from_abort(from: &str, a: Abort) -> Error {
 /// What every rank of a socket rendezvous knows about the job.
 #[derive(Clone, Copy)]
 struct Link {
+    secret: Secret,
     job: [u8; 16],
     world: usize,
     timeout: Duration,
@@ -534,7 +642,7 @@ struct Link {
 #[cfg(test)]
 mod api_tests {
     use super::*;
-    use crate::rendezvous::testing::{private_dir, tcp_id, unix_id, LONG};
+    use crate::rendezvous::testing::{private_dir, tcp_id, unix_id, warnings_during, LONG};
     use std::fs;
 
     #[test]
@@ -544,51 +652,80 @@ mod api_tests {
             [unix.clone(), Id::new_tcp("127.0.0.1:29500".parse().unwrap()), Id::new_tcp("[::1]:7".parse().unwrap())];
         for id in &ids {
             let s = id.to_string();
-            assert!(s.starts_with("tpar1:") && s.bytes().all(|b| b.is_ascii_graphic()), "{s}");
-            assert!(s.ends_with(&hex(&id.job_id())), "{s}");
-            assert_eq!(&s.parse::<Id>().unwrap(), id);
+            assert!(s.starts_with("tpar2:") && s.bytes().all(|b| b.is_ascii_graphic()), "{s}");
+            assert!(s.ends_with(&hex(&id.secret)), "{s}");
+            let back = s.parse::<Id>().unwrap();
+            assert_eq!(&back, id);
+            assert_eq!((back.secret, back.job_id()), (id.secret, id.job_id()));
             let json = serde_json::to_string(id).unwrap();
             assert_eq!(json, format!("\"{s}\""));
             assert_eq!(&serde_json::from_str::<Id>(&json).unwrap(), id);
+            // The job id is derived from the secret and tells nothing of it.
+            assert_eq!(id.job_id(), auth::job_id(&id.secret));
+            assert!(!s.contains(&hex(&id.job_id())), "{s}");
+            // Debug output (logs) leaves the secret out.
+            let debug = format!("{id:?}");
+            assert!(!debug.contains(&hex(&id.secret)) && debug.contains("secret not shown"), "{debug}");
         }
-        assert!(ids[0].to_string().starts_with("tpar1:unix:/"));
-        assert_eq!(ids[2].to_string(), format!("tpar1:tcp:[::1]:7:{}", hex(&ids[2].job_id())));
+        assert!(ids[0].to_string().starts_with("tpar2:unix:/"));
+        assert_eq!(ids[2].to_string(), format!("tpar2:tcp:[::1]:7:{}", hex(&ids[2].secret)));
+        assert_ne!(ids[1].secret, ids[2].secret);
         assert_ne!(ids[1].job_id(), ids[2].job_id());
         fs::remove_dir(private_dir(&unix).unwrap()).unwrap();
     }
 
     #[test]
     fn id_fromstr_rejects_malformed() {
-        let job = "00112233445566778899aabbccddeeff";
+        let key = "00112233445566778899aabbccddeeff";
         let sock = "/tmp/tpar-0123456789abcdef/rdv.sock";
         let cases = [
             ("".to_string(), "not a tp-allreduce"),
             ("hello".into(), "not a tp-allreduce"),
-            (format!("tpar2:tcp:127.0.0.1:5:{job}"), "unsupported id version"),
-            (format!("tpar1:udp:127.0.0.1:5:{job}"), "unknown transport"),
-            ("tpar1:tcp".into(), "missing the transport"),
-            ("tpar1:tcp:127.0.0.1".into(), "missing the job id"),
-            (format!("tpar1:tcp:127.0.0.1:5:{}", &job[..31]), "job id must be"),
-            (format!("tpar1:tcp:127.0.0.1:5:{}", job.to_uppercase()), "job id must be"),
-            (format!("tpar1:tcp:127.0.0.1:5:{job}0"), "job id must be"),
-            (format!("tpar1:tcp:localhost:5:{job}"), "IP:port"),
-            (format!("tpar1:tcp:127.0.0.1:{job}"), "IP:port"),
-            (format!("tpar1:tcp:127.0.0.1:99999:{job}"), "IP:port"),
-            (format!("tpar1:unix:relative/tpar-0123456789abcdef/rdv.sock:{job}"), "absolute"),
-            (format!("tpar1:unix:/tmp/other/rdv.sock:{job}"), "tpar-"),
-            (format!("tpar1:unix:/etc/passwd:{job}"), "rdv.sock"),
-            (format!("tpar1:unix:{sock}:{job}\n"), "one line"),
-            (format!("tpar1:unix:/tmp/a b/x:{job}"), "one line"),
-            (format!("tpar1:unix:/tmp/é/x:{job}"), "one line"),
-            (format!("tpar1:tcp:127.0.0.1:5:{job}{}", "0".repeat(300)), "longer than"),
+            // Ids of earlier builds carried the job id instead of a secret.
+            (format!("tpar1:tcp:127.0.0.1:5:{key}"), "unsupported id version"),
+            (format!("tpar3:tcp:127.0.0.1:5:{key}"), "unsupported id version"),
+            (format!("tpar2:udp:127.0.0.1:5:{key}"), "unknown transport"),
+            ("tpar2:tcp".into(), "missing the transport"),
+            ("tpar2:tcp:127.0.0.1".into(), "missing the secret"),
+            (format!("tpar2:tcp:127.0.0.1:5:{}", &key[..31]), "secret must be"),
+            (format!("tpar2:tcp:127.0.0.1:5:{}", key.to_uppercase()), "secret must be"),
+            (format!("tpar2:tcp:127.0.0.1:5:{key}0"), "secret must be"),
+            (format!("tpar2:tcp:localhost:5:{key}"), "IP:port"),
+            (format!("tpar2:tcp:127.0.0.1:{key}"), "IP:port"),
+            (format!("tpar2:tcp:127.0.0.1:99999:{key}"), "IP:port"),
+            (format!("tpar2:unix:relative/tpar-0123456789abcdef/rdv.sock:{key}"), "absolute"),
+            (format!("tpar2:unix:/tmp/other/rdv.sock:{key}"), "tpar-"),
+            (format!("tpar2:unix:/etc/passwd:{key}"), "rdv.sock"),
+            (format!("tpar2:unix:{sock}:{key}\n"), "one line"),
+            (format!("tpar2:unix:/tmp/a b/x:{key}"), "one line"),
+            (format!("tpar2:unix:/tmp/é/x:{key}"), "one line"),
+            (format!("tpar2:tcp:127.0.0.1:5:{key}{}", "0".repeat(300)), "longer than"),
         ];
         for (s, want) in cases {
             let err = s.parse::<Id>().expect_err(&s);
             assert!(matches!(err, Error::InvalidUsage(_)), "{s:?}: {err}");
             assert!(err.to_string().contains(want), "{s:?}: {err} (wanted {want:?})");
         }
-        assert!(format!("tpar1:unix:{sock}:{job}").parse::<Id>().is_ok());
-        assert!(serde_json::from_str::<Id>("\"tpar1:tcp:x\"").is_err());
+        assert!(format!("tpar2:unix:{sock}:{key}").parse::<Id>().is_ok());
+        assert!(serde_json::from_str::<Id>("\"tpar2:tcp:x\"").is_err());
+    }
+
+    /// A wildcard address exposes the port to every network of the host:
+    /// `Id::new_tcp` says so through `log`; loopback and specific
+    /// addresses stay quiet.
+    #[test]
+    fn new_tcp_on_an_unspecified_address_warns() {
+        for addr in ["0.0.0.0:29500", "[::]:29500"] {
+            let warned = warnings_during(|| drop(Id::new_tcp(addr.parse().unwrap())));
+            assert!(
+                warned.len() == 1 && warned[0].contains("every network") && warned[0].contains(addr),
+                "{addr}: {warned:?}"
+            );
+        }
+        for addr in ["127.0.0.1:29500", "[::1]:29500", "10.1.2.3:29500"] {
+            let warned = warnings_during(|| drop(Id::new_tcp(addr.parse().unwrap())));
+            assert!(warned.iter().all(|w| !w.contains("every network")), "{addr}: {warned:?}");
+        }
     }
 
     #[test]

@@ -1,20 +1,23 @@
 //! Rank 0 of the socket rendezvous (see the protocol in the module docs):
-//! the join (accepting connections, reading each one's HELLO on its own
-//! thread, admitting one per rank, WELCOME), then one reader thread per
-//! rank feeding a channel from which each round collects every GATHER and
-//! answers RESULT, or ABORTs everyone with the reason.
+//! the join (accepting connections, running each one's handshake on its
+//! own thread, admitting one authenticated connection per rank, WELCOME),
+//! then one reader thread per rank feeding a channel from which each round
+//! collects every GATHER and answers RESULT, or ABORTs everyone with the
+//! reason.
 
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use super::wire::{self, Abort, AbortCode, Checked, Frame, Kind, WireError};
+use super::auth::{self, Nonce, Opener, Role, Sealer, Transcript};
+use super::wire::{self, Abort, AbortCode, Checked, Frame, Greeting, Kind, WireError};
 use super::{
-    abort_for, lock, ms, read_frame, send_abort, unusable, write_frame, Conn, Link, Listen, Rendezvous, MAX_ROUND_BYTES,
+    abort_for, lock, ms, own_uid, read_frame, sealed, send_abort, send_plain_abort, unusable, write_frame, Conn, Link,
+    Listen, Rendezvous, MAX_ROUND_BYTES,
 };
 use crate::error::{Error, Result};
 
@@ -31,10 +34,17 @@ pub(super) struct Root {
     inner: Mutex<RootInner>,
 }
 
+/// An authenticated rank's connection, and the sealer of what rank 0 sends
+/// on it (its reader thread holds the opener).
+struct Peer {
+    conn: Arc<dyn Conn>,
+    seal: Sealer,
+}
+
 struct RootInner {
     round: u32,
-    /// `conns[r - 1]` is rank r's connection.
-    conns: Vec<Arc<dyn Conn>>,
+    /// `peers[r - 1]` is rank r's.
+    peers: Vec<Peer>,
     /// `None` only while dropping.
     events: Option<mpsc::Receiver<Event>>,
     /// Per rank, the first event that arrived after its contribution to a
@@ -58,11 +68,42 @@ impl Event {
     }
 }
 
-/// A connection's HELLO, read on its own thread.
-struct Hello {
+/// A connection that completed the handshake: who it says it is (checked
+/// against the job only when admitted) and its session.
+pub(super) struct Authenticated {
+    pub rank: usize,
+    pub world: usize,
+    seal: Sealer,
+    open: Opener,
+}
+
+/// What a connection's handshake thread reports.
+struct Outcome {
     key: u64,
     conn: Arc<dyn Conn>,
-    outcome: std::result::Result<usize, String>,
+    result: std::result::Result<Authenticated, String>,
+}
+
+/// An admitted rank's connection and session, until WELCOME.
+struct Joined {
+    conn: Arc<dyn Conn>,
+    seal: Sealer,
+    open: Opener,
+}
+
+/// Where a connection's handshake stands, shared by its thread and the
+/// join: only `UNVOUCHED` connections are evicted, and only once.
+pub(super) const UNVOUCHED: u8 = 0;
+/// Its HELLO carried a valid tag: the sender holds the secret (or replays a
+/// HELLO rank 0 has not seen before), and it is no longer evicted.
+const VOUCHED: u8 = 1;
+const EVICTED: u8 = 2;
+
+/// A connection whose handshake thread runs or whose outcome awaits `admit`.
+struct Pending {
+    conn: Arc<dyn Conn>,
+    thread: JoinHandle<()>,
+    stage: Arc<AtomicU8>,
 }
 
 /// Reasons connections were refused during the join, for the timeout
@@ -92,36 +133,37 @@ impl Refusals {
 impl Root {
     pub(super) fn join(link: Link, listener: Box<dyn Listen>) -> Result<Root> {
         let started = Instant::now();
-        let slots = accept_hellos(&link, &*listener, started + link.timeout);
+        let joined = accept_members(&link, &*listener, started + link.timeout);
         // Stop listening before anything else: the socket file and private
         // directory go away, and nobody else can connect.
         drop(listener);
-        let conns = slots?;
+        let (mut peers, openers): (Vec<Peer>, Vec<Opener>) =
+            joined?.into_iter().map(|j| (Peer { conn: j.conn, seal: j.seal }, j.open)).unzip();
 
-        let welcome = wire::encode(Kind::Welcome, &link.job, 0, 0, &wire::encode_world(link.world))
-            .map_err(|e| Error::Rendezvous(e.to_string()))?;
         let deadline = Instant::now() + link.timeout;
-        for (i, conn) in conns.iter().enumerate() {
-            if let Err(e) = write_frame(&**conn, deadline, &welcome) {
+        for i in 0..peers.len() {
+            let welcome = sealed(&mut peers[i].seal, Kind::Welcome, &link.job, 0, 0, &wire::encode_world(link.world))?;
+            if let Err(e) = write_frame(&*peers[i].conn, deadline, &welcome) {
                 let err = Error::Rendezvous(format!("rank {} joined but sending it WELCOME failed: {e}", i + 1));
-                abort_all(&link, &conns, 0, &abort_for(&err));
+                abort_all(&link, &mut peers, 0, &abort_for(&err));
                 return Err(err);
             }
         }
 
         // Bounded, so a flooding rank cannot grow rank 0's memory without end.
         let (tx, rx) = mpsc::sync_channel(2 * link.world + 2);
-        let mut readers = Vec::with_capacity(conns.len());
-        for (i, conn) in conns.iter().enumerate() {
-            let (conn, tx, rank) = (conn.clone(), tx.clone(), i + 1);
-            let spawned =
-                thread::Builder::new().name(format!("tpar-rdv-{rank}")).spawn(move || read_loop(rank, &*conn, tx));
+        let mut readers = Vec::with_capacity(peers.len());
+        for (i, open) in openers.into_iter().enumerate() {
+            let (conn, tx, rank) = (peers[i].conn.clone(), tx.clone(), i + 1);
+            let spawned = thread::Builder::new()
+                .name(format!("tpar-rdv-{rank}"))
+                .spawn(move || read_loop(rank, &*conn, open, tx));
             match spawned {
                 Ok(h) => readers.push(h),
                 Err(e) => {
                     let err = Error::io("starting a rendezvous reader thread", e);
-                    abort_all(&link, &conns, 0, &abort_for(&err));
-                    conns.iter().for_each(|c| c.disconnect());
+                    abort_all(&link, &mut peers, 0, &abort_for(&err));
+                    peers.iter().for_each(|p| p.conn.disconnect());
                     readers.into_iter().for_each(|h| drop(h.join()));
                     return Err(err);
                 }
@@ -131,7 +173,7 @@ impl Root {
             link,
             inner: Mutex::new(RootInner {
                 round: 0,
-                conns,
+                peers,
                 events: Some(rx),
                 deferred: (0..link.world).map(|_| None).collect(),
                 readers,
@@ -141,22 +183,22 @@ impl Root {
     }
 }
 
-/// Rank 0's join phase: accepts connections and admits one valid HELLO per
-/// rank 1..N-1 until all have joined or `deadline` passes. Refused
-/// connections never fail the join. Returns the connections in rank order.
-fn accept_hellos(link: &Link, listener: &dyn Listen, deadline: Instant) -> Result<Vec<Arc<dyn Conn>>> {
+/// Rank 0's join phase: accepts connections and admits one authenticated
+/// connection per rank 1..N-1 until all have joined or `deadline` passes.
+/// Refused connections never fail the join. Returns them in rank order.
+fn accept_members(link: &Link, listener: &dyn Listen, deadline: Instant) -> Result<Vec<Joined>> {
     let mut join = Join::new(link);
     while join.missing > 0 && Instant::now() < deadline {
         join.accept_waiting(listener);
         let left = deadline.saturating_duration_since(Instant::now());
-        let Ok(hello) = join.hellos.recv_timeout(ACCEPT_POLL.min(left)) else { continue };
-        join.admit(hello);
-        // Every other HELLO read by now too: each refused connection holds
-        // a socket until it is reaped here, and up to `ACCEPTS_PER_POLL`
-        // arrive per poll.
+        let Ok(outcome) = join.outcomes.recv_timeout(ACCEPT_POLL.min(left)) else { continue };
+        join.admit(outcome);
+        // Every other outcome known by now too: each refused connection
+        // holds a socket until it is reaped here, and up to
+        // `ACCEPTS_PER_POLL` arrive per poll.
         while join.missing > 0 {
-            let Ok(hello) = join.hellos.try_recv() else { break };
-            join.admit(hello);
+            let Ok(outcome) = join.outcomes.try_recv() else { break };
+            join.admit(outcome);
         }
     }
     join.finish()
@@ -166,32 +208,31 @@ fn accept_hellos(link: &Link, listener: &dyn Listen, deadline: Instant) -> Resul
 struct Join<'a> {
     link: &'a Link,
     /// `slots[r]` is rank r's connection once admitted (`slots[0]` stays empty).
-    slots: Vec<Option<Arc<dyn Conn>>>,
+    slots: Vec<Option<Joined>>,
     missing: usize,
-    /// Cloned into each HELLO reader thread, which sends to `hellos`.
-    tx: mpsc::Sender<Hello>,
-    hellos: mpsc::Receiver<Hello>,
-    /// Connections whose HELLO is being read or awaits `admit`, by key.
-    pending: HashMap<u64, (Arc<dyn Conn>, JoinHandle<()>)>,
-    /// Those of `pending` whose HELLO is still being read: what
-    /// `max_pending` limits (a refused connection that awaits `admit` no
-    /// longer waits for anything).
-    reading: Arc<AtomicUsize>,
+    /// Cloned into each handshake thread, which sends to `outcomes`.
+    tx: mpsc::Sender<Outcome>,
+    outcomes: mpsc::Receiver<Outcome>,
+    /// By key, which grows with each accepted connection: oldest first.
+    pending: BTreeMap<u64, Pending>,
+    /// Nonces of the valid HELLOs seen in this join: a recorded HELLO is
+    /// vouched for at most once.
+    seen: Arc<Mutex<HashSet<Nonce>>>,
     next_key: u64,
     refusals: Refusals,
 }
 
 impl<'a> Join<'a> {
     fn new(link: &'a Link) -> Join<'a> {
-        let (tx, hellos) = mpsc::channel::<Hello>();
+        let (tx, outcomes) = mpsc::channel::<Outcome>();
         Join {
             link,
-            slots: vec![None; link.world],
+            slots: (0..link.world).map(|_| None).collect(),
             missing: link.world - 1,
             tx,
-            hellos,
-            pending: HashMap::new(),
-            reading: Arc::new(AtomicUsize::new(0)),
+            outcomes,
+            pending: BTreeMap::new(),
+            seen: Arc::new(Mutex::new(HashSet::new())),
             next_key: 0,
             refusals: Refusals::default(),
         }
@@ -202,7 +243,7 @@ impl<'a> Join<'a> {
     fn accept_waiting(&mut self, listener: &dyn Listen) {
         for _ in 0..ACCEPTS_PER_POLL {
             match listener.accept() {
-                Ok(Some(conn)) => self.start_hello_reader(conn),
+                Ok(Some(conn)) => self.start_handshake(conn),
                 Ok(None) => break,
                 // Out of file descriptors, a connection reset before accept...:
                 // the good ranks may still get through, so keep going.
@@ -214,143 +255,241 @@ impl<'a> Join<'a> {
         }
     }
 
-    /// Reads `conn`'s HELLO on a thread of its own, unless too many are
-    /// pending already.
-    fn start_hello_reader(&mut self, conn: Arc<dyn Conn>) {
+    /// Runs `conn`'s handshake on a thread of its own. When `max_pending`
+    /// connections have not sent a valid HELLO yet, the oldest of them is
+    /// closed first: silent or garbage connections, however many, can only
+    /// push each other out, never a rank that has shown it holds the secret,
+    /// and a rank pushed out before its HELLO arrived dials again.
+    fn start_handshake(&mut self, conn: Arc<dyn Conn>) {
         let max_pending = self.link.limits.max_pending;
-        if self.reading.load(Ordering::Acquire) >= max_pending {
-            conn.disconnect();
-            self.refusals.note(format!("more than {max_pending} connections sent no HELLO yet"));
-            return;
+        let unvouched = self.pending.values().filter(|p| p.stage.load(Ordering::Acquire) == UNVOUCHED).count();
+        if unvouched >= max_pending {
+            // The thread may vouch for its connection meanwhile: then the next.
+            if let Some(oldest) = self
+                .pending
+                .values()
+                .find(|p| p.stage.compare_exchange(UNVOUCHED, EVICTED, Ordering::AcqRel, Ordering::Acquire).is_ok())
+            {
+                oldest.conn.disconnect();
+            }
         }
         let (key, tx, c, l) = (self.next_key, self.tx.clone(), conn.clone(), *self.link);
         self.next_key += 1;
-        let reading = self.reading.clone();
-        reading.fetch_add(1, Ordering::AcqRel);
-        let spawned = thread::Builder::new().name("tpar-rdv-hello".into()).spawn(move || {
-            let outcome = read_hello(&l, &*c);
-            if outcome.is_err() {
+        let stage = Arc::new(AtomicU8::new(UNVOUCHED));
+        let (st, seen) = (stage.clone(), self.seen.clone());
+        let spawned = thread::Builder::new().name("tpar-rdv-handshake".into()).spawn(move || {
+            let result = handshake(&l, &*c, &st, &seen);
+            if result.is_err() {
                 c.disconnect();
             }
-            reading.fetch_sub(1, Ordering::AcqRel);
-            let _ = tx.send(Hello { key, conn: c, outcome });
+            let _ = tx.send(Outcome { key, conn: c, result });
         });
         match spawned {
-            Ok(h) => {
-                self.pending.insert(key, (conn, h));
+            Ok(thread) => {
+                self.pending.insert(key, Pending { conn, thread, stage });
             }
             Err(e) => {
-                self.reading.fetch_sub(1, Ordering::AcqRel);
                 conn.disconnect();
                 self.refusals.note(format!("could not start a thread for a connection: {e}"));
             }
         }
     }
 
-    /// Admits a connection whose HELLO was good, for a rank that has not
-    /// joined yet; refuses a second one for the same rank.
-    fn admit(&mut self, hello: Hello) {
-        if let Some((_, h)) = self.pending.remove(&hello.key) {
-            let _ = h.join();
+    /// Admits an authenticated connection for a rank of this job that has
+    /// not joined yet; refuses (sealed ABORT) an authenticated one for a
+    /// wrong world size, an impossible rank or a rank already joined.
+    fn admit(&mut self, outcome: Outcome) {
+        if let Some(p) = self.pending.remove(&outcome.key) {
+            let _ = p.thread.join();
         }
-        match hello.outcome {
-            Ok(rank) if self.slots[rank].is_some() => {
-                let why = format!("rank {rank} has already joined (duplicate rank; the first connection wins)");
-                send_abort(
-                    &*hello.conn,
-                    &self.link.job,
-                    0,
-                    0,
-                    &Abort { code: AbortCode::Rejected, waited_ms: 0, reason: why.clone() },
-                );
-                hello.conn.disconnect();
-                self.refusals.note(why);
-            }
-            Ok(rank) => {
-                self.slots[rank] = Some(hello.conn);
-                self.missing -= 1;
-            }
-            Err(why) => self.refusals.note(why),
-        }
+        let Outcome { conn, result, .. } = outcome;
+        let mut a = match result {
+            Ok(a) => a,
+            Err(why) => return self.refusals.note(why),
+        };
+        let world = self.link.world;
+        let why = if a.world != world {
+            format!("rank {} was started with world size {}, rank 0 with {world}", a.rank, a.world)
+        } else if a.rank == 0 || a.rank >= world {
+            format!("HELLO from rank {}, outside 1..={} for world size {world}", a.rank, world - 1)
+        } else if self.slots[a.rank].is_some() {
+            format!("rank {} has already joined (duplicate rank; the first connection wins)", a.rank)
+        } else {
+            self.slots[a.rank] = Some(Joined { conn, seal: a.seal, open: a.open });
+            self.missing -= 1;
+            return;
+        };
+        let abort = Abort { code: AbortCode::Rejected, waited_ms: 0, reason: why.clone() };
+        send_abort(&*conn, &mut a.seal, &self.link.job, 0, 0, &abort);
+        conn.disconnect();
+        self.refusals.note(why);
     }
 
-    /// Ends the join: closes the connections still silent, and returns the
-    /// admitted ones, or the timeout (sent to the admitted ones as ABORT).
-    fn finish(mut self) -> Result<Vec<Arc<dyn Conn>>> {
-        // Connections still silent are not needed (or it is too late): shutting
-        // them down makes their HELLO reads return at once.
-        for (_, (conn, h)) in self.pending.drain() {
-            conn.disconnect();
-            let _ = h.join();
-        }
-        let joined: Vec<Arc<dyn Conn>> = self.slots.iter().flatten().cloned().collect();
-        if self.missing == 0 {
-            return Ok(joined);
+    /// Ends the join: closes the connections still in their handshake, and
+    /// returns the admitted ones, or the timeout (sent to the admitted ones
+    /// as ABORT).
+    fn finish(mut self) -> Result<Vec<Joined>> {
+        // Connections still in their handshake are not needed (or it is too
+        // late): shutting them down makes their reads return at once.
+        for (_, p) in std::mem::take(&mut self.pending) {
+            p.conn.disconnect();
+            let _ = p.thread.join();
         }
         let link = self.link;
         let absent: Vec<usize> = (1..link.world).filter(|&r| self.slots[r].is_none()).collect();
+        let mut joined: Vec<Joined> = self.slots.into_iter().flatten().collect();
+        if absent.is_empty() {
+            return Ok(joined);
+        }
         let err = Error::RendezvousTimeout {
             what: format!("ranks {absent:?} did not join within {} ms{}", ms(link.timeout), self.refusals.describe()),
             waited_ms: link.timeout.as_millis() as u64,
         };
-        abort_all(link, &joined, 0, &abort_for(&err));
-        joined.iter().for_each(|c| c.disconnect());
+        for j in &mut joined {
+            send_abort(&*j.conn, &mut j.seal, &link.job, 0, 0, &abort_for(&err));
+            j.conn.disconnect();
+        }
         Err(err)
     }
 }
 
-/// Reads and checks a new connection's HELLO; the rank it joins as, or why
-/// it is refused (having told the peer when its header was readable).
-fn read_hello(link: &Link, conn: &dyn Conn) -> std::result::Result<usize, String> {
-    let limit = link.limits.hello_timeout;
-    let frame = match read_frame(conn, Some(Instant::now() + limit), wire::HELLO_PAYLOAD) {
+/// Rank 0's side of one connection's handshake (see the module docs): the
+/// peer's uid (Unix), HELLO and its tag, CHALLENGE, PROOF. Returns the
+/// authenticated rank and session, or why the connection is refused
+/// (having told the peer, in a plain ABORT with the job id it sent, when
+/// its frame was readable). Bounded by the handshake limit.
+pub(super) fn handshake(
+    link: &Link,
+    conn: &dyn Conn,
+    stage: &AtomicU8,
+    seen: &Mutex<HashSet<Nonce>>,
+) -> std::result::Result<Authenticated, String> {
+    let limit = link.limits.handshake_timeout;
+    let deadline = Instant::now() + limit;
+    let evicted = || {
+        format!(
+            "a connection was closed unauthenticated to make room: more than {} connections had sent no valid \
+             HELLO at once",
+            link.limits.max_pending
+        )
+    };
+    match conn.peer_uid() {
+        Ok(Some(uid)) if uid != own_uid() => {
+            return Err(format!(
+                "a connection from uid {uid} was refused: this rank 0 runs as uid {} and admits processes of its \
+                 own user only",
+                own_uid()
+            ))
+        }
+        Ok(_) => {}
+        Err(e) => return Err(format!("could not read the uid of a connection's peer: {e}")),
+    }
+    let frame = match read_frame(conn, Some(deadline), wire::HANDSHAKE_PAYLOAD) {
         Ok(f) => f,
+        Err(_) if stage.load(Ordering::Acquire) == EVICTED => return Err(evicted()),
         Err(WireError::TimedOut) => return Err(format!("a connection sent no complete HELLO within {} ms", ms(limit))),
         Err(WireError::Closed) => return Err("a connection closed without a HELLO".into()),
         Err(e) => return Err(format!("a connection sent a malformed HELLO: {e}")),
     };
     let h = frame.header;
-    let check = || -> std::result::Result<usize, String> {
-        if h.job != link.job {
-            return Err("HELLO with a wrong job id (a process of another job?)".into());
-        }
-        if h.kind != Kind::Hello {
-            return Err(format!("a connection opened with {} instead of HELLO", h.kind.name()));
-        }
-        if h.round != 0 {
-            return Err(format!("HELLO for round {}, expected round 0", h.round));
-        }
-        let rank = h.sender as usize;
-        if rank == 0 || rank >= link.world {
-            return Err(format!(
-                "HELLO from rank {rank}, outside 1..={} for world size {}",
-                link.world - 1,
-                link.world
-            ));
-        }
-        let theirs = wire::decode_world(&frame.payload)?;
-        if theirs != link.world {
-            return Err(format!("rank {rank} was started with world size {theirs}, rank 0 with {}", link.world));
-        }
-        Ok(rank)
-    };
-    check().inspect_err(|why| {
-        // Reply with the job id the peer sent, never ours: the job id is what
-        // admits a rank, and this peer has not shown it knows it.
+    // Reply with the job id the peer sent, never ours: the peer has not
+    // shown that it belongs to this job.
+    let refuse = |why: String| -> std::result::Result<Authenticated, String> {
         let abort = Abort { code: AbortCode::Rejected, waited_ms: 0, reason: why.clone() };
-        send_abort(conn, &h.job, 0, 0, &abort);
-    })
+        send_plain_abort(conn, &h.job, 0, 0, &abort);
+        Err(why)
+    };
+    if h.job != link.job {
+        return refuse("HELLO with a wrong job id (a process of another job?)".into());
+    }
+    if h.kind != Kind::Hello || h.sealed {
+        let sealed = if h.sealed { "a sealed " } else { "" };
+        return refuse(format!("a connection opened with {sealed}{} instead of HELLO", h.kind.name()));
+    }
+    if h.round != 0 {
+        return refuse(format!("HELLO for round {}, expected round 0", h.round));
+    }
+    let hello = match wire::decode_greeting(&frame.payload, Kind::Hello) {
+        Ok(g) => g,
+        Err(why) => return refuse(why),
+    };
+    if !auth::hello_tag_ok(&link.secret, &link.job, h.sender, hello.world, &hello.nonce, &hello.tag) {
+        return refuse(
+            "HELLO failed authentication: its tag was not made with this id's secret (a process that knows the \
+             job id but not the id?)"
+                .into(),
+        );
+    }
+    if !lock(seen).map_err(|e| e.to_string())?.insert(hello.nonce) {
+        return refuse("a HELLO rank 0 has seen before (replayed)".into());
+    }
+    if stage.compare_exchange(UNVOUCHED, VOUCHED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        return Err(evicted());
+    }
+
+    let rank = h.sender;
+    let root_nonce = auth::random::<{ auth::NONCE_LEN }>().map_err(|e| e.to_string())?;
+    let t = Transcript {
+        job: link.job,
+        rank,
+        member_world: hello.world,
+        member_nonce: hello.nonce,
+        root_world: link.world as u32,
+        root_nonce,
+    };
+    let challenge = Greeting { world: link.world as u32, nonce: root_nonce, tag: t.challenge_tag(&link.secret) };
+    let frame = wire::encode(Kind::Challenge, &link.job, 0, 0, &wire::encode_greeting(&challenge))
+        .map_err(|e| e.to_string())?;
+    write_frame(conn, deadline, &frame)
+        .map_err(|e| format!("sending CHALLENGE to a connection that claims rank {rank} failed: {e}"))?;
+
+    let mismatch = match hello.world as usize {
+        w if w != link.world => format!(" (it was started with world size {w}, rank 0 with {})", link.world),
+        _ => String::new(),
+    };
+    let frame = match read_frame(conn, Some(deadline), wire::HANDSHAKE_PAYLOAD) {
+        Ok(f) => f,
+        Err(WireError::TimedOut) => {
+            return Err(format!("a connection that claims rank {rank} sent no PROOF within {} ms", ms(limit)))
+        }
+        Err(e) if e.is_disconnect() => {
+            return Err(format!("a connection that claims rank {rank} closed before its PROOF{mismatch}"))
+        }
+        Err(e) => return Err(format!("a connection that claims rank {rank} sent a malformed PROOF: {e}")),
+    };
+    let p = frame.header;
+    if p.kind != Kind::Proof || p.sealed || p.job != link.job || p.sender != rank || p.round != 0 {
+        return refuse(format!(
+            "expected PROOF from rank {rank} of this job, got {}{} from rank {} for round {}",
+            if p.sealed { "a sealed " } else { "" },
+            p.kind.name(),
+            p.sender,
+            p.round
+        ));
+    }
+    let proof = match wire::decode_proof(&frame.payload) {
+        Ok(t) => t,
+        Err(why) => return refuse(why),
+    };
+    if !t.proof_tag_ok(&link.secret, &proof) {
+        return refuse(format!(
+            "PROOF of a connection that claims rank {rank} failed authentication (a recorded HELLO replayed?)"
+        ));
+    }
+    let (seal, open) = t.session(&link.secret, Role::Root);
+    Ok(Authenticated { rank: rank as usize, world: hello.world as usize, seal, open })
 }
 
-/// Rank 0's reader for rank `rank`: forwards frames until the connection
-/// fails or closes, then forwards that and stops.
-fn read_loop(rank: usize, conn: &dyn Conn, tx: mpsc::SyncSender<Event>) {
+/// Rank 0's reader for rank `rank`: forwards frames whose seal opens until
+/// the connection fails, closes or carries a frame that does not open,
+/// then forwards that and stops.
+fn read_loop(rank: usize, conn: &dyn Conn, mut open: Opener, tx: mpsc::SyncSender<Event>) {
     if let Err(e) = conn.set_read_timeout(None) {
         let _ = tx.send(Event::Failed { rank, error: WireError::Io(e) });
         return;
     }
     loop {
-        let event = match read_frame(conn, None, wire::MAX_PAYLOAD) {
+        let event = match read_frame(conn, None, wire::MAX_PAYLOAD).and_then(|f| f.open(&mut open).map(|()| f)) {
             Ok(frame) => Event::Frame { rank, frame },
             Err(error) => Event::Failed { rank, error },
         };
@@ -361,10 +500,10 @@ fn read_loop(rank: usize, conn: &dyn Conn, tx: mpsc::SyncSender<Event>) {
     }
 }
 
-/// Sends an ABORT to every connection (best effort).
-fn abort_all(link: &Link, conns: &[Arc<dyn Conn>], round: u32, abort: &Abort) {
-    for conn in conns {
-        send_abort(&**conn, &link.job, 0, round, abort);
+/// Sends a sealed ABORT to every peer (best effort).
+fn abort_all(link: &Link, peers: &mut [Peer], round: u32, abort: &Abort) {
+    for peer in peers {
+        send_abort(&*peer.conn, &mut peer.seal, &link.job, 0, round, abort);
     }
 }
 
@@ -385,13 +524,18 @@ impl Root {
                 "round {round} of all_gather holds {total} bytes, over the rendezvous limit of {MAX_ROUND_BYTES}"
             )));
         }
-        let frame = wire::encode(Kind::Result, &job, 0, round, &wire::encode_result(&parts))
+        let frame = wire::encode_unsealed_body(Kind::Result, &job, 0, round, &wire::encode_result(&parts))
             .map_err(|e| Error::Rendezvous(e.to_string()))?;
         let deadline = Instant::now() + timeout;
-        for (i, conn) in inner.conns.iter().enumerate() {
-            write_frame(&**conn, deadline, &frame).map_err(|e| {
-                Error::Rendezvous(format!("sending round {round}'s result to rank {} failed: {e}", i + 1))
-            })?;
+        for (i, peer) in inner.peers.iter_mut().enumerate() {
+            // The payload is the same for every rank, the tag is not: send
+            // the body, then this connection's tag.
+            let tag = peer.seal.tag(&frame);
+            write_frame(&*peer.conn, deadline, &frame)
+                .and_then(|()| write_frame(&*peer.conn, deadline, &tag))
+                .map_err(|e| {
+                    Error::Rendezvous(format!("sending round {round}'s result to rank {} failed: {e}", i + 1))
+                })?;
         }
         Ok(parts)
     }
@@ -486,7 +630,7 @@ impl Rendezvous for Root {
             // Tell the others, so they fail now with the reason instead of
             // timing out; the rendezvous is unusable from here on.
             let abort = abort_for(err);
-            abort_all(&self.link, &inner.conns, round, &abort);
+            abort_all(&self.link, &mut inner.peers, round, &abort);
             inner.broken = Some(abort.reason);
         })
     }
@@ -498,7 +642,7 @@ impl Drop for Root {
             Ok(i) => i,
             Err(poisoned) => poisoned.into_inner(),
         };
-        inner.conns.iter().for_each(|c| c.disconnect());
+        inner.peers.iter().for_each(|p| p.conn.disconnect());
         // A reader blocked on a full channel returns once the receiver is gone.
         inner.events = None;
         for h in inner.readers.drain(..) {
@@ -511,7 +655,7 @@ impl Drop for Root {
 mod tests {
     use super::*;
     use crate::rendezvous::testing::*;
-    use crate::rendezvous::{connect, connect_with, Limits};
+    use crate::rendezvous::{connect, connect_with, Id, Limits};
     use std::collections::VecDeque;
     use std::io;
     use std::os::unix::net::UnixStream;
@@ -546,52 +690,100 @@ mod tests {
         (Arc::new(ours), theirs)
     }
 
+    /// The link of an id for rank 0 of `world`.
+    fn link_for(id: &Id, world: usize, limits: Limits) -> Link {
+        Link { secret: id.secret, job: id.job, world, timeout: LONG, limits }
+    }
+
     /// A stream of bad connections whose HELLOs are refused at once, two
-    /// arriving per poll of the listener, never holds rank 0's slots for
-    /// HELLOs being read: each is refused with its reason (none is closed
-    /// unread as one too many), and the good rank that comes after them
-    /// joins. (Rank 0 used to count a refused connection as pending until
-    /// its main loop got to it, one per poll, so with more arriving per
-    /// poll the count only grew: from the `max_pending`-th bad connection
-    /// on, every connection, good ranks included, was closed unread.)
-    /// The limit is 64: the old count reaches ~100 over 200 connections (it
-    /// grew by one a poll), while a correct rank 0 exceeds it only with 64
-    /// HELLO reader threads not yet run at once. At 32 a CI run on a
-    /// loaded two-core machine failed that way (connection 161 reset).
+    /// arriving per poll of the listener, never counts against rank 0's
+    /// limit on connections in their handshake: each is refused with its
+    /// reason (none is closed unread to make room), and the good rank that
+    /// comes after them joins. (Rank 0 once counted a refused connection
+    /// as pending until its main loop got to it, one per poll, so with more
+    /// arriving per poll the count only grew.) The limit is 64: a correct
+    /// rank 0 exceeds it only with 64 handshake threads not yet run at
+    /// once; at 32 a CI run on a loaded two-core machine did.
     #[test]
     fn refused_connections_do_not_fill_the_pending_limit() {
-        let job = [5; 16];
+        let id = Id::new_tcp("127.0.0.1:9".parse().unwrap());
         let limits = Limits { max_pending: 64, ..Limits::for_timeout(LONG) };
-        let link = Link { job, world: 2, timeout: LONG, limits };
+        let link = link_for(&id, 2, limits);
         let (mut queue, mut peers) = (VecDeque::new(), Vec::new());
         for _ in 0..200 {
-            let (conn, peer) = sent(Some(&raw_hello(&job, 1, 3)));
+            let (conn, peer) = sent(Some(&raw_hello(&id.job, 1, 2)));
             queue.push_back(conn);
             peers.push(peer);
         }
-        // The good rank sends its HELLO once every bad one was answered:
-        // rank 0 closes the connections it is still reading when the join
-        // ends.
+        // The good rank starts its handshake once every bad one was
+        // answered: rank 0 closes the connections still in their handshake
+        // when the join ends.
         let (good, good_peer) = sent(None);
         queue.push_back(good.clone());
         let listener = Scripted { queue: Mutex::new((queue, 0)), per_poll: 2 };
         thread::scope(|s| {
-            let joined = s.spawn(|| accept_hellos(&link, &listener, Instant::now() + link.timeout));
+            let joined = s.spawn(|| accept_members(&link, &listener, Instant::now() + link.timeout));
             for (i, peer) in peers.iter().enumerate() {
                 let answer = read_frame(peer, Some(Instant::now() + LONG), wire::MAX_PAYLOAD);
                 let reason = answer.map(|f| wire::decode_abort(&f.payload).unwrap().reason);
                 assert!(
-                    reason.as_ref().is_ok_and(|r| r.contains("started with world size 3")),
+                    reason.as_ref().is_ok_and(|r| r.contains("HELLO failed authentication")),
                     "bad connection {i}: {reason:?}"
                 );
             }
-            write_frame(&good_peer, Instant::now() + LONG, &raw_hello(&job, 1, 2)).unwrap();
+            let good_peer: Arc<dyn Conn> = Arc::new(good_peer);
+            let _session = member_handshake(good_peer, &id, 1, 2).unwrap();
             let joined = joined.join().unwrap().unwrap_or_else(|e| panic!("the good rank was not admitted: {e}"));
-            assert!(joined.len() == 1 && Arc::ptr_eq(&joined[0], &good));
+            assert!(joined.len() == 1 && Arc::ptr_eq(&joined[0].conn, &good));
         });
     }
 
-    /// (name, bytes from the job id, ABORT expected: (from a foreign job?, text))
+    /// Silent connections past the limit push out the oldest silent one,
+    /// never a connection whose HELLO was valid: with 3 times the limit of
+    /// silent connections arriving after a member's HELLO was answered, 2
+    /// in 3 of them are closed and the member still completes its
+    /// handshake and joins.
+    #[test]
+    fn silent_connections_evict_each_other_not_a_vouched_member() {
+        let id = Id::new_tcp("127.0.0.1:9".parse().unwrap());
+        let limits = Limits { max_pending: 8, handshake_timeout: LONG, ..Limits::for_timeout(LONG) };
+        let link = link_for(&id, 2, limits);
+        let (good, good_peer) = sent(None);
+        let good_peer: Arc<dyn Conn> = Arc::new(good_peer);
+        let listener = Scripted { queue: Mutex::new((VecDeque::from([good.clone()]), 0)), per_poll: 4 };
+        thread::scope(|s| {
+            let joined = s.spawn(|| accept_members(&link, &listener, Instant::now() + link.timeout));
+            let (hello, nonce) = hello(&id, 1, 2);
+            write_frame(&*good_peer, Instant::now() + LONG, &hello).unwrap();
+            let t = read_challenge(&*good_peer, &id, 1, 2, nonce).unwrap();
+            // Vouched for: now the flood.
+            let silent: Vec<_> = (0..24).map(|_| sent(None)).collect();
+            listener.queue.lock().unwrap().0.extend(silent.iter().map(|(c, _)| c.clone()));
+            let deadline = Instant::now() + LONG;
+            let mut closed = vec![false; silent.len()];
+            while closed.iter().filter(|&&c| c).count() < 16 && Instant::now() < deadline {
+                for (i, (_, peer)) in silent.iter().enumerate() {
+                    peer.set_read_timeout(Some(Duration::from_millis(5))).unwrap();
+                    if !closed[i] && matches!(std::io::Read::read(&mut &*peer, &mut [0u8; 1]), Ok(0)) {
+                        closed[i] = true;
+                    }
+                }
+            }
+            thread::sleep(Duration::from_millis(50));
+            let still_open = silent.iter().filter(|(_, p)| {
+                matches!(std::io::Read::read(&mut &*p, &mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+            });
+            assert_eq!(still_open.count(), 8, "the limit is 8 unauthenticated connections");
+            // The oldest went first.
+            assert!(closed[..16].iter().all(|&c| c), "{closed:?}");
+            let _session = send_proof(good_peer, &id, &t);
+            let joined = joined.join().unwrap().unwrap_or_else(|e| panic!("the member was pushed out: {e}"));
+            assert!(joined.len() == 1 && Arc::ptr_eq(&joined[0].conn, &good));
+        });
+    }
+
+    /// (name, bytes from the job id, ABORT expected: (from a foreign job?, text)).
+    /// The rogue knows the job id (it travels in the clear) but not the secret.
     type RogueCase = (&'static str, fn(&[u8; 16]) -> Vec<u8>, Option<(bool, &'static str)>);
 
     /// The bad openings of `rogue_connections_are_refused_and_the_good_ranks_still_join`.
@@ -629,17 +821,44 @@ mod tests {
             ("garbage bytes", |_| (0..200u32).map(|i| (i * 37 % 251) as u8).collect(), None),
             ("http request", |_| b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n\r\n\r\n".to_vec(), None),
             ("wrong job id", |_| raw_hello(&[0xEE; 16], 2, 3), Some((true, "wrong job id"))),
-            ("out-of-range rank", |j| raw_hello(j, 3, 3), Some((false, "outside 1..=2"))),
-            ("rank 0 impostor", |j| raw_hello(j, 0, 3), Some((false, "outside 1..=2"))),
-            ("huge rank", |j| raw_hello(j, u32::MAX, 3), Some((false, "outside 1..=2"))),
-            ("world size mismatch", |j| raw_hello(j, 2, 4), Some((false, "world size 4"))),
+            ("hello without the secret", |j| raw_hello(j, 2, 3), Some((false, "HELLO failed authentication"))),
+            ("rank 0 impostor", |j| raw_hello(j, 0, 3), Some((false, "HELLO failed authentication"))),
             ("not a hello", |j| raw_frame(Kind::Gather, j, 2, 1, b""), Some((false, "instead of HELLO"))),
+            ("a proof first", |j| raw_frame(Kind::Proof, j, 2, 0, &[0; 32]), Some((false, "instead of HELLO"))),
             (
                 "hello with a round",
-                |j| raw_frame(Kind::Hello, j, 2, 7, &wire::encode_world(3)),
+                |j| {
+                    let mut b = raw_hello(j, 2, 3);
+                    b[32..36].copy_from_slice(&7u32.to_le_bytes());
+                    b
+                },
                 Some((false, "round 7")),
             ),
-            ("hello payload too long", |j| raw_frame(Kind::Hello, j, 2, 0, &[3, 0, 0, 0, 0]), None),
+            (
+                "sealed hello",
+                |j| {
+                    let mut b = raw_hello(j, 2, 3);
+                    b[11] = wire::FLAG_SEALED;
+                    b.extend_from_slice(&[0; 32]);
+                    b
+                },
+                Some((false, "a sealed HELLO")),
+            ),
+            (
+                "hello payload too short",
+                |j| raw_frame(Kind::Hello, j, 2, 0, &[3, 0, 0, 0]),
+                Some((false, "HELLO payload of 4 bytes")),
+            ),
+            ("hello payload too long", |j| raw_frame(Kind::Hello, j, 2, 0, &[0; 69]), None),
+            (
+                "unknown flags",
+                |j| {
+                    let mut b = raw_hello(j, 2, 3);
+                    b[11] = 0x80;
+                    b
+                },
+                None,
+            ),
         ]
     }
 
@@ -652,7 +871,7 @@ mod tests {
     fn rogue_connections_are_refused_and_the_good_ranks_still_join() {
         let foreign = [0xEE; 16];
         let cases = rogue_cases();
-        let limits = Limits { hello_timeout: Duration::from_millis(150), ..Limits::for_timeout(LONG) };
+        let limits = Limits { handshake_timeout: Duration::from_millis(150), ..Limits::for_timeout(LONG) };
         for (transport, make) in transports() {
             for (name, bytes, want_abort) in &cases {
                 let id = make();
@@ -682,6 +901,41 @@ mod tests {
                     assert_eq!(got, want, "{transport} {name}");
                 }
                 assert!(started.elapsed() < Duration::from_secs(5), "{transport} {name}: took {:?}", started.elapsed());
+            }
+        }
+    }
+
+    /// Ranks that hold the secret but were started wrong (a rank outside
+    /// the world, rank 0's number, another world size): each completes
+    /// the handshake and is refused with an authenticated ABORT that says
+    /// why, and the good ranks still join.
+    #[test]
+    fn misconfigured_ranks_are_refused_with_an_authenticated_reason() {
+        let cases: [(&str, u32, usize, &str); 4] = [
+            ("out-of-range rank", 3, 3, "outside 1..=2"),
+            ("rank 0 claimed", 0, 3, "outside 1..=2"),
+            ("huge rank", u32::MAX, 3, "outside 1..=2"),
+            ("world size mismatch", 2, 4, "rank 2 was started with world size 4, rank 0 with 3"),
+        ];
+        for (transport, make) in transports() {
+            for (name, rank, world, text) in cases {
+                let id = make();
+                thread::scope(|s| {
+                    let root = s.spawn(|| connect(&id, 0, 3, LONG)?.all_gather(b"zero"));
+                    let one = s.spawn(|| connect(&id, 1, 3, LONG)?.all_gather(b"one"));
+                    let mut rogue = member_handshake(raw_dial(&id), &id, rank, world).unwrap();
+                    let reply = rogue.recv().unwrap_or_else(|e| panic!("{transport} {name}: {e}"));
+                    let Ok(wire::Checked::Aborted(a)) = reply.clone().check(&id.job, 0, Kind::Welcome, 0) else {
+                        panic!("{transport} {name}: {reply:?}")
+                    };
+                    assert!(a.reason.contains(text), "{transport} {name}: {}", a.reason);
+                    assert!(read_until_closed(&*rogue.conn, Duration::from_secs(2)).is_none());
+                    let two = s.spawn(|| connect(&id, 2, 3, LONG)?.all_gather(b"two"));
+                    for h in [root, one, two] {
+                        let got = h.join().unwrap().unwrap_or_else(|e| panic!("{transport} {name}: {e}"));
+                        assert_eq!(got, [&b"zero"[..], b"one", b"two"].map(<[u8]>::to_vec), "{transport} {name}");
+                    }
+                });
             }
         }
     }

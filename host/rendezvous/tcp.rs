@@ -1,7 +1,8 @@
 //! TCP endpoint. There is no file-system access control here: anyone who
-//! can reach the port can connect, and the job id in every frame is what
-//! keeps other processes out. Hence loopback addresses are the intended use
-//! (this library is for the GPUs of one host); see the module docs.
+//! can reach the port can connect (or bind it first), and the handshake
+//! keyed by the id's secret is what keeps other processes out. Loopback
+//! addresses are the intended use (this library is for the GPUs of one
+//! host); see the module docs.
 
 #![forbid(unsafe_code)]
 
@@ -78,6 +79,9 @@ impl Conn for TcpStream {
     }
     fn disconnect(&self) {
         let _ = TcpStream::shutdown(self, Shutdown::Both);
+    }
+    fn peer_uid(&self) -> io::Result<Option<u32>> {
+        Ok(None)
     }
 }
 

@@ -11,10 +11,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::testing::{
-    on_ranks, private_dir, raw_dial, raw_frame, raw_hello, read_until_closed, tcp_id, transports, unix_id, LONG,
+    member_handshake, on_ranks, private_dir, raw_dial, raw_frame, read_until_closed, recv_raw, tcp_id, transports,
+    unix_id, Session, LONG,
 };
 use super::wire::{self, Checked, Kind};
-use super::{connect, read_frame, write_frame, Endpoint, Id, MAX_ROUND_BYTES};
+use super::{connect, write_frame, Endpoint, Id, MAX_ROUND_BYTES};
 use crate::error::Error;
 
 /// Distinct per rank and round: small, empty, about 1 MiB, small, empty.
@@ -235,40 +236,71 @@ fn missing_rank_times_out_naming_it() {
     }
 }
 
-/// A joined rank (played by a raw socket) breaks the protocol in round 1:
-/// rank 0 fails naming it and rank 2 fails at once with the reason.
+/// A joined rank (played by hand, with the secret) breaks the protocol in
+/// round 1: rank 0 fails naming it and rank 2 fails at once with the reason.
 #[test]
 fn joined_rank_protocol_violation_aborts_the_others() {
-    type Case = (&'static str, fn(&[u8; 16]) -> Vec<u8>, &'static str);
-    let cases: [Case; 6] = [
-        ("wrong round", |j| raw_frame(Kind::Gather, j, 1, 2, b"x"), "round 2, expected round 1"),
-        ("wrong sender", |j| raw_frame(Kind::Gather, j, 2, 1, b"x"), "claims sender rank 2"),
-        ("wrong job", |_| raw_frame(Kind::Gather, &[1; 16], 1, 1, b"x"), "wrong job id"),
-        ("wrong kind", |j| raw_frame(Kind::Result, j, 1, 1, b"x"), "expected a GATHER"),
+    type Case = (&'static str, fn(&mut Session) -> Vec<u8>, &'static str);
+    let cases: [Case; 9] = [
+        ("wrong round", |m| m.frame(Kind::Gather, 2, b"x"), "round 2, expected round 1"),
+        (
+            "wrong sender",
+            |m| {
+                m.me = 2;
+                m.frame(Kind::Gather, 1, b"x")
+            },
+            "claims sender rank 2",
+        ),
+        (
+            "wrong job",
+            |m| {
+                m.job = [1; 16];
+                m.frame(Kind::Gather, 1, b"x")
+            },
+            "wrong job id",
+        ),
+        ("wrong kind", |m| m.frame(Kind::Result, 1, b"x"), "expected a GATHER"),
         ("garbage", |_| vec![0x55; 64], "not a rendezvous frame"),
         (
             "oversized",
-            |j| {
-                let mut b = raw_frame(Kind::Gather, j, 1, 1, b"");
+            |m| {
+                let mut b = m.frame(Kind::Gather, 1, b"");
                 b[36..40].copy_from_slice(&(wire::MAX_PAYLOAD as u32 + 1).to_le_bytes());
                 b
             },
             "exceeds the limit",
         ),
+        ("not sealed", |m| raw_frame(Kind::Gather, &m.job, 1, 1, b"x"), "GATHER frame without a tag"),
+        (
+            "altered",
+            |m| {
+                let mut b = m.frame(Kind::Gather, 1, b"xyz");
+                b[wire::HEADER_LEN + 1] ^= 1;
+                b
+            },
+            "GATHER frame failed authentication",
+        ),
+        (
+            "tag of a later frame",
+            |m| {
+                let _skipped = m.frame(Kind::Gather, 1, b"x");
+                m.frame(Kind::Gather, 1, b"x")
+            },
+            "GATHER frame failed authentication",
+        ),
     ];
     for (transport, make) in transports() {
         for (name, bytes, text) in &cases {
             let id = make();
-            let job = id.job_id();
             thread::scope(|s| {
                 let root = s.spawn(|| connect(&id, 0, 3, LONG)?.all_gather(b"zero"));
                 let two = s.spawn(|| connect(&id, 2, 3, LONG)?.all_gather(b"two"));
-                let one = raw_dial(&id);
-                write_frame(&*one, Instant::now() + LONG, &raw_hello(&job, 1, 3)).unwrap();
-                let welcome = read_frame(&*one, Some(Instant::now() + LONG), 64).unwrap();
+                let mut one = member_handshake(raw_dial(&id), &id, 1, 3).unwrap();
+                let welcome = one.recv().unwrap();
                 assert_eq!(welcome.header.kind, Kind::Welcome);
                 let started = Instant::now();
-                write_frame(&*one, Instant::now() + LONG, &bytes(&job)).unwrap();
+                let bad = bytes(&mut one);
+                write_frame(&*one.conn, Instant::now() + LONG, &bad).unwrap();
                 let root_err = root.join().unwrap().unwrap_err();
                 let two_err = two.join().unwrap().unwrap_err();
                 assert!(started.elapsed() < Duration::from_secs(3), "{transport} {name}");
@@ -282,7 +314,7 @@ fn joined_rank_protocol_violation_aborts_the_others() {
                     "{transport} {name}: {two_err}"
                 );
                 // The offender is told too.
-                let abort = read_frame(&*one, Some(Instant::now() + LONG), wire::MAX_PAYLOAD).unwrap();
+                let abort = recv_raw(&*one.conn).unwrap();
                 assert_eq!(abort.header.kind, Kind::Abort, "{transport} {name}");
             });
         }
@@ -301,16 +333,17 @@ fn silent_connection_does_not_delay_the_join() {
             let others: Vec<_> = (1..3).map(|r| s.spawn(move || connect(id, r, 3, LONG)?.barrier())).collect();
             root.join().unwrap().unwrap();
             others.into_iter().for_each(|h| h.join().unwrap().unwrap());
-            // Closed when the join ended, not after its 5 s HELLO limit.
+            // Closed when the join ended, not after its handshake limit.
             assert_eq!(read_until_closed(&*silent, Duration::from_secs(2)), None, "{transport}");
         });
         assert!(started.elapsed() < Duration::from_secs(3), "{transport}: {:?}", started.elapsed());
     }
 }
 
-/// Two connections claim rank 1 with valid HELLOs: the first one rank 0
-/// admits keeps the rank, the other is refused with a reason, and the
-/// rendezvous completes with the winner.
+/// Two connections claim rank 1 and both complete the handshake (both
+/// hold the secret: two processes started as rank 1): the first one rank 0
+/// admits keeps the rank, the other is refused with an authenticated
+/// reason, and the rendezvous completes with the winner.
 #[test]
 fn duplicate_rank_first_connection_wins() {
     for (transport, make) in transports() {
@@ -318,30 +351,30 @@ fn duplicate_rank_first_connection_wins() {
         let job = id.job_id();
         thread::scope(|s| {
             let root = s.spawn(|| connect(&id, 0, 3, LONG)?.all_gather(b"zero"));
-            let claimants = [raw_dial(&id), raw_dial(&id)];
+            let claimants = [raw_dial(&id), raw_dial(&id)].map(|c| member_handshake(c, &id, 1, 3).unwrap());
+            // Each claimant waits for its reply on a thread of its own: the
+            // loser hears at once, the winner only after rank 2 joins.
             let (tx, rx) = mpsc::channel();
-            for (i, c) in claimants.iter().enumerate() {
-                write_frame(&**c, Instant::now() + LONG, &raw_hello(&job, 1, 3)).unwrap();
-                let (c, tx) = (c.clone(), tx.clone());
+            for (i, mut c) in claimants.into_iter().enumerate() {
+                let tx = tx.clone();
                 s.spawn(move || {
-                    tx.send((i, read_frame(&*c, Some(Instant::now() + LONG), 4096).map_err(|e| e.to_string())))
+                    let reply = c.recv();
+                    tx.send((i, reply, c)).unwrap();
                 });
             }
-            // The loser hears at once; the winner only after rank 2 joins.
-            let (loser, first) = rx.recv_timeout(Duration::from_secs(3)).expect("no claimant was refused");
+            let (loser, first, lost) = rx.recv_timeout(Duration::from_secs(3)).expect("no claimant was refused");
             let abort = first.unwrap().check(&job, 0, Kind::Welcome, 0).unwrap();
             let Checked::Aborted(abort) = abort else { panic!("{transport}: first reply was {abort:?}") };
             assert!(abort.reason.contains("rank 1 has already joined"), "{transport}: {}", abort.reason);
-            assert!(read_until_closed(&*claimants[loser], Duration::from_secs(2)).is_none());
+            assert!(read_until_closed(&*lost.conn, Duration::from_secs(2)).is_none());
 
             let two = s.spawn(|| connect(&id, 2, 3, LONG)?.all_gather(b"two"));
-            let (winner, welcome) = rx.recv_timeout(LONG).unwrap();
+            let (winner, welcome, mut won) = rx.recv_timeout(LONG).unwrap();
             assert_ne!(winner, loser);
             let welcome = welcome.unwrap().check(&job, 0, Kind::Welcome, 0).unwrap();
             assert_eq!(welcome, Checked::Expected(wire::encode_world(3).to_vec()), "{transport}");
-            let c = &*claimants[winner];
-            write_frame(c, Instant::now() + LONG, &raw_frame(Kind::Gather, &job, 1, 1, b"one")).unwrap();
-            let result = read_frame(c, Some(Instant::now() + LONG), wire::MAX_PAYLOAD).unwrap();
+            won.send(Kind::Gather, 1, b"one");
+            let result = won.recv().unwrap();
             let Ok(Checked::Expected(p)) = result.check(&job, 0, Kind::Result, 1) else {
                 panic!("{transport}: no RESULT")
             };
@@ -351,4 +384,34 @@ fn duplicate_rank_first_connection_wins() {
             assert_eq!(two.join().unwrap().unwrap(), want);
         });
     }
+}
+
+/// Rank 0 failed before listening and its directory was removed (what
+/// `remove_files` does, as the Python layer does on every failure path):
+/// the other ranks fail at once instead of retrying until the timeout.
+#[test]
+fn members_fail_at_once_when_rank_0s_directory_is_gone() {
+    let id = unix_id();
+    let dir = private_dir(&id).expect("a Unix id has a private directory");
+    assert!(dir.exists());
+    id.remove_files();
+    let started = Instant::now();
+    let err = connect(&id, 1, 2, Duration::from_secs(30)).err().expect("joined without rank 0");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert!(matches!(err, Error::Rendezvous(_)), "{err}");
+    assert!(err.to_string().contains("rendezvous directory"), "{err}");
+}
+
+/// While the directory exists (rank 0 slow to start), members keep
+/// retrying: the check above does not cut the normal wait short.
+#[test]
+fn members_wait_for_a_slow_rank_0_while_its_directory_exists() {
+    let id = unix_id();
+    let late = id.clone();
+    let root = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(300));
+        connect(&late, 0, 2, Duration::from_secs(30)).map(|_| ())
+    });
+    connect(&id, 1, 2, Duration::from_secs(30)).expect("rank 1 joins a late rank 0");
+    root.join().unwrap().expect("rank 0 joins");
 }

@@ -1,7 +1,10 @@
 //! Unix-domain socket endpoint. Access control is the private directory:
 //! `Id::new_unix` creates `<base>/tpar-<16 hex>/` with mode 0700, rank 0
 //! listens on `rdv.sock` inside it with mode 0600, so only the same user can
-//! connect. Rank 0 removes both when its join phase ends (and on drop).
+//! connect. Both ends also check the other's uid (`SO_PEERCRED`) before the
+//! handshake, so a socket reached some other way (a directory opened by
+//! mistake, a rank 0 of another user) is refused too. Rank 0 removes both
+//! when its join phase ends (and on drop).
 
 #![forbid(unsafe_code)]
 
@@ -222,6 +225,10 @@ impl Conn for UnixStream {
     }
     fn disconnect(&self) {
         let _ = UnixStream::shutdown(self, Shutdown::Both);
+    }
+    fn peer_uid(&self) -> io::Result<Option<u32>> {
+        let cred = nix::sys::socket::getsockopt(self, nix::sys::socket::sockopt::PeerCredentials)?;
+        Ok(Some(cred.uid()))
     }
 }
 

@@ -1,52 +1,78 @@
 //! The frame format of the socket rendezvous, std only. Integers are
-//! little-endian. Every frame is a fixed 40-byte header and a payload:
+//! little-endian. Every frame is a fixed 40-byte header, a payload and,
+//! when the header says the frame is sealed, a 32-byte tag:
 //!
 //! ```text
 //! offset size field
 //!      0    8 magic     b"TPARDZV\0"
-//!      8    2 version   VERSION
-//!     10    2 kind      1 HELLO, 2 WELCOME, 3 GATHER, 4 RESULT, 5 ABORT
-//!     12   16 job id    from the `Id`; frames of another job are refused
+//!      8    2 version   VERSION (2)
+//!     10    1 kind      see below
+//!     11    1 flags     bit 0: sealed (a tag follows the payload); other bits 0
+//!     12   16 job id    derived from the `Id`'s secret; frames of another job are refused
 //!     28    4 sender    rank of the sender
-//!     32    4 round     0 for HELLO/WELCOME, then 1, 2, ... per all_gather
+//!     32    4 round     0 for the handshake and WELCOME, then 1, 2, ... per all_gather
 //!     36    4 length    payload bytes, at most the reader's limit (<= MAX_PAYLOAD)
 //!     40      payload
+//! 40+len   32 tag       sealed frames only: HMAC-SHA256 under the connection's
+//!                       key for this direction of (sequence number, header, payload)
 //! ```
 //!
-//! Payloads: HELLO and WELCOME carry the world size (u32). GATHER carries
-//! the sender's bytes. RESULT carries a count (u32) then, per rank, a length
-//! (u32) and the bytes. ABORT carries a code (u8), the time waited (u64 ms)
-//! and a UTF-8 reason.
+//! | kind | code | from | sealed | payload |
+//! |------|------|------|--------|---------|
+//! | HELLO | 1 | member | no | world (u32), member nonce (32), HELLO tag (32) |
+//! | WELCOME | 2 | rank 0 | yes | world (u32) |
+//! | GATHER | 3 | member | yes | the member's bytes |
+//! | RESULT | 4 | rank 0 | yes | count (u32), then per rank a length (u32) and the bytes |
+//! | ABORT | 5 | any | after the handshake | code (u8), time waited (u64 ms), UTF-8 reason |
+//! | CHALLENGE | 6 | rank 0 | no | world (u32), rank 0 nonce (32), CHALLENGE tag (32) |
+//! | PROOF | 7 | member | no | PROOF tag (32) |
+//!
+//! What each tag covers is in `auth.rs`. An ABORT is sealed once the
+//! connection has a session (both ends authenticated); before that it is
+//! plain, and a member treats it as a claim by an unauthenticated peer.
 //!
 //! [`read_frame`] checks what a frame says about itself (magic, version,
-//! kind, length against the caller's limit) before it reads the payload, and
-//! it grows the payload buffer as bytes arrive, so a length field alone never
-//! makes it allocate. [`Frame::check`] checks the frame against what the
-//! receiver expects (job, sender, kind, round).
+//! kind, flags, length against the caller's limit) before it reads the
+//! payload, and it grows the payload buffer as bytes arrive, so a length
+//! field alone never makes it allocate. [`Frame::check`] checks the frame
+//! against what the receiver expects (job, sender, kind, round); the
+//! session's `Opener` checks a sealed frame's tag.
 
 #![forbid(unsafe_code)]
 
 use std::fmt;
 use std::io::{self, Read};
 
+use super::auth::{Nonce, Opener, Tag, NONCE_LEN, TAG_LEN};
+
 pub(crate) const MAGIC: [u8; 8] = *b"TPARDZV\0";
-pub(crate) const VERSION: u16 = 1;
+pub(crate) const VERSION: u16 = 2;
 pub(crate) const JOB_ID_LEN: usize = 16;
 pub(crate) const HEADER_LEN: usize = 40;
-const _: () = assert!(HEADER_LEN == MAGIC.len() + 2 + 2 + JOB_ID_LEN + 4 + 4 + 4);
+const _: () = assert!(HEADER_LEN == MAGIC.len() + 2 + 1 + 1 + JOB_ID_LEN + 4 + 4 + 4);
+/// Flag bit of a sealed frame (a tag follows the payload).
+pub(crate) const FLAG_SEALED: u8 = 1;
 
 /// Largest payload of any frame, and so the largest RESULT of one round.
 pub(crate) const MAX_PAYLOAD: usize = 16 << 20;
 const _: () = assert!(MAX_PAYLOAD <= u32::MAX as usize);
 
-/// Payload of HELLO and WELCOME: the world size.
-pub(crate) const HELLO_PAYLOAD: usize = 4;
+/// Payload of WELCOME: the world size.
+pub(crate) const WORLD_PAYLOAD: usize = 4;
+/// Payload of HELLO and of CHALLENGE: a world size, a nonce and a tag.
+pub(crate) const HELLO_PAYLOAD: usize = 4 + NONCE_LEN + TAG_LEN;
+/// Payload of PROOF: a tag.
+pub(crate) const PROOF_PAYLOAD: usize = TAG_LEN;
+/// The limit on a frame rank 0 reads during a handshake.
+pub(crate) const HANDSHAKE_PAYLOAD: usize = HELLO_PAYLOAD;
+const _: () = assert!(PROOF_PAYLOAD <= HANDSHAKE_PAYLOAD);
 
 /// Longest ABORT reason sent or shown (longer ones are cut).
 pub(crate) const MAX_REASON: usize = 4096;
 
-/// Largest WELCOME or ABORT payload, the limit while joining.
+/// Largest CHALLENGE, WELCOME or ABORT payload, the limit while joining.
 pub(crate) const MAX_CONTROL_PAYLOAD: usize = 9 + MAX_REASON;
+const _: () = assert!(HELLO_PAYLOAD <= MAX_CONTROL_PAYLOAD);
 
 /// Bytes a RESULT spends on framing: the count, and a length per rank.
 pub(crate) fn result_overhead(world: usize) -> usize {
@@ -64,26 +90,32 @@ pub(crate) enum Kind {
     Gather,
     Result,
     Abort,
+    Challenge,
+    Proof,
 }
 
 impl Kind {
-    fn code(self) -> u16 {
+    pub(crate) fn code(self) -> u8 {
         match self {
             Kind::Hello => 1,
             Kind::Welcome => 2,
             Kind::Gather => 3,
             Kind::Result => 4,
             Kind::Abort => 5,
+            Kind::Challenge => 6,
+            Kind::Proof => 7,
         }
     }
 
-    fn from_code(code: u16) -> Option<Kind> {
+    fn from_code(code: u8) -> Option<Kind> {
         Some(match code {
             1 => Kind::Hello,
             2 => Kind::Welcome,
             3 => Kind::Gather,
             4 => Kind::Result,
             5 => Kind::Abort,
+            6 => Kind::Challenge,
+            7 => Kind::Proof,
             _ => return None,
         })
     }
@@ -95,6 +127,8 @@ impl Kind {
             Kind::Gather => "GATHER",
             Kind::Result => "RESULT",
             Kind::Abort => "ABORT",
+            Kind::Challenge => "CHALLENGE",
+            Kind::Proof => "PROOF",
         }
     }
 }
@@ -102,6 +136,7 @@ impl Kind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Header {
     pub kind: Kind,
+    pub sealed: bool,
     pub job: [u8; JOB_ID_LEN],
     pub sender: u32,
     pub round: u32,
@@ -111,7 +146,11 @@ pub(crate) struct Header {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Frame {
     pub header: Header,
+    /// The header as received: what a sealed frame's tag covers.
+    pub raw_header: [u8; HEADER_LEN],
     pub payload: Vec<u8>,
+    /// The tag of a sealed frame.
+    pub tag: Option<Tag>,
 }
 
 /// Why a frame could not be read. The caller names the peer.
@@ -129,11 +168,16 @@ pub(crate) enum WireError {
     Io(io::Error),
     BadMagic([u8; 8]),
     BadVersion(u16),
-    BadKind(u16),
+    BadKind(u8),
+    BadFlags(u8),
     TooLong {
         len: usize,
         max: usize,
     },
+    /// A plain frame where the session expects a sealed one.
+    NotSealed(Kind),
+    /// A sealed frame whose tag is not the next of this connection.
+    BadTag(Kind),
 }
 
 impl WireError {
@@ -164,12 +208,25 @@ impl fmt::Display for WireError {
                 write!(f, "protocol version {v}, this build speaks {VERSION} (mixed tp-allreduce versions?)")
             }
             WireError::BadKind(k) => write!(f, "unknown frame kind {k}"),
+            WireError::BadFlags(b) => write!(f, "unknown frame flags {b:#04x}"),
             WireError::TooLong { len, max } => write!(f, "frame length {len} exceeds the limit of {max} bytes"),
+            WireError::NotSealed(k) => write!(
+                f,
+                "{} frame without a tag, where every frame after the handshake is sealed (written by a process \
+                 other than the authenticated peer?)",
+                k.name()
+            ),
+            WireError::BadTag(k) => write!(
+                f,
+                "{} frame failed authentication: its tag is not this connection's next (altered in flight, \
+                 replayed, or taken from another connection)",
+                k.name()
+            ),
         }
     }
 }
 
-/// One frame, header and payload, ready for a single `write_all` (one
+/// One plain frame, header and payload, ready for a single `write_all` (one
 /// buffer: `write_vectored` on a socket may raise SIGPIPE, `write` does not).
 pub(crate) fn encode(
     kind: Kind,
@@ -178,13 +235,37 @@ pub(crate) fn encode(
     round: u32,
     payload: &[u8],
 ) -> Result<Vec<u8>, WireError> {
+    encode_with(kind, 0, job, sender, round, payload)
+}
+
+/// A frame to be sealed: header (flagged sealed) and payload, with room
+/// for the tag that `Sealer::seal` appends.
+pub(crate) fn encode_unsealed_body(
+    kind: Kind,
+    job: &[u8; JOB_ID_LEN],
+    sender: u32,
+    round: u32,
+    payload: &[u8],
+) -> Result<Vec<u8>, WireError> {
+    encode_with(kind, FLAG_SEALED, job, sender, round, payload)
+}
+
+fn encode_with(
+    kind: Kind,
+    flags: u8,
+    job: &[u8; JOB_ID_LEN],
+    sender: u32,
+    round: u32,
+    payload: &[u8],
+) -> Result<Vec<u8>, WireError> {
     if payload.len() > MAX_PAYLOAD {
         return Err(WireError::TooLong { len: payload.len(), max: MAX_PAYLOAD });
     }
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + TAG_LEN);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&kind.code().to_le_bytes());
+    out.push(kind.code());
+    out.push(flags);
     out.extend_from_slice(job);
     out.extend_from_slice(&sender.to_le_bytes());
     out.extend_from_slice(&round.to_le_bytes());
@@ -212,8 +293,11 @@ pub(crate) fn decode_header(b: &[u8; HEADER_LEN], max_payload: usize) -> Result<
     if version != VERSION {
         return Err(WireError::BadVersion(version));
     }
-    let code = u16_at(b, 10);
-    let kind = Kind::from_code(code).ok_or(WireError::BadKind(code))?;
+    let kind = Kind::from_code(b[10]).ok_or(WireError::BadKind(b[10]))?;
+    if b[11] & !FLAG_SEALED != 0 {
+        return Err(WireError::BadFlags(b[11]));
+    }
+    let sealed = b[11] & FLAG_SEALED != 0;
     let mut job = [0u8; JOB_ID_LEN];
     job.copy_from_slice(&b[12..28]);
     let len = u32_at(b, 36);
@@ -221,7 +305,7 @@ pub(crate) fn decode_header(b: &[u8; HEADER_LEN], max_payload: usize) -> Result<
     if len as usize > max {
         return Err(WireError::TooLong { len: len as usize, max });
     }
-    Ok(Header { kind, job, sender: u32_at(b, 28), round: u32_at(b, 32), len })
+    Ok(Header { kind, sealed, job, sender: u32_at(b, 28), round: u32_at(b, 32), len })
 }
 
 /// Reads into `buf` until it is full or the stream ends; returns the count.
@@ -241,7 +325,8 @@ fn fill(r: &mut impl Read, buf: &mut [u8]) -> Result<usize, WireError> {
     Ok(got)
 }
 
-/// Reads one frame whose payload is at most `max_payload` bytes.
+/// Reads one frame whose payload is at most `max_payload` bytes (and its
+/// tag, if sealed; the tag is checked by the receiver's session).
 pub(crate) fn read_frame(r: &mut impl Read, max_payload: usize) -> Result<Frame, WireError> {
     let mut head = [0u8; HEADER_LEN];
     match fill(r, &mut head)? {
@@ -261,7 +346,17 @@ pub(crate) fn read_frame(r: &mut impl Read, max_payload: usize) -> Result<Frame,
             return Err(WireError::Truncated { got: HEADER_LEN + start + got, want: HEADER_LEN + want });
         }
     }
-    Ok(Frame { header, payload })
+    let tag = if header.sealed {
+        let mut tag = [0u8; TAG_LEN];
+        let got = fill(r, &mut tag)?;
+        if got < TAG_LEN {
+            return Err(WireError::Truncated { got: HEADER_LEN + want + got, want: HEADER_LEN + want + TAG_LEN });
+        }
+        Some(tag)
+    } else {
+        None
+    };
+    Ok(Frame { header, raw_header: head, payload, tag })
 }
 
 /// What a checked frame turned out to be.
@@ -274,6 +369,16 @@ pub(crate) enum Checked {
 }
 
 impl Frame {
+    /// Checks a frame of an authenticated session: it must be sealed, and
+    /// its tag the next one `opener` expects.
+    pub(crate) fn open(&self, opener: &mut Opener) -> Result<(), WireError> {
+        let tag = self.tag.ok_or(WireError::NotSealed(self.header.kind))?;
+        match opener.open(&self.raw_header, &self.payload, &tag) {
+            true => Ok(()),
+            false => Err(WireError::BadTag(self.header.kind)),
+        }
+    }
+
     /// Checks the frame against what the receiver expects: this job, the
     /// rank the connection belongs to, the kind and the round. An ABORT from
     /// the right job and sender is accepted whatever the kind and round.
@@ -308,15 +413,47 @@ impl Frame {
     }
 }
 
-pub(crate) fn encode_world(world: usize) -> [u8; HELLO_PAYLOAD] {
+pub(crate) fn encode_world(world: usize) -> [u8; WORLD_PAYLOAD] {
     (world as u32).to_le_bytes()
 }
 
 pub(crate) fn decode_world(p: &[u8]) -> Result<usize, String> {
     match p {
         [a, b, c, d] => Ok(u32::from_le_bytes([*a, *b, *c, *d]) as usize),
-        _ => Err(format!("world-size payload of {} bytes, expected {HELLO_PAYLOAD}", p.len())),
+        _ => Err(format!("world-size payload of {} bytes, expected {WORLD_PAYLOAD}", p.len())),
     }
+}
+
+/// What HELLO and CHALLENGE carry: the sender's world size, its fresh
+/// nonce, and its tag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Greeting {
+    pub world: u32,
+    pub nonce: Nonce,
+    pub tag: Tag,
+}
+
+pub(crate) fn encode_greeting(g: &Greeting) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HELLO_PAYLOAD);
+    out.extend_from_slice(&g.world.to_le_bytes());
+    out.extend_from_slice(&g.nonce);
+    out.extend_from_slice(&g.tag);
+    out
+}
+
+/// `kind` names the frame in the error.
+pub(crate) fn decode_greeting(p: &[u8], kind: Kind) -> Result<Greeting, String> {
+    if p.len() != HELLO_PAYLOAD {
+        return Err(format!("{} payload of {} bytes, expected {HELLO_PAYLOAD}", kind.name(), p.len()));
+    }
+    let (mut nonce, mut tag) = ([0u8; NONCE_LEN], [0u8; TAG_LEN]);
+    nonce.copy_from_slice(&p[4..4 + NONCE_LEN]);
+    tag.copy_from_slice(&p[4 + NONCE_LEN..]);
+    Ok(Greeting { world: u32_at(p, 0), nonce, tag })
+}
+
+pub(crate) fn decode_proof(p: &[u8]) -> Result<Tag, String> {
+    p.try_into().map_err(|_| format!("PROOF payload of {} bytes, expected {PROOF_PAYLOAD}", p.len()))
 }
 
 /// Payload of a RESULT frame; the caller has checked the size against
@@ -442,20 +579,43 @@ mod tests {
         let bytes = frame(Kind::Gather, 3, 9, b"hello");
         assert_eq!(bytes.len(), HEADER_LEN + 5);
         let f = read_frame(&mut &bytes[..], 100).unwrap();
-        assert_eq!(f.header, Header { kind: Kind::Gather, job: JOB, sender: 3, round: 9, len: 5 });
-        assert_eq!(f.payload, b"hello");
+        assert_eq!(f.header, Header { kind: Kind::Gather, sealed: false, job: JOB, sender: 3, round: 9, len: 5 });
+        assert_eq!((f.payload.as_slice(), f.tag), (&b"hello"[..], None));
+        assert_eq!(&f.raw_header[..], &bytes[..HEADER_LEN]);
         // Pinned byte layout: little-endian fields at their offsets.
         assert_eq!(&bytes[0..8], b"TPARDZV\0");
-        assert_eq!(&bytes[8..12], &[1, 0, 3, 0]);
+        assert_eq!(&bytes[8..12], &[2, 0, 3, 0]);
         assert_eq!(&bytes[28..40], &[3, 0, 0, 0, 9, 0, 0, 0, 5, 0, 0, 0]);
+        // A sealed frame: flag bit 0, and the 32-byte tag after the payload.
+        let mut sealed = encode_unsealed_body(Kind::Result, &JOB, 0, 1, b"abc").unwrap();
+        assert_eq!(sealed[11], FLAG_SEALED);
+        sealed.extend_from_slice(&[0xCD; TAG_LEN]);
+        let f = read_frame(&mut &sealed[..], 100).unwrap();
+        assert!(f.header.sealed);
+        assert_eq!((f.payload.as_slice(), f.tag), (&b"abc"[..], Some([0xCD; TAG_LEN])));
+        assert!(matches!(
+            read_frame(&mut &sealed[..sealed.len() - 1], 100),
+            Err(WireError::Truncated { got: 74, want: 75 })
+        ));
+    }
+
+    #[test]
+    fn greetings_and_proofs_round_trip_and_are_checked() {
+        let g = Greeting { world: 8, nonce: [3; NONCE_LEN], tag: [4; TAG_LEN] };
+        let p = encode_greeting(&g);
+        assert_eq!(p.len(), HELLO_PAYLOAD);
+        assert_eq!(decode_greeting(&p, Kind::Hello), Ok(g));
+        assert!(decode_greeting(&p[1..], Kind::Challenge).unwrap_err().contains("CHALLENGE payload of 67 bytes"));
+        assert_eq!(decode_proof(&[5; TAG_LEN]), Ok([5; TAG_LEN]));
+        assert!(decode_proof(&[5; 31]).unwrap_err().contains("PROOF payload of 31 bytes"));
     }
 
     #[test]
     fn two_frames_back_to_back_and_then_closed() {
-        let mut bytes = frame(Kind::Hello, 1, 0, &encode_world(4));
+        let mut bytes = frame(Kind::Welcome, 0, 0, &encode_world(4));
         bytes.extend(frame(Kind::Gather, 1, 1, &[]));
         let mut r = &bytes[..];
-        assert_eq!(read_frame(&mut r, 64).unwrap().header.kind, Kind::Hello);
+        assert_eq!(read_frame(&mut r, 64).unwrap().header.kind, Kind::Welcome);
         assert_eq!(read_frame(&mut r, 64).unwrap().payload, Vec::<u8>::new());
         assert!(matches!(read_frame(&mut r, 64), Err(WireError::Closed)));
     }
@@ -473,9 +633,11 @@ mod tests {
             ("truncated header", good[..17].to_vec(), |e| matches!(e, WireError::Truncated { got: 17, want: 40 })),
             ("truncated payload", good[..41].to_vec(), |e| matches!(e, WireError::Truncated { got: 41, want: 43 })),
             ("bad magic", with(0, b"GARBAGE!"), |e| matches!(e, WireError::BadMagic(_))),
-            ("bad version", with(8, &2u16.to_le_bytes()), |e| matches!(e, WireError::BadVersion(2))),
-            ("bad kind", with(10, &99u16.to_le_bytes()), |e| matches!(e, WireError::BadKind(99))),
-            ("kind zero", with(10, &0u16.to_le_bytes()), |e| matches!(e, WireError::BadKind(0))),
+            ("old version", with(8, &1u16.to_le_bytes()), |e| matches!(e, WireError::BadVersion(1))),
+            ("bad version", with(8, &3u16.to_le_bytes()), |e| matches!(e, WireError::BadVersion(3))),
+            ("bad kind", with(10, &[99]), |e| matches!(e, WireError::BadKind(99))),
+            ("kind zero", with(10, &[0]), |e| matches!(e, WireError::BadKind(0))),
+            ("unknown flag", with(11, &[2]), |e| matches!(e, WireError::BadFlags(2))),
             ("over the reader's limit", with(36, &4u32.to_le_bytes()), |e| {
                 matches!(e, WireError::TooLong { len: 4, max: 3 })
             }),

@@ -18,11 +18,21 @@
 //! buffer and reduces from there (chunked if larger); nothing of it needs
 //! registration after capture. Push algorithms and eager calls need no
 //! registration at all (eager inputs are staged by the library itself).
+//!
+//! # Teardown
+//! `close()` runs the library's collective teardown (`Comm::close`) with
+//! the GIL released and raises what it reports (a device error, a peer
+//! that did not arrive). Dropping the object does the same with errors
+//! ignored, also with the GIL released, except while the interpreter
+//! finalizes (then no other Python thread can run anyway, and a thread
+//! that gave the GIL away could not take it back).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaContext};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{sys, CudaContext, CudaStream};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tp_allreduce::rendezvous::Id;
@@ -37,25 +47,26 @@ use crate::id::PyId;
 /// limit is 8 MiB).
 pub const DEFAULT_CAPTURE_COPY_BYTES: usize = 8 << 20;
 
-/// What a live communicator holds.
-struct Inner {
-    // Field order is drop order: the communicator (which waits for its
-    // stream) before the buffer its peers may have mapped.
-    comm: Comm,
-    copy_buffer: Option<DeviceBuffer>,
-    captured_copies: AtomicU64,
+/// Where the binding's own records go (`tp_allreduce.python` in Python's
+/// `logging`); the library's records carry their module paths
+/// (`tp_allreduce.comm.setup`, ...).
+pub const LOG_TARGET: &str = "tp_allreduce::python";
+
+/// What a rank sets up on its own before it joins the others: driver,
+/// device context, stream, configuration. Everything that can fail before
+/// rank 0 listens fails here, so that `from_group` can tell the other ranks
+/// through the process group instead of leaving them waiting in the
+/// rendezvous.
+struct Prepared {
     ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    config: Config,
 }
 
-impl Inner {
-    fn create(
-        rank: usize,
-        world: usize,
-        id: Id,
-        ordinal: usize,
-        algorithm: Option<Algorithm>,
-        capture_copy_bytes: usize,
-    ) -> Result<Inner, Error> {
+impl Prepared {
+    /// `batch_invariant` turns `Config::batch_invariant` on (it is never
+    /// turned off here: `TP_ALLREDUCE_BATCH_INVARIANT=1` also turns it on).
+    fn new(ordinal: usize, algorithm: Option<Algorithm>, batch_invariant: bool) -> Result<Prepared, Error> {
         device::require_driver()?;
         let _restore = CurrentContext::save();
         let ctx = CudaContext::new(ordinal).map_err(|e| device::driver_error("cuDevicePrimaryCtxRetain", e))?;
@@ -64,13 +75,57 @@ impl Inner {
         if algorithm.is_some() {
             config.algorithm = algorithm;
         }
+        config.batch_invariant |= batch_invariant;
+        config.validate()?;
+        Ok(Prepared { ctx, stream, config })
+    }
+}
+
+/// What a live communicator holds.
+struct Inner {
+    // Field order is drop order: the communicator (which waits for its
+    // stream and meets its peers in the teardown barriers) before the
+    // buffers its peers may have mapped.
+    comm: Comm,
+    copy_buffer: Option<DeviceBuffer>,
+    /// A capture-copy buffer whose registration failed after some peer may
+    /// have mapped it, and that could not be released early (see
+    /// `register_copy_buffer`): freed after the communicator's teardown,
+    /// whose second barrier means no peer maps it any more.
+    parked: Option<DeviceBuffer>,
+    captured_copies: AtomicU64,
+    /// The first captured copy was reported (one warning per communicator).
+    copy_warned: AtomicBool,
+    ctx: Arc<CudaContext>,
+}
+
+impl Inner {
+    fn join(prepared: Prepared, rank: usize, world: usize, id: Id, capture_copy_bytes: usize) -> Result<Inner, Error> {
+        let Prepared { ctx, stream, config } = prepared;
+        let _restore = CurrentContext::save();
         let comm = Comm::from_rank_with_config(stream, rank, world, id, config)?;
-        let copy_buffer = if capture_copy_bytes > 0 && world > 1 {
-            register_copy_buffer(&comm, &ctx, capture_copy_bytes)?
+        let (copy_buffer, parked) = if capture_copy_bytes > 0 && world > 1 {
+            match register_copy_buffer(&comm, &ctx, capture_copy_bytes) {
+                Ok(buffers) => buffers,
+                Err((e, buffer)) => {
+                    // The teardown first: peers may map the buffer until its
+                    // second barrier.
+                    drop(comm);
+                    drop(buffer);
+                    return Err(e);
+                }
+            }
         } else {
-            None
+            (None, None)
         };
-        Ok(Inner { comm, copy_buffer, captured_copies: AtomicU64::new(0), ctx })
+        Ok(Inner {
+            comm,
+            copy_buffer,
+            parked,
+            captured_copies: AtomicU64::new(0),
+            copy_warned: AtomicBool::new(false),
+            ctx,
+        })
     }
 
     /// # Safety
@@ -100,6 +155,16 @@ impl Inner {
         // registered buffer, one buffer-full at a time (stream order
         // serialises the chunks; a pull kernel returns only after every
         // peer finished reading its input, so the buffer is free again).
+        if !self.copy_warned.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                target: LOG_TARGET,
+                "rank {}: a captured {} call on memory CUDA IPC cannot export (PyTorch's expandable segments or \
+                 a memory pool) is captured as a copy of its input into the communicator's buffer: one extra \
+                 device copy per replay (reported once per communicator; `captured_copies` counts them)",
+                self.comm.rank(),
+                self.comm.plan_call(bytes, dtype, true, send == recv).algorithm,
+            );
+        }
         let chunk = (buffer.bytes() / 16 * 16 / elem).max(1);
         let mut start = 0;
         while start < count {
@@ -154,26 +219,140 @@ impl Inner {
     }
 }
 
-/// Allocates the capture-copy buffer and registers it (collective). Ranks
-/// first agree that every one of them allocated, so none is left waiting in
-/// the registration; a failed allocation or registration leaves the
-/// communicator without the buffer (noted), never a rank hung.
-fn register_copy_buffer(comm: &Comm, ctx: &Arc<CudaContext>, bytes: usize) -> Result<Option<DeviceBuffer>, Error> {
+/// Allocates the capture-copy buffer and registers it (collective):
+/// `(registered, parked)`. Ranks first agree that every one of them
+/// allocated, so none is left waiting in the registration; a failed
+/// allocation or registration leaves the communicator without the buffer
+/// (with a warning), never a rank hung.
+///
+/// A registration that failed may have failed after some peers mapped the
+/// buffer (a rank's import failed while others' succeeded), and CUDA leaves
+/// freeing memory that another process still maps undefined. So the buffer
+/// is freed only once no peer can map it: every rank saw the failure (the
+/// registration's steps all-gather their outcomes), so every rank runs
+/// `deregister_buffers` (collective; it closes every rank's mappings of
+/// registered buffers and returns once all did), and then frees it. If that
+/// fails too, the buffer is parked until the communicator's teardown. An
+/// error that breaks the communicator is returned with the buffer, for the
+/// caller to free after dropping the communicator.
+#[allow(clippy::type_complexity)]
+fn register_copy_buffer(
+    comm: &Comm,
+    ctx: &Arc<CudaContext>,
+    bytes: usize,
+) -> Result<(Option<DeviceBuffer>, Option<DeviceBuffer>), (Error, Option<DeviceBuffer>)> {
     let bytes = bytes.div_ceil(16) * 16;
     let allocated = DeviceBuffer::alloc(ctx, bytes);
-    let everyone = comm.all_gather_bytes(&[allocated.is_ok() as u8])?;
-    let Ok(buffer) = allocated else { return Ok(None) };
-    if everyone.iter().any(|v| v.first() != Some(&1)) {
-        return Ok(None);
+    let everyone = comm.all_gather_bytes(&[allocated.is_ok() as u8]).map_err(|e| (e, None))?;
+    let unusable = |why: String| {
+        log::warn!(
+            target: LOG_TARGET,
+            "rank {}: no capture-copy buffer ({why}): a captured pull call on memory CUDA IPC cannot export \
+             will fail at register_graph_buffers (force a push algorithm, or use memory that can be exported)",
+            comm.rank()
+        );
+    };
+    let buffer = match allocated {
+        Ok(b) => b,
+        Err(e) => {
+            unusable(format!("allocating {bytes} bytes failed: {e}"));
+            return Ok((None, None));
+        }
+    };
+    if let Some(rank) = everyone.iter().position(|v| v.first() != Some(&1)) {
+        // Never offered to any peer: nobody maps it; freed here.
+        unusable(format!("rank {rank} could not allocate it"));
+        return Ok((None, None));
     }
     match comm.register_buffer(buffer.ptr(), buffer.bytes()) {
-        Ok(()) => Ok(Some(buffer)),
-        Err(e) if e.breaks_communicator() => Err(e),
-        Err(_) => {
-            // Peers may have mapped it before the step failed: never free it.
-            std::mem::forget(buffer);
-            Ok(None)
-        }
+        Ok(()) => Ok((Some(buffer), None)),
+        Err(e) if e.breaks_communicator() => Err((e, Some(buffer))),
+        Err(e) => match comm.deregister_buffers() {
+            Ok(_) => {
+                unusable(format!("registering it failed: {e}; released"));
+                Ok((None, None))
+            }
+            Err(again) => {
+                unusable(format!(
+                    "registering it failed: {e}; releasing the registrations failed too ({again}), so its \
+                     {bytes} bytes stay allocated until the communicator is closed"
+                ));
+                Ok((None, Some(buffer)))
+            }
+        },
+    }
+}
+
+fn parse_id(py: Python<'_>, id: &Bound<'_, PyAny>) -> PyResult<Id> {
+    if let Ok(i) = id.cast::<PyId>() {
+        Ok(i.get().id.clone())
+    } else if let Ok(s) = id.extract::<String>() {
+        s.parse::<Id>().py(py)
+    } else {
+        Err(invalid(py, "id must be a tp_allreduce Id or its string"))
+    }
+}
+
+fn parse_algorithm(py: Python<'_>, algorithm: Option<&str>) -> PyResult<Option<Algorithm>> {
+    match algorithm.map(str::trim) {
+        None | Some("") | Some("auto") => Ok(None),
+        Some(name) => name.parse::<Algorithm>().py(py).map(Some),
+    }
+}
+
+/// A rank's local setup, before it joins the others: the driver, a context
+/// and a stream on `device`, the configuration (`TP_ALLREDUCE_*`, with
+/// `algorithm` forced when given). `join` then makes the communicator
+/// (once). `Communicator(...)` does both; launchers that can tell the
+/// other ranks about a failure (`tp_allreduce.torch.Communicator.from_group`
+/// does, through the process group) run this step on every rank first, so
+/// that no rank waits in the rendezvous for one that already failed.
+#[pyclass(name = "PreparedRank", module = "tp_allreduce._core")]
+pub struct PyPreparedRank {
+    prepared: Mutex<Option<Prepared>>,
+    ordinal: usize,
+}
+
+#[pymethods]
+impl PyPreparedRank {
+    #[new]
+    #[pyo3(signature = (device, *, algorithm=None, batch_invariant=false))]
+    fn new(py: Python<'_>, device: usize, algorithm: Option<&str>, batch_invariant: bool) -> PyResult<PyPreparedRank> {
+        let algorithm = parse_algorithm(py, algorithm)?;
+        let prepared = py.detach(move || Prepared::new(device, algorithm, batch_invariant)).py(py)?;
+        Ok(PyPreparedRank { prepared: Mutex::new(Some(prepared)), ordinal: device })
+    }
+
+    /// The CUDA device ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Joins rank `rank` of `world_size` through `id` (collective, as
+    /// `Communicator(...)`). A prepared rank joins once.
+    #[pyo3(signature = (rank, world_size, id, *, capture_copy_bytes=DEFAULT_CAPTURE_COPY_BYTES))]
+    fn join(
+        &self,
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        id: &Bound<'_, PyAny>,
+        capture_copy_bytes: usize,
+    ) -> PyResult<PyCommunicator> {
+        let id = parse_id(py, id)?;
+        let prepared = self
+            .prepared
+            .lock()
+            .map_err(|_| to_py_err(py, Error::Broken("state lock poisoned".into())))?
+            .take()
+            .ok_or_else(|| invalid(py, "this PreparedRank already joined (prepare a new one)"))?;
+        PyCommunicator::join(py, prepared, (rank, world_size, id), self.ordinal, capture_copy_bytes)
+    }
+
+    fn __repr__(&self) -> String {
+        let used = self.prepared.lock().map(|g| g.is_none()).unwrap_or(true);
+        format!("PreparedRank(device={}{})", self.ordinal, if used { ", joined" } else { "" })
     }
 }
 
@@ -191,6 +370,17 @@ impl PyCommunicator {
         let guard = self.inner.lock().map_err(|_| to_py_err(py, Error::Broken("state lock poisoned".into())))?;
         guard.clone().ok_or_else(|| invalid(py, "the communicator is closed"))
     }
+
+    fn join(
+        py: Python<'_>,
+        prepared: Prepared,
+        (rank, world, id): (usize, usize, Id),
+        ordinal: usize,
+        capture_copy_bytes: usize,
+    ) -> PyResult<PyCommunicator> {
+        let inner = py.detach(move || Inner::join(prepared, rank, world, id, capture_copy_bytes)).py(py)?;
+        Ok(PyCommunicator { inner: Mutex::new(Some(Arc::new(inner))), rank, world, ordinal })
+    }
 }
 
 #[pymethods]
@@ -201,9 +391,11 @@ impl PyCommunicator {
     /// rendezvous timeout). `algorithm` forces one algorithm for every call
     /// (`None` or `"auto"`: the library's selection); `capture_copy_bytes`
     /// sizes the buffer that lets graphs capture calls on memory CUDA IPC
-    /// cannot export (0 disables it).
+    /// cannot export (0 disables it). The same as
+    /// `PreparedRank(device, algorithm=...).join(rank, world_size, id, ...)`.
     #[new]
-    #[pyo3(signature = (rank, world_size, id, device, *, algorithm=None, capture_copy_bytes=DEFAULT_CAPTURE_COPY_BYTES))]
+    #[pyo3(signature = (rank, world_size, id, device, *, algorithm=None, capture_copy_bytes=DEFAULT_CAPTURE_COPY_BYTES, batch_invariant=false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         rank: usize,
@@ -212,21 +404,12 @@ impl PyCommunicator {
         device: usize,
         algorithm: Option<&str>,
         capture_copy_bytes: usize,
+        batch_invariant: bool,
     ) -> PyResult<PyCommunicator> {
-        let id = if let Ok(i) = id.cast::<PyId>() {
-            i.get().id.clone()
-        } else if let Ok(s) = id.extract::<String>() {
-            s.parse::<Id>().py(py)?
-        } else {
-            return Err(invalid(py, "id must be a tp_allreduce Id or its string"));
-        };
-        let algorithm = match algorithm.map(str::trim) {
-            None | Some("") | Some("auto") => None,
-            Some(name) => Some(name.parse::<Algorithm>().py(py)?),
-        };
-        let inner =
-            py.detach(move || Inner::create(rank, world_size, id, device, algorithm, capture_copy_bytes)).py(py)?;
-        Ok(PyCommunicator { inner: Mutex::new(Some(Arc::new(inner))), rank, world: world_size, ordinal: device })
+        let id = parse_id(py, id)?;
+        let algorithm = parse_algorithm(py, algorithm)?;
+        let prepared = py.detach(move || Prepared::new(device, algorithm, batch_invariant)).py(py)?;
+        PyCommunicator::join(py, prepared, (rank, world_size, id), device, capture_copy_bytes)
     }
 
     #[getter]
@@ -487,15 +670,18 @@ impl PyCommunicator {
         Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 
-    /// Waits for all work on the device, then releases the communicator.
-    /// Call it on every rank; graphs captured with it must not be replayed
-    /// afterwards. Closing twice is a no-op.
+    /// Collective teardown: waits for all work on the device, meets the
+    /// other ranks (bounded), then releases the communicator. Raises what
+    /// went wrong (a device error, a rank that did not arrive); the
+    /// communicator is released either way. Call it on every rank; graphs
+    /// captured with it must not be replayed afterwards. Closing twice is a
+    /// no-op. The GIL is released while it waits.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let taken = self.inner.lock().map(|mut g| g.take()).unwrap_or(None);
-        if let Some(inner) = taken {
-            py.detach(move || release(inner));
+        match taken {
+            Some(inner) => py.detach(move || release(inner)).py(py),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn __repr__(&self) -> String {
@@ -510,19 +696,83 @@ impl PyCommunicator {
 }
 
 impl Drop for PyCommunicator {
+    /// Runs from the object's deallocation, which holds the GIL. Dropping
+    /// the communicator waits for the device and meets the peers in the
+    /// teardown barriers (each bounded by 10 s): that runs with the GIL
+    /// released, so every other Python thread keeps running. Not while the
+    /// interpreter finalizes: then no other Python thread runs any more,
+    /// and a thread that released the GIL may not get it back (CPython ends
+    /// or blocks such threads). Errors are ignored here; `close()` reports
+    /// them. No call can be running (it would hold a reference to this
+    /// object), so this is the last holder of the communicator.
     fn drop(&mut self) {
-        if let Some(inner) = self.inner.get_mut().ok().and_then(Option::take) {
-            release(inner);
-        }
+        let Some(inner) = self.inner.get_mut().ok().and_then(Option::take) else { return };
+        let mut inner = Some(inner);
+        let _ = Python::try_attach(|py| {
+            if !interpreter_finalizing(py) {
+                let inner = inner.take();
+                py.detach(move || drop_inner(inner));
+            }
+        });
+        drop_inner(inner);
     }
 }
 
-/// Waits for every stream of the device (kernels queued on the caller's
-/// streams still use the communicator's memory), then drops it.
-fn release(inner: Arc<Inner>) {
+/// Drops the communicator (its teardown: `Drop for Comm`), then the
+/// buffers peers may have mapped, with the caller's current context kept.
+fn drop_inner(inner: Option<Arc<Inner>>) {
     let _restore = CurrentContext::save();
-    if device::bind(&inner.ctx).is_ok() {
-        let _ = device::context_synchronize();
-    }
     drop(inner);
+}
+
+/// Whether the interpreter is finalizing (`sys.is_finalizing()`; any
+/// failure to ask counts as yes). An exception already being raised when
+/// the object is deallocated is kept as it was.
+fn interpreter_finalizing(py: Python<'_>) -> bool {
+    let pending = PyErr::take(py);
+    let finalizing = py
+        .import("sys")
+        .and_then(|sys| sys.call_method0("is_finalizing"))
+        .and_then(|answer| answer.is_truthy())
+        .unwrap_or(true);
+    if let Some(e) = pending {
+        e.restore(py);
+    }
+    finalizing
+}
+
+/// The collective teardown that reports its errors (`Comm::close`), then
+/// the buffers peers may have mapped: after the teardown's second barrier
+/// no peer maps them any more.
+/// A call still running on another thread holds the communicator too: wait
+/// for it (calls are bounded by the library's timeouts); if it is still
+/// running after that, the communicator is released when it returns.
+fn release(inner: Arc<Inner>) -> Result<(), Error> {
+    let config = inner.comm.config();
+    let bound = config.rendezvous_timeout + config.launch_timeout;
+    let deadline = Instant::now() + bound;
+    let mut inner = inner;
+    let inner = loop {
+        match Arc::try_unwrap(inner) {
+            Ok(only) => break only,
+            Err(shared) if Instant::now() >= deadline => {
+                drop(shared);
+                return Err(Error::InvalidUsage(format!(
+                    "close: another thread was still in a call on this communicator after {} s; the communicator \
+                     is released when that call returns",
+                    bound.as_secs()
+                )));
+            }
+            Err(shared) => {
+                inner = shared;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    };
+    let _restore = CurrentContext::save();
+    let Inner { comm, copy_buffer, parked, .. } = inner;
+    let closed = comm.close();
+    drop(copy_buffer);
+    drop(parked);
+    closed
 }

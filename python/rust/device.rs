@@ -1,7 +1,7 @@
 //! The few CUDA driver calls the binding makes itself (everything else goes
 //! through the library): saving and restoring the calling thread's current
 //! context, stream capture status, IPC exportability of a pointer, one async
-//! copy, synchronisation, and the device buffer the capture copy uses.
+//! copy, stream synchronisation, and the device buffer the capture copy uses.
 //!
 //! libcuda is loaded at run time; every function here must only be called
 //! after [`require_driver`] succeeded (cudarc panics when the library is
@@ -117,12 +117,6 @@ pub unsafe fn memcpy_dtod_async(dst: u64, src: u64, bytes: usize, stream: sys::C
 pub unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<(), Error> {
     // SAFETY: forwarded contract.
     check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream) })
-}
-
-/// Waits for every stream of the current context.
-pub fn context_synchronize() -> Result<(), Error> {
-    // SAFETY: no arguments; acts on the current context.
-    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
 }
 
 /// Device memory from `cuMemAlloc` (exportable over CUDA IPC, unlike

@@ -55,8 +55,10 @@ impl PyId {
         self.id.to_string()
     }
 
+    /// Without the secret (`Id`'s `Debug` hides it): a repr ends up in
+    /// logs and tracebacks; `str(id)` is the full string to pass on.
     fn __repr__(&self) -> String {
-        format!("Id({:?})", self.id.to_string())
+        format!("{:?}", self.id)
     }
 
     fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> Py<PyAny> {

@@ -1,7 +1,10 @@
 """Torch-free stand-ins for the adapter tests: a process group whose ranks
 are threads, tensors that are lists of floats, a communicator that sums
-them across the threads, and the runtime object the adapters take."""
+them across the threads (and can capture its calls into a graph replayed
+later, as CUDA-graph capture does), and the runtime object the adapters
+take."""
 
+import contextlib
 import threading
 
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
@@ -35,27 +38,67 @@ class FakeGroup:
         return out
 
 
+class FakeGraph:
+    """Calls captured by ``FakeComm.graph()``: nothing is computed at
+    capture; ``replay()`` runs them (collective), reading the inputs' values
+    at replay time, like a CUDA graph. Replaying before the communicator
+    registered the captured inputs raises, as the library does."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.ops = []
+
+    def replay(self):
+        if self.comm.unregistered:
+            raise RuntimeError(f"replay before register_graph_buffers: {self.comm.unregistered} inputs unregistered")
+        for op in self.ops:
+            op()
+
+
 class FakeComm:
-    """Sums FakeTensors over the group's threads; records what it was asked."""
+    """Sums FakeTensors over the group's threads; records what it was asked.
+    Inside ``graph()`` the calls are captured instead of run: their outputs
+    stay NaN until the graph is replayed."""
 
     def __init__(self, group, rank):
         self.group = group
         self.rank = rank
         self.calls = []
         self.closed = False
+        self.capturing = None  # the FakeGraph being captured
+        self.unregistered = 0  # captured inputs not registered yet
+
+    @contextlib.contextmanager
+    def graph(self):
+        """Stands for ``torch.cuda.graph(g)`` around the engine's forward."""
+        g = FakeGraph(self)
+        self.capturing = g
+        try:
+            yield g
+        finally:
+            self.capturing = None
 
     def all_reduce(self, t, out=None):
         assert not self.closed, "call on a closed communicator"
         self.calls.append(("all_reduce", len(t.values)))
-        everyone = self.group.gather(self.rank, t.values)
-        sums = [sum(column) for column in zip(*everyone)]
         if out is None:
-            return FakeTensor(sums, t.dtype, t.device)
-        out.values = sums
+            out = FakeTensor([float("nan")] * len(t.values), t.dtype, t.device)
+
+        def run():
+            everyone = self.group.gather(self.rank, list(t.values))
+            out.values = [sum(column) for column in zip(*everyone)]
+
+        if self.capturing is None:
+            run()
+        else:
+            out.values = [float("nan")] * len(t.values)
+            self.capturing.ops.append(run)
+            self.unregistered += 1
         return out
 
     def all_reduce_add_rms_norm(self, input, residual, weight, eps):  # noqa: A002
         assert not self.closed, "call on a closed communicator"
+        assert self.capturing is None, "not captured by these tests"
         self.calls.append(("all_reduce_add_rms_norm", len(input.values)))
         everyone = self.group.gather(self.rank, input.values)
         residual.values = [sum(column) + r for column, r in zip(zip(*everyone), residual.values)]
@@ -70,7 +113,8 @@ class FakeComm:
     def register_graph_buffers(self):
         self.calls.append(("register_graph_buffers",))
         self.group.gather(self.rank, "register")  # collective, like the real one
-        return sum(1 for c in self.calls if c[0] == "all_reduce")
+        count, self.unregistered = self.unregistered, 0
+        return count
 
     def close(self):
         self.calls.append(("close",))

@@ -8,13 +8,18 @@ can rebuild every rank's input, so the f64 reference needs no
 communication. Outputs are poisoned with NaN before each call or replay.
 """
 
+import gc
 import itertools
+import logging
 import os
 import random
+import threading
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
+import tp_allreduce
 from tp_allreduce import errors, pointer_is_ipc_exportable
 from tp_allreduce.torch import Communicator
 
@@ -418,8 +423,9 @@ def suite(rank, world, result):
 
 
 def sglang_group_coordinator(rank, world, result):
-    """SGLang's own GroupCoordinator (only where sglang imports): its
-    constructor builds our adapter through the patched dispatcher."""
+    """SGLang's own GroupCoordinator (only where sglang imports; its
+    constructor as of SGLang 0.5.23: ``use_mscclpp``, no NPU flag): it
+    builds our adapter through the patched dispatcher."""
     rec = Recorder(result)
 
     def run():
@@ -433,12 +439,11 @@ def sglang_group_coordinator(rank, world, result):
             local_rank=rank,
             torch_distributed_backend="gloo",
             use_pynccl=False,
-            use_pymscclpp=False,
+            use_mscclpp=False,
             use_custom_allreduce=True,
             use_torch_symm_mem_all_reduce=False,
             use_hpu_communicator=False,
             use_xpu_communicator=False,
-            use_npu_communicator=False,
             group_name="tp",
         )
         assert isinstance(gc.ca_comm, TpAllreduceCustomAllreduce) and not gc.ca_comm.disabled
@@ -476,6 +481,10 @@ def cpu_group_paths(rank, world, result):
         try:
             Communicator.from_group(None, torch.device("cuda", 0))
         except errors.NoDriverError as e:
+            dist.barrier()  # rank 0 has cleaned up
+            runtime_dir = os.environ["XDG_RUNTIME_DIR"]
+            left = [n for n in os.listdir(runtime_dir) if n.startswith("tpar-")]
+            assert not left, f"rank 0's rendezvous directory left behind in {runtime_dir}: {left}"
             return str(e)
         raise AssertionError("from_group did not raise NoDriverError")
 
@@ -491,3 +500,410 @@ def cpu_group_paths(rank, world, result):
     rec.run("gather_object", gather)
     rec.run("from_group_without_driver", from_group_without_driver)
     rec.run("adapter_without_driver", adapter_without_driver)
+
+
+def socket_dir(id_text):
+    """The private directory of a Unix id's string (`tpar1:unix:PATH:JOB`)."""
+    return os.path.dirname(id_text.split(":", 2)[2].rsplit(":", 1)[0])
+
+
+def from_group_failure_paths(rank, world, result):
+    """from_group's protocol with the core's per-rank setup stood in (any
+    machine, driver or not): when one rank cannot set up, every rank raises
+    at once (its own error, or a RendezvousError naming the rank that
+    failed), no rank goes on to join, and rank 0's rendezvous directory is
+    removed."""
+    from tp_allreduce import _core
+
+    rec = Recorder(result)
+    real_prepared, real_id = _core.PreparedRank, _core.Id
+
+    def case(failing):
+        made = []
+
+        class RecordingId:
+            @staticmethod
+            def new_unix():
+                made.append(real_id.new_unix())
+                return made[-1]
+
+        class Prepared:
+            def __init__(self, device, algorithm=None):
+                if rank == failing:
+                    raise errors.DriverError(f"injected: rank {rank} cannot use device {device}")
+
+            def join(self, *args, **kwargs):
+                raise AssertionError("joined although a rank failed to set up")
+
+        _core.PreparedRank, _core.Id = Prepared, RecordingId
+        started = time.monotonic()
+        try:
+            Communicator.from_group(None, torch.device("cuda", 0))
+            raise AssertionError("from_group succeeded")
+        except errors.TpAllreduceError as e:
+            took, error = time.monotonic() - started, e
+        finally:
+            _core.PreparedRank, _core.Id = real_prepared, real_id
+        if rank == failing:
+            assert isinstance(error, errors.DriverError) and "injected" in str(error), repr(error)
+        else:
+            assert isinstance(error, errors.RendezvousError), repr(error)
+            assert f"rank {failing}: DriverError: injected" in str(error), str(error)
+        assert took < 10, f"took {took:.1f} s"
+        if rank == 0:
+            assert len(made) == 1, made
+            assert not os.path.exists(socket_dir(str(made[0]))), f"{made[0]}: directory left behind"
+        dist.barrier()
+        return f"{type(error).__name__} after {took:.2f} s: {error}"
+
+    rec.run("rank_0_fails", lambda: case(0))
+    rec.run("rank_1_fails", lambda: case(1))
+
+
+# ---------------------------------------------------------------- lifecycle scenarios
+# (test_gpu_lifecycle.py; world 2, rank r on GPU r % GPUs, so one GPU serves)
+def local_device(rank):
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+class Records(logging.Handler):
+    """Collects the records of the `tp_allreduce` loggers."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def lines(self, level=None, prefix="tp_allreduce"):
+        return [
+            (r.name, r.levelname, r.getMessage())
+            for r in self.records
+            if (level is None or r.levelno == level) and r.name.startswith(prefix)
+        ]
+
+
+def listen():
+    handler = Records()
+    logger = logging.getLogger("tp_allreduce")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return handler
+
+
+def logging_and_fallbacks(rank, world, result):
+    """One INFO line per communicator at creation (transport, where the
+    algorithm table comes from), through Python's logging; a WARNING the
+    first time a captured call goes through the capture copy (expandable
+    segments + a pull algorithm), not again; the captured graph's replays
+    match the float64 reference."""
+    rec = Recorder(result)
+    device = local_device(rank)
+    seed = shared_seed(rank)
+    records = listen()
+
+    def creation_line(comm, want):
+        infos = [line for line in records.lines(logging.INFO) if "communicator rank" in line[2]]
+        assert len(infos) == 1, f"expected one INFO line at creation, got {records.lines()}"
+        name, _, message = infos[0]
+        assert name.startswith("tp_allreduce.comm"), name
+        for words in [f"communicator rank {rank} of {world}", "transport", "algorithms from"] + want:
+            assert words in message, f"{words!r} not in {message!r}"
+        return message
+
+    def pull_with_capture_copy():
+        records.records.clear()
+        comm = Communicator.from_group(None, device, algorithm="one-shot-pull")
+        try:  # the comm is closed on every path, so the peer is not left in a collective
+            message = creation_line(comm, ["forced to one-shot-pull", "transport p2p"])
+            rec.facts[f"rank {rank}: library warnings at creation"] = records.lines(logging.WARNING)
+            assert not records.lines(logging.WARNING, prefix="tp_allreduce.python"), records.lines()
+            shape, dt = (3, 7168), torch.bfloat16
+            static = torch.zeros(shape, dtype=dt, device=device)
+            if pointer_is_ipc_exportable(static.data_ptr()):
+                raise AssertionError("the premise failed: expandable-segments memory is exportable here")
+            comm.all_reduce(static)  # warm-up
+            comm.synchronize()
+            graphs = []
+            for _ in range(2):  # the warning comes once per communicator
+                g = torch.cuda.CUDAGraph()
+                with comm.capture():
+                    with torch.cuda.graph(g):
+                        out = comm.all_reduce(static)
+                graphs.append((g, out))
+            warnings = records.lines(logging.WARNING, prefix="tp_allreduce.python")
+            assert len(warnings) == 1, f"expected one WARNING, got {records.lines()}"
+            name, _, text = warnings[0]
+            assert name == "tp_allreduce.python" and "captured" in text and "copy" in text, warnings[0]
+            assert comm.core.captured_copies >= 2, comm.core.captured_copies
+            problems = []
+            for i, (g, out) in enumerate(graphs):
+                case = next(_case)
+                static.copy_(rank_input(seed, case, rank, shape, dt))
+                out.fill_(NAN)
+                g.replay()
+                comm.synchronize()
+                problems.append(mismatch(out, reference(seed, case, world, shape, dt), dt, f"graph {i}"))
+            raise_if(problems)
+        finally:
+            comm.close()
+        return f"INFO: {message} | WARNING: {text}"
+
+    def host_staged_by_configuration():
+        records.records.clear()
+        os.environ["TP_ALLREDUCE_TRANSPORT"] = "host-staged"
+        try:
+            comm = Communicator.from_group(None, device)
+        finally:
+            del os.environ["TP_ALLREDUCE_TRANSPORT"]
+        try:
+            message = creation_line(comm, ["transport host-staged", "forced"])
+            case = next(_case)
+            x = rank_input(seed, case, rank, (4096,), torch.float32).to(device)
+            out = torch.full_like(x, NAN)
+            comm.all_reduce(x, out=out)
+            comm.synchronize()
+            raise_if([mismatch(out, reference(seed, case, world, (4096,), torch.float32), torch.float32, "eager")])
+        finally:
+            comm.close()
+        return message
+
+    rec.run("pull_with_capture_copy", pull_with_capture_copy)
+    rec.run("host_staged_by_configuration", host_staged_by_configuration)
+
+
+def ticking():
+    """A Python thread that counts while it gets the GIL; returns
+    (counter list, stop event, thread)."""
+    count, stop = [0], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0.005)
+
+    t = threading.Thread(target=tick, daemon=True)
+    t.start()
+    return count, stop, t
+
+
+def teardown_keeps_python_running(rank, world, result):
+    """Rank 1's teardown (drop, then close) waits ~3 s for rank 0 in the
+    teardown barrier; meanwhile another Python thread of rank 1 must keep
+    running (the GIL is released). Also: closing twice is a no-op, a
+    closed communicator refuses calls."""
+    rec = Recorder(result)
+    device = local_device(rank)
+    delay = 3.0
+
+    def one(how):
+        comm = Communicator.from_group(None, device)
+        x = torch.ones(4096, device=device)
+        comm.all_reduce_(x)
+        comm.synchronize()
+        dist.barrier()
+        if rank == 0:
+            time.sleep(delay)  # rank 1 waits for this rank in the teardown barrier
+            comm.close()
+            return "delayed its teardown"
+        count, stop, t = ticking()
+        time.sleep(0.1)
+        before, started = count[0], time.monotonic()
+        if how == "drop":
+            del comm
+            gc.collect()
+        else:
+            comm.close()
+        took, ticks = time.monotonic() - started, count[0] - before
+        stop.set()
+        t.join()
+        assert took > delay / 2, f"the teardown took {took:.2f} s: it did not wait for rank 0 (test premise)"
+        assert ticks > took / 0.005 / 4, f"{ticks} ticks in {took:.2f} s: Python threads were frozen (GIL held)"
+        if how == "close":
+            comm.close()  # a no-op
+            assert comm.closed
+            try:
+                comm.all_reduce_(x)
+                raise AssertionError("a closed communicator accepted a call")
+            except errors.InvalidUsage as e:
+                assert "closed" in str(e), e
+        return f"{how}: {took:.2f} s, {ticks} ticks of another thread meanwhile"
+
+    rec.run("drop", lambda: one("drop"))
+    rec.run("close", lambda: one("close"))
+
+
+def close_reports_a_failed_teardown(rank, world, result):
+    """Rank 0's process ends without a teardown; rank 1's close() must raise
+    (before: it returned None), and be closed anyway."""
+    rec = Recorder(result)
+    device = local_device(rank)
+    comm = Communicator.from_group(None, device)
+    x = torch.ones(4096, device=device)
+    comm.all_reduce_(x)
+    comm.synchronize()
+    dist.barrier()
+    if rank == 0:
+        os._exit(0)  # no teardown, no result: the parent expects this rank to die
+
+    def close():
+        time.sleep(1.0)
+        started = time.monotonic()
+        try:
+            comm.close()
+        except errors.TpAllreduceError as e:
+            assert comm.closed, "closed even though the teardown failed"
+            return f"raised {type(e).__name__} after {time.monotonic() - started:.2f} s: {e}"
+        raise AssertionError("close() returned normally although rank 0 never tore down")
+
+    rec.run("close_raises", close)
+
+
+def from_group_rank0_fails_before_joining(rank, world, result):
+    """Rank 0 cannot set up (a device ordinal that does not exist); rank 1
+    can. Rank 0 raises its own DriverError, rank 1 a RendezvousError naming
+    rank 0 within seconds (before: the rendezvous timeout, 60 s), and rank
+    0's rendezvous directory is gone (XDG_RUNTIME_DIR is the test's)."""
+    rec = Recorder(result)
+    runtime_dir = os.environ["XDG_RUNTIME_DIR"]
+
+    def run():
+        device = torch.device("cuda", torch.cuda.device_count()) if rank == 0 else local_device(rank)
+        started = time.monotonic()
+        try:
+            Communicator.from_group(None, device)
+        except errors.TpAllreduceError as e:
+            took = time.monotonic() - started
+            if rank == 0:
+                assert isinstance(e, errors.DriverError), repr(e)
+            else:
+                assert isinstance(e, errors.RendezvousError) and "rank 0: DriverError" in str(e), repr(e)
+            assert took < 15, f"took {took:.1f} s"
+            dist.barrier()  # rank 0 has cleaned up
+            left = [n for n in os.listdir(runtime_dir) if n.startswith("tpar-")]
+            assert not left, f"left behind in {runtime_dir}: {left}"
+            return f"{type(e).__name__} after {took:.2f} s: {e}"
+        raise AssertionError("from_group succeeded with an invalid device on rank 0")
+
+    rec.run("fails_fast_and_cleans_up", run)
+
+
+KEEP = []  # communicators dropped only when the interpreter finalizes
+
+
+def exit_without_close(rank, world, result):
+    """Communicators left for interpreter shutdown (module globals): the
+    process must still exit cleanly (the test checks the exit codes)."""
+    rec = Recorder(result)
+    device = local_device(rank)
+    seed = shared_seed(rank)
+
+    def run():
+        comm = Communicator.from_group(None, device)
+        case = next(_case)
+        x = rank_input(seed, case, rank, (4096,), torch.float32).to(device)
+        out = torch.full_like(x, NAN)
+        comm.all_reduce(x, out=out)
+        comm.synchronize()
+        raise_if([mismatch(out, reference(seed, case, world, (4096,), torch.float32), torch.float32, "eager")])
+        KEEP.append(comm)
+        return "kept for shutdown"
+
+    rec.run("kept", run)
+
+
+class RawStreams:
+    """Streams created and destroyed through the driver (PyTorch pools its
+    own streams and never destroys them), wrapped for `torch.cuda.stream`."""
+
+    def __init__(self, device):
+        import ctypes
+
+        self.device = device
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.ctypes = ctypes
+        self.destroy_fn = getattr(self.lib, "cuStreamDestroy_v2", None) or self.lib.cuStreamDestroy
+
+    def create(self):
+        handle = self.ctypes.c_void_p()
+        torch.cuda.synchronize(self.device)  # makes the device's primary context current on this thread
+        rc = self.lib.cuStreamCreate(self.ctypes.byref(handle), 1)  # CU_STREAM_NON_BLOCKING
+        assert rc == 0, f"cuStreamCreate: {rc}"
+        return handle.value, torch.cuda.ExternalStream(handle.value, device=self.device)
+
+    def destroy(self, handle):
+        rc = self.destroy_fn(self.ctypes.c_void_p(handle))
+        assert rc == 0, f"cuStreamDestroy: {rc}"
+
+
+def stream_churn(rank, world, result):
+    """Each round: one allreduce on the default stream and one inside
+    `torch.cuda.stream(tmp)` on a temporary stream, synchronise, delete the
+    stream and the buffers (`del`, `gc.collect()`), repeat; variants where
+    the temporary streams are destroyed (driver streams) and where a new
+    stream is created right after the old one is destroyed (its handle may
+    reuse the address). Every result against the float64 reference, outputs
+    poisoned."""
+    rec = Recorder(result)
+    device = local_device(rank)
+    seed = shared_seed(rank)
+    comm = Communicator.from_group(None, device)
+    rounds = 6
+    specs = [((3, 7168), torch.bfloat16), ((4096,), torch.float32)]
+
+    def reduce_checked(what, problems):
+        for shape, dt in specs:
+            case = next(_case)
+            x = rank_input(seed, case, rank, shape, dt).to(device)
+            out = torch.full_like(x, NAN)
+            comm.all_reduce(x, out=out)
+            inplace = rank_input(seed, case, rank, shape, dt).to(device)
+            comm.all_reduce_(inplace)
+            torch.cuda.current_stream(device).synchronize()
+            ref = reference(seed, case, world, shape, dt)
+            problems.append(mismatch(out, ref, dt, f"{what} {dt} out="))
+            problems.append(mismatch(inplace, ref, dt, f"{what} {dt} in place"))
+            del x, out, inplace
+
+    def pooled():
+        problems = []
+        for r in range(rounds):
+            reduce_checked(f"round {r} default stream", problems)
+            tmp = torch.cuda.Stream(device)
+            tmp.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(tmp):
+                reduce_checked(f"round {r} temporary stream", problems)
+            torch.cuda.synchronize(device)
+            del tmp
+            gc.collect()
+        raise_if(problems)
+        return f"{rounds} rounds x {len(specs)} sizes x (out=, in place)"
+
+    def destroyed(recreate_at_once):
+        raw = RawStreams(device)
+        problems, reused = [], 0
+        handle, tmp = raw.create()
+        for r in range(rounds):
+            reduce_checked(f"round {r} default stream", problems)
+            with torch.cuda.stream(tmp):
+                reduce_checked(f"round {r} driver stream {handle:#x}", problems)
+            torch.cuda.synchronize(device)
+            old = handle
+            del tmp
+            gc.collect()
+            raw.destroy(old)
+            if not recreate_at_once:
+                reduce_checked(f"round {r} default stream after destroying {old:#x}", problems)
+            handle, tmp = raw.create()
+            reused += handle == old
+        del tmp
+        torch.cuda.synchronize(device)
+        raw.destroy(handle)
+        raise_if(problems)
+        return f"{rounds} rounds; a new stream got the destroyed one's handle {reused} times"
+
+    rec.run("pooled_temporary_streams", pooled)
+    rec.run("destroyed_streams", lambda: destroyed(False))
+    rec.run("new_stream_right_after_destroying", lambda: destroyed(True))
+    comm.close()

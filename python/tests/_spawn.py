@@ -1,6 +1,6 @@
 """Runs a scenario of `_scenarios` in one spawned process per rank (rank r
-on GPU r when there are GPUs), each with a gloo process group, and
-collects what every rank recorded. Stdlib only at import: PyTorch is
+on GPU r % GPUs when there are GPUs), each with a gloo process group, and
+collects what every rank recorded (and how its process exited). Stdlib only at import: PyTorch is
 imported in the children after their environment (e.g.
 PYTORCH_CUDA_ALLOC_CONF) is in place."""
 
@@ -22,7 +22,7 @@ def _entry(rank, world, init_file, scenario, out_dir, env):
         import torch.distributed as dist
 
         if torch.cuda.is_available():
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
         )
@@ -36,9 +36,12 @@ def _entry(rank, world, init_file, scenario, out_dir, env):
         json.dump(result, f)
 
 
-def run(world, scenario, env, timeout_s=240):
-    """Results of every rank (a list of dicts with "checks", "facts" and,
-    if the scenario crashed, "fatal"). Raises on timeout or a dead rank."""
+def run(world, scenario, env, timeout_s=240, may_die=()):
+    """Results of every rank (a list of dicts with "checks", "facts",
+    "exitcode" and, if the scenario crashed, "fatal"). Raises on timeout or
+    on a rank that died without a result, unless it is in `may_die` (a
+    scenario that ends a rank's process on purpose): then its entry is
+    {"rank": r, "died": exit code}."""
     out_dir = tempfile.mkdtemp(prefix="tpar-test-")
     init_file = os.path.join(out_dir, "pg-init")
     ctx = multiprocessing.get_context("spawn")
@@ -71,7 +74,11 @@ def run(world, scenario, env, timeout_s=240):
     for r, p in enumerate(procs):
         path = os.path.join(out_dir, f"rank{r}.json")
         if not os.path.exists(path):
+            if r in may_die:
+                results.append({"rank": r, "died": p.exitcode})
+                continue
             raise RuntimeError(f"scenario {scenario}: rank {r} died (exit code {p.exitcode}) without a result")
         with open(path) as f:
             results.append(json.load(f))
+        results[-1]["exitcode"] = p.exitcode
     return results

@@ -4,7 +4,9 @@ captured calls, registration on exit, close), the all-or-nothing
 enablement, and the dispatch patch (directly, through the import hook, the
 .pth switch and `python -m tp_allreduce.sglang`)."""
 
+import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,7 @@ import types
 
 import pytest
 from _fakes import FakeGroup, FakeRuntime, FakeTensor, run_ranks
+from _gate import require
 from tp_allreduce.integrations import sglang as adapter_module
 from tp_allreduce.integrations.sglang import TpAllreduceCustomAllreduce, dispatch_custom_allreduce, patch
 
@@ -38,37 +41,75 @@ def test_construction_enables_every_rank():
         assert ca.max_size == MAX
 
 
+def fresh_seed():
+    """A new seed per run (printed in failures, to reproduce one)."""
+    return random.SystemRandom().getrandbits(62)
+
+
+def rank_values(seed, case, rank, n):
+    """Rank `rank`'s input of case `case`: fresh values every run that any
+    rank can rebuild, so the float64 reference needs no communication."""
+    g = random.Random(seed * 1_000_003 + case * 8191 + rank)
+    return [g.uniform(-1.0, 1.0) for _ in range(n)]
+
+
+def reference_sum(seed, case, world, n):
+    """The float64 sum over the ranks (math.fsum: correctly rounded)."""
+    columns = zip(*(rank_values(seed, case, r, n) for r in range(world)))
+    return [math.fsum(c) for c in columns]
+
+
+def assert_close(got, want, what, seed):
+    assert len(got) == len(want), f"{what}: {len(got)} values, expected {len(want)} (seed {seed})"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert not math.isnan(g), f"{what}: NaN at {i} (seed {seed})"
+        assert abs(g - w) <= 1e-12 * max(1.0, abs(w)), f"{what}: [{i}] = {g}, expected {w} (seed {seed})"
+
+
 def test_sglang_call_sequence_gives_correct_sums_in_every_phase():
+    """Eager, warm-up inside capture(), a call captured into a graph
+    (nothing computed at capture; registration on leaving capture();
+    replays read the inputs' values at replay time), close."""
     _, cas = make(2)
+    seed, world, n = fresh_seed(), 2, 5
 
     def body(rank):
         ca = cas[rank]
-        rt = ca._runtime
-        x = FakeTensor([rank + 1.0, 10.0 * rank, -2.0], device=f"cuda:{rank}")
+        comm = ca._runtime.comm
+        dev = f"cuda:{rank}"
+        x = FakeTensor(rank_values(seed, 0, rank, n), device=dev)
         assert ca.should_custom_ar(x)
         eager = ca.custom_all_reduce(x)
-        assert eager.values == [3.0, 10.0, -4.0], "eager (out of place)"
-        assert x.values == [rank + 1.0, 10.0 * rank, -2.0], "the input is untouched"
+        assert_close(eager.values, reference_sum(seed, 0, world, n), "eager (out of place)", seed)
+        assert x.values == rank_values(seed, 0, rank, n), "the input is untouched"
+        static = FakeTensor(rank_values(seed, 1, rank, n), device=dev)
         with ca.capture():
             assert ca._IS_CAPTURING
-            warm = ca.custom_all_reduce(x)  # warm-up: not inside a graph yet
-            assert warm.values == [3.0, 10.0, -4.0], "warm-up returns the real sum"
-            captured = ca.custom_all_reduce(FakeTensor([1.0] * 4, device=f"cuda:{rank}"))
-            assert captured.values == [2.0] * 4
-            assert ("register_graph_buffers",) not in rt.comm.calls, "not before the context exits"
+            warm = ca.custom_all_reduce(static)  # warm-up: not inside a graph yet
+            assert_close(warm.values, reference_sum(seed, 1, world, n), "warm-up returns the real sum", seed)
+            with comm.graph() as graph:  # torch.cuda.graph(g) in SGLang
+                captured = ca.custom_all_reduce(static)
+            assert captured is not None and all(math.isnan(v) for v in captured.values), "computed at capture"
+            assert ("register_graph_buffers",) not in comm.calls, "not before the context exits"
         assert not ca._IS_CAPTURING
-        assert rt.comm.calls[-1] == ("register_graph_buffers",), "registered on exit"
+        assert comm.calls[-1] == ("register_graph_buffers",), "registered on exit"
+        assert comm.unregistered == 0, "every captured input registered"
+        for case in (2, 3):  # replays with fresh inputs in the captured tensor
+            static.values = rank_values(seed, case, rank, n)
+            captured.values = [float("nan")] * n
+            graph.replay()
+            assert_close(captured.values, reference_sum(seed, case, world, n), f"replay of case {case}", seed)
         ca.close()
-        return rt.comm.calls
+        return comm.calls
 
     calls = run_ranks(2, body)
     assert (
         calls[0]
         == calls[1]
         == [
-            ("all_reduce", 3),
-            ("all_reduce", 3),
-            ("all_reduce", 4),
+            ("all_reduce", n),
+            ("all_reduce", n),
+            ("all_reduce", n),
             ("register_graph_buffers",),
             ("close",),
         ]
@@ -169,30 +210,48 @@ def test_close_is_final_and_idempotent():
         assert ca.custom_all_reduce(FakeTensor([1.0], device=ca.device)) is None
 
 
+def fused_reference(seed, world, rows, hidden, eps):
+    """(residual, normed) in float64, computed here from the inputs: the
+    sum over ranks of the input plus the residual, then RMSNorm times the
+    weight. The residual and weight are the same on every rank (cases
+    1000 and 1001)."""
+    n = rows * hidden
+    total = reference_sum(seed, 0, world, n)
+    residual = [math.fsum((s, r)) for s, r in zip(total, rank_values(seed, 1000, 0, n))]
+    weight = rank_values(seed, 1001, 0, hidden)
+    normed = []
+    for start in range(0, n, hidden):
+        row = residual[start : start + hidden]
+        inv = 1.0 / math.sqrt(math.fsum(v * v for v in row) / hidden + eps)
+        normed += [v * inv * w for v, w in zip(row, weight)]
+    return residual, normed
+
+
 def test_fused_allreduce_rmsnorm_returns_normed_and_the_updated_residual():
     _, cas = make(2)
+    seed, world, rows, hidden = fresh_seed(), 2, 3, 4
+    eps = random.Random(seed).uniform(0.5, 2.0)  # large enough to matter
 
     def body(rank):
         ca = cas[rank]
         dev = f"cuda:{rank}"
-        x = FakeTensor([1.0 + rank, 2.0, -3.0, 0.5], device=dev)
-        residual = FakeTensor([1.0, 0.0, 1.0, 0.5], device=dev)
-        weight = FakeTensor([1.0, 2.0], device=dev)
-        normed, res = ca.fused_allreduce_rmsnorm(x, residual, weight, 0.0)
+        x = FakeTensor(rank_values(seed, 0, rank, rows * hidden), device=dev)
+        residual = FakeTensor(rank_values(seed, 1000, 0, rows * hidden), device=dev)
+        weight = FakeTensor(rank_values(seed, 1001, 0, hidden), device=dev)
+        normed, res = ca.fused_allreduce_rmsnorm(x, residual, weight, eps)
         assert res is residual, "the residual is updated in place"
         # Not for us: another dtype, or rows that do not match the weight.
-        odd = FakeTensor([1.0, 2.0, 3.0], device=dev)
-        assert ca.fused_allreduce_rmsnorm(x, residual, FakeTensor([1.0, 1.0], "float32", dev), 0.0) is None
-        assert ca.fused_allreduce_rmsnorm(x, residual, odd, 0.0) is None
+        odd = FakeTensor([1.0, 2.0, 3.0, 4.0, 5.0], device=dev)
+        assert ca.fused_allreduce_rmsnorm(x, residual, FakeTensor([1.0] * hidden, "float32", dev), eps) is None
+        assert ca.fused_allreduce_rmsnorm(x, residual, odd, eps) is None
         ca.disabled = True
-        assert ca.fused_allreduce_rmsnorm(x, residual, weight, 0.0) is None
+        assert ca.fused_allreduce_rmsnorm(x, residual, weight, eps) is None
         return normed.values, res.values
 
+    want_residual, want_normed = fused_reference(seed, world, rows, hidden, eps)
     for normed, residual in run_ranks(2, body):
-        assert residual == [4.0, 4.0, -5.0, 1.5]  # (1 + 2) + 1, 2 + 2 + 0, -6 + 1, 1 + 0.5
-        rms0 = ((16.0 + 16.0) / 2) ** 0.5
-        rms1 = ((25.0 + 2.25) / 2) ** 0.5
-        assert normed == pytest.approx([4.0 / rms0, 2 * 4.0 / rms0, -5.0 / rms1, 2 * 1.5 / rms1])
+        assert_close(residual, want_residual, "residual", seed)
+        assert_close(normed, want_normed, "normed", seed)
 
 
 # ------------------------------------------------------------------ the patch
@@ -286,8 +345,10 @@ def pth_installed():
 
 
 def test_env_switch_patches_every_process_through_the_pth_file(fake_sglang):
-    if not pth_installed():
-        pytest.skip("tp_allreduce_sglang.pth is not in site-packages (package not installed from the wheel)")
+    # Installed with pip (CI's venv, run-gpu-checks.sh's venv), the .pth file
+    # is in site-packages; run from a source tree it is not (a visible skip,
+    # a failure under TP_ALLREDUCE_REQUIRE_GPU=1, where the harness installs).
+    require(pth_installed(), "tp_allreduce_sglang.pth is not in site-packages (package not installed from the wheel)")
     on = run_python(["-c", DISPATCH_PROBE], fake_sglang, env_switch="1")
     assert on.returncode == 0, on.stderr
     assert on.stdout.strip() == "tp_allreduce.integrations.sglang.TpAllreduceCustomAllreduce"

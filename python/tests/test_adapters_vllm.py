@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 from _fakes import FakeGroup, FakeRuntime, run_ranks
+from _gate import require
 from tp_allreduce.integrations import vllm as plugin
 from tp_allreduce.integrations.vllm._classes import (
     TpAllreduceVllmCustomAllreduce,
@@ -36,8 +37,7 @@ def test_entry_point_is_registered_in_the_vllm_group():
         eps.select(group="vllm.platform_plugins") if hasattr(eps, "select") else eps.get("vllm.platform_plugins", [])
     )
     ours = [ep for ep in group if ep.value == "tp_allreduce.integrations.vllm:register"]
-    if not ours:
-        pytest.skip("package metadata not installed (running from the source tree)")
+    require(bool(ours), "package metadata not installed (running from the source tree)")
     assert ours[0].load() is plugin.register
 
 
@@ -51,6 +51,7 @@ class FakeCudaCommunicator:
         self.world_size = cpu_group.world
         self.use_custom_allreduce = "tp" in unique_name
         self.ca_comm = VllmOwnCustomAllreduce() if self.use_custom_allreduce else None
+        self.vllms_own = self.ca_comm  # what vLLM built, kept for the tests
         self.destroyed = False
 
     def destroy(self):
@@ -92,6 +93,8 @@ def test_tp_group_gets_tp_allreduce_and_vllms_own_is_closed():
     for c in build_communicators(2, "tp:0"):
         assert isinstance(c.ca_comm, TpAllreduceVllmCustomAllreduce)
         assert not c.ca_comm.disabled
+        assert isinstance(c.vllms_own, VllmOwnCustomAllreduce) and c.vllms_own is not c.ca_comm
+        assert c.vllms_own.closed, "vLLM's own custom allreduce (its IPC buffers) is closed once ours replaces it"
         assert c.ca_comm.finalize_p2p() is None
         c.destroy()
         assert c.destroyed and c.ca_comm.disabled, "destroy closes ours and runs vLLM's"
@@ -104,7 +107,7 @@ def test_groups_without_custom_allreduce_are_left_alone():
 
 def test_failure_keeps_vllms_own_custom_allreduce():
     for c in build_communicators(2, "tp:0", fail_rank=0):
-        assert isinstance(c.ca_comm, VllmOwnCustomAllreduce) and not c.ca_comm.closed
+        assert c.ca_comm is c.vllms_own and isinstance(c.ca_comm, VllmOwnCustomAllreduce) and not c.ca_comm.closed
 
 
 def test_platform_names_the_tp_allreduce_communicator():

@@ -3,11 +3,14 @@ errors. Runs anywhere; the tests that need a machine without a CUDA driver
 (or with one) say so when skipped."""
 
 import builtins
+import logging
 import random
+import threading
 
 import pytest
 import tp_allreduce
-from tp_allreduce import Communicator, Id, check_call_args, errors
+from _gate import not_applicable
+from tp_allreduce import Communicator, Id, PreparedRank, check_call_args, errors
 
 F32, F16, BF16 = tp_allreduce.dtypes.F32, tp_allreduce.dtypes.F16, tp_allreduce.dtypes.BF16
 
@@ -23,12 +26,16 @@ def test_unix_id_round_trips_through_its_string():
     made = Id.new_unix()
     try:
         text = str(made)
-        assert text.startswith("tpar1:unix:")
+        assert text.startswith("tpar2:unix:")
         back = Id.parse(text)
         assert back == made and not (back != made)
         assert hash(back) == hash(made)
         assert str(back) == text
-        assert repr(made) == f"Id({text!r})".replace("'", '"')
+        # The repr (logs, tracebacks) keeps the secret out: the last field
+        # of the string is the secret.
+        secret = text.rsplit(":", 1)[1]
+        assert repr(made).startswith("Id(") and "secret not shown" in repr(made)
+        assert secret not in repr(made)
     finally:
         made.remove_files()
 
@@ -37,12 +44,12 @@ def test_tcp_id_round_trips_and_ids_differ():
     port = random.randint(20000, 60000)
     a = Id.new_tcp(f"127.0.0.1:{port}")
     b = Id.new_tcp(f"127.0.0.1:{port}")
-    assert str(a).startswith(f"tpar1:tcp:127.0.0.1:{port}:")
+    assert str(a).startswith(f"tpar2:tcp:127.0.0.1:{port}:")
     assert Id.parse(str(a)) == a
-    assert a != b, "each id carries a fresh random job id"
+    assert a != b, "each id carries a fresh random secret"
     assert len({a, Id.parse(str(a)), b}) == 2
     v6 = Id.new_tcp("[::1]:29500")
-    assert str(v6).startswith("tpar1:tcp:[::1]:29500:") and Id.parse(str(v6)) == v6
+    assert str(v6).startswith("tpar2:tcp:[::1]:29500:") and Id.parse(str(v6)) == v6
     assert (a == "not an id") is False
 
 
@@ -52,11 +59,11 @@ def test_tcp_id_round_trips_and_ids_differ():
         ("", "not a tp-allreduce rendezvous id"),
         ("bogus", "not a tp-allreduce rendezvous id"),
         ("tpar9:unix:/tmp/x/rdv.sock:" + "0" * 32, "unsupported id version"),
-        ("tpar1:unix:/tmp/x/rdv.sock:" + "z" * 32, "32 lowercase hex digits"),
-        ("tpar1:unix:/tmp/x/rdv.sock:1234", "32 lowercase hex digits"),
-        ("tpar1:tcp:not-an-address:" + "0" * 32, "IP:port"),
-        ("tpar1:carrier-pigeon:x:" + "0" * 32, "unknown transport"),
-        ("tpar1:tcp:127.0.0.1:1 :" + "0" * 32, "printable ASCII"),
+        ("tpar2:unix:/tmp/x/rdv.sock:" + "z" * 32, "32 lowercase hex digits"),
+        ("tpar2:unix:/tmp/x/rdv.sock:1234", "32 lowercase hex digits"),
+        ("tpar2:tcp:not-an-address:" + "0" * 32, "IP:port"),
+        ("tpar2:carrier-pigeon:x:" + "0" * 32, "unknown transport"),
+        ("tpar2:tcp:127.0.0.1:1 :" + "0" * 32, "printable ASCII"),
         ("x" * 300, "longer than"),
     ],
 )
@@ -147,7 +154,7 @@ def test_communicator_rejects_an_unknown_algorithm():
 
 def test_communicator_without_a_driver_raises_no_driver_error():
     if tp_allreduce.driver_available():
-        pytest.skip("a CUDA driver is present here (this test is for machines without one)")
+        not_applicable("a CUDA driver is present (this test is for machines without one)")
     made = Id.new_unix()
     try:
         with pytest.raises(errors.NoDriverError, match="no CUDA driver") as info:
@@ -157,6 +164,54 @@ def test_communicator_without_a_driver_raises_no_driver_error():
             tp_allreduce.pointer_is_ipc_exportable(0x1000)
     finally:
         made.remove_files()
+
+
+def test_prepared_rank_checks_the_algorithm_then_the_driver():
+    with pytest.raises(errors.InvalidUsage, match="unknown algorithm `fastest`"):
+        PreparedRank(0, algorithm="fastest")
+    if tp_allreduce.driver_available():
+        return  # the GPU tests create real ones
+    with pytest.raises(errors.NoDriverError, match="no CUDA driver"):
+        PreparedRank(0)
+
+
+# ------------------------------------------------------------------ logging
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append((record.name, record.levelno, record.getMessage()))
+
+
+def test_rust_log_records_reach_python_logging_under_tp_allreduce():
+    """The Rust `log` facade (what the library logs through) bridged to
+    Python's logging: logger names under `tp_allreduce`, levels mapped, the
+    Python logger's level consulted on every record (reconfiguring it later
+    takes effect), records from other threads too."""
+    logger = logging.getLogger("tp_allreduce")
+    handler, level = Collect(), logger.level
+    logger.addHandler(handler)
+    try:
+        logger.setLevel(logging.WARNING)
+        tp_allreduce._core._emit_log("info", "below the level")
+        tp_allreduce._core._emit_log("warn", "a fallback")
+        logger.setLevel(logging.INFO)
+        tp_allreduce._core._emit_log("info", "a creation line")
+        t = threading.Thread(target=tp_allreduce._core._emit_log, args=("error", "from another thread"))
+        t.start()
+        t.join(10)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert handler.records == [
+        ("tp_allreduce.python", logging.WARNING, "a fallback"),
+        ("tp_allreduce.python", logging.INFO, "a creation line"),
+        ("tp_allreduce.python", logging.ERROR, "from another thread"),
+    ]
+    with pytest.raises(errors.InvalidUsage, match="unknown log level"):
+        tp_allreduce._core._emit_log("loud", "x")
 
 
 # ------------------------------------------------------------------ exception hierarchy

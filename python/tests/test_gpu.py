@@ -11,7 +11,7 @@ import json
 import os
 
 import pytest
-from _gate import cuda_device_count, has_module, require
+from _gate import cuda_device_count, has_module, not_applicable, require
 
 WORLD = 2
 CONFIGS = {
@@ -91,7 +91,7 @@ def test_sglang_adapter_through_sglangs_call_sequence(run):
 
 def test_sglang_group_coordinator():
     if not has_module("sglang"):
-        pytest.skip("sglang is not importable here: the adapter is tested through the replayed call sequence instead")
+        not_applicable("sglang is not importable: the adapter is tested through the replayed call sequence instead")
     require_gpus()
     import _spawn
 
@@ -100,7 +100,7 @@ def test_sglang_group_coordinator():
 
 def test_vllm_platform_resolves():
     if not has_module("vllm"):
-        pytest.skip("vllm is not importable here: the plugin is tested with fake vLLM bases instead")
+        not_applicable("vllm is not importable: the plugin is tested with fake vLLM bases instead")
     from tp_allreduce.integrations.vllm.communicator import TpAllreduceCudaCommunicator
     from tp_allreduce.integrations.vllm.platform import TpAllreduceCudaPlatform
 

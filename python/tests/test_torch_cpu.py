@@ -5,7 +5,7 @@ visibly without PyTorch (fails with TP_ALLREDUCE_REQUIRE_GPU=1)."""
 
 import pytest
 import tp_allreduce
-from _gate import has_module, require
+from _gate import has_module, not_applicable, require
 from tp_allreduce import errors
 
 
@@ -89,13 +89,27 @@ def test_bad_fused_tensors_are_refused_before_the_core_is_called(torch, tpt):
     assert core.calls == []
 
 
-def test_process_group_plumbing_without_a_gpu(torch):
+def test_process_group_plumbing_without_a_gpu(torch, tmp_path):
     if tp_allreduce.driver_available():
-        pytest.skip("a CUDA driver is present here (this test expects NoDriverError)")
+        not_applicable("a CUDA driver is present (this test expects NoDriverError)")
     import _spawn
 
-    results = _spawn.run(2, "cpu_group_paths", {}, timeout_s=120)
+    results = _spawn.run(2, "cpu_group_paths", {"XDG_RUNTIME_DIR": str(tmp_path)}, timeout_s=120)
     for r in results:
         assert "fatal" not in r, r["fatal"]
         for name in ("gather_object", "from_group_without_driver", "adapter_without_driver"):
+            assert r["checks"][name]["ok"], f"rank {r['rank']} {name}:\n{r['checks'][name]['detail']}"
+
+
+def test_from_group_fails_on_every_rank_at_once_when_one_cannot_set_up(torch):
+    """Rank 0 (then rank 1) fails its setup before the rendezvous: every rank
+    raises within seconds (not the rendezvous timeout), none joins, rank 0's
+    rendezvous directory is removed. The core's per-rank setup is stood in,
+    so this runs with or without a GPU."""
+    import _spawn
+
+    results = _spawn.run(2, "from_group_failure_paths", {}, timeout_s=120)
+    for r in results:
+        assert "fatal" not in r, r["fatal"]
+        for name in ("rank_0_fails", "rank_1_fails"):
             assert r["checks"][name]["ok"], f"rank {r['rank']} {name}:\n{r['checks'][name]['detail']}"

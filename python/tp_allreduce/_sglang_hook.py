@@ -1,5 +1,6 @@
-"""Applies the SGLang patch in this process as soon as SGLang's
-custom-allreduce module is imported (or now, if it already is). Imported by
+"""Applies the SGLang patches in this process as soon as SGLang imports the
+modules they patch (``integrations.sglang.PATCHES``; or now, for those
+already imported). Imported by
 ``tp_allreduce_sglang.pth`` at interpreter start when TP_ALLREDUCE_SGLANG=1,
 and by ``python -m tp_allreduce.sglang``. Never raises: a failure is logged
 and SGLang runs unpatched."""
@@ -8,14 +9,15 @@ import importlib.abc
 import logging
 import sys
 
-from .integrations.sglang import TARGET_MODULE, patch
+from .integrations.sglang import PATCHES
 
 logger = logging.getLogger("tp_allreduce")
 
 
 class _PatchAfterExec(importlib.abc.Loader):
-    def __init__(self, loader):
+    def __init__(self, loader, name):
         self._loader = loader
+        self._name = name
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
@@ -23,16 +25,16 @@ class _PatchAfterExec(importlib.abc.Loader):
     def exec_module(self, module):
         self._loader.exec_module(module)
         try:
-            patch(module)
+            PATCHES[self._name](module)
         except Exception as e:  # never break SGLang's import
-            logger.warning("tp-allreduce: patching %s failed: %s", TARGET_MODULE, e)
+            logger.warning("tp-allreduce: patching %s failed: %s", self._name, e)
 
 
 class PatchingFinder(importlib.abc.MetaPathFinder):
     """Finds SGLang's module with the other finders and wraps its loader."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
+        if fullname not in PATCHES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -40,7 +42,7 @@ class PatchingFinder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchAfterExec(spec.loader)
+                    spec.loader = _PatchAfterExec(spec.loader, fullname)
                 return spec
         return None
 
@@ -50,9 +52,10 @@ def install() -> None:
     if any(isinstance(f, PatchingFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, PatchingFinder())
-    already = sys.modules.get(TARGET_MODULE)
-    if already is not None:
-        patch(already)
+    for name, apply in PATCHES.items():
+        already = sys.modules.get(name)
+        if already is not None:
+            apply(already)
 
 
 try:

@@ -62,6 +62,19 @@ def _global_rank(group, group_rank: int) -> int:
     return dist.get_process_group_ranks(group)[group_rank]
 
 
+def _gather_object(group, obj) -> list:
+    """Every rank's ``obj`` in group-rank order (collective). Built from
+    ``broadcast_object_list``: ``all_gather_object`` fails on gloo groups
+    under inference mode (pytorch/pytorch#126032)."""
+    me = dist.get_rank(group)
+    out = []
+    for r in range(dist.get_world_size(group)):
+        box = [obj if r == me else None]
+        dist.broadcast_object_list(box, src=_global_rank(group, r), group=group)
+        out.append(box[0])
+    return out
+
+
 class Communicator:
     """One rank of a tp-allreduce communicator on one CUDA device."""
 
@@ -77,28 +90,53 @@ class Communicator:
         *,
         algorithm=None,
         capture_copy_bytes: int = _core.DEFAULT_CAPTURE_COPY_BYTES,
+        batch_invariant: bool = False,
     ) -> "Communicator":
         """Collective over ``group`` (a ``torch.distributed`` process group,
-        typically gloo: only a small id string crosses it): rank 0 creates
-        the rendezvous id, broadcasts it, and every rank joins on ``device``.
-        The ranks must be processes of one host."""
+        typically gloo: only small messages cross it): rank 0 creates the
+        rendezvous id and broadcasts it, every rank sets itself up on
+        ``device`` (driver, device, configuration), the ranks exchange how
+        that went, and only if it went well everywhere do they join. A rank
+        that fails raises its own error; the others raise
+        ``RendezvousError`` naming it, at once (nobody waits in the
+        rendezvous for a rank that already failed). Rank 0 removes the
+        rendezvous id's directory on every failure. The ranks must be
+        processes of one host. ``batch_invariant``: results that do not
+        depend on the message size or the batch shape (the size-independent
+        algorithms only; also ``TP_ALLREDUCE_BATCH_INVARIANT=1``)."""
         group = group if group is not None else dist.group.WORLD
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         device = normalize_device(device)
-        box = [None]
-        if rank == 0:
+        made = None  # rank 0's id, whose directory it removes if anything fails
+        try:
+            box = [None]
+            if rank == 0:
+                try:
+                    made = _core.Id.new_unix()
+                    box[0] = ("id", str(made))
+                except Exception as e:  # every rank must learn it, or they wait forever
+                    box[0] = ("error", f"{type(e).__name__}: {e}")
+            dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
+            kind, value = box[0]
+            if kind != "id":
+                raise RendezvousError(f"rank 0 could not create the rendezvous id: {value}")
+            prepared, own, why = None, None, None
             try:
-                box[0] = ("id", str(_core.Id.new_unix()))
-            except Exception as e:  # every rank must learn it, or they wait forever
-                box[0] = ("error", f"{type(e).__name__}: {e}")
-        dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
-        kind, value = box[0]
-        if kind != "id":
-            raise RendezvousError(f"rank 0 could not create the rendezvous id: {value}")
-        core = _core.Communicator(
-            rank, world, value, device.index, algorithm=algorithm, capture_copy_bytes=capture_copy_bytes
-        )
+                prepared = _core.PreparedRank(device.index, algorithm=algorithm, batch_invariant=batch_invariant)
+            except Exception as e:  # told to the others before raising
+                own, why = e, f"{type(e).__name__}: {e}"
+            failed = [(r, w) for r, w in enumerate(_gather_object(group, why)) if w is not None]
+            if own is not None:
+                raise own
+            if failed:
+                listed = "; ".join(f"rank {r}: {w}" for r, w in failed)
+                raise RendezvousError(f"not joining: other ranks failed to set up before the rendezvous ({listed})")
+            core = prepared.join(rank, world, value, capture_copy_bytes=capture_copy_bytes)
+        except BaseException:
+            if made is not None:
+                made.remove_files()
+            raise
         return cls(core, device)
 
     # ------------------------------------------------------------ properties
@@ -255,8 +293,11 @@ class Communicator:
         self._core.check()
 
     def close(self) -> None:
-        """Waits for the device and releases the communicator (call it on
-        every rank; do not replay graphs captured with it afterwards)."""
+        """Collective teardown: waits for the device, meets the other ranks
+        and releases the communicator; raises what went wrong (a device
+        error, a rank that did not arrive), the communicator being released
+        either way. Call it on every rank; do not replay graphs captured
+        with it afterwards."""
         self._core.close()
 
     def __enter__(self):

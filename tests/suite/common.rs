@@ -32,6 +32,49 @@ pub fn gpu_lock() -> MutexGuard<'static, ()> {
     LOCK.get_or_init(|| Mutex::new(())).lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Whether this machine is expected to run the GPU tests
+/// (`TP_ALLREDUCE_REQUIRE_GPU=1`): then a test that cannot run what it
+/// checks fails instead of skipping.
+pub fn gpu_required() -> bool {
+    std::env::var("TP_ALLREDUCE_REQUIRE_GPU").as_deref() == Ok("1")
+}
+
+/// A skip for want of something a GPU machine is expected to have (a
+/// GPU, working P2P): visible, and a failure where `gpu_required`.
+pub fn skipped_unless_required(why: &str) {
+    if gpu_required() {
+        panic!("{why}, but TP_ALLREDUCE_REQUIRE_GPU=1");
+    }
+    skipped(why);
+}
+
+/// GPUs the tests must see (`TP_ALLREDUCE_REQUIRE_GPUS`, 0 when unset). A
+/// value that is not a number fails the test rather than reading as 0.
+pub fn required_gpus(test: &str) -> usize {
+    match std::env::var("TP_ALLREDUCE_REQUIRE_GPUS") {
+        Err(_) => 0,
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{test}: TP_ALLREDUCE_REQUIRE_GPUS={v:?} is not a number of GPUs")),
+    }
+}
+
+/// The second GPU's context, or `None` after a visible skip line
+/// (`TP_ALLREDUCE_REQUIRE_GPUS=2` turns the skip into a failure).
+pub fn second_gpu(test: &str) -> Option<Arc<CudaContext>> {
+    let required = required_gpus(test);
+    if tp_allreduce::driver::device_count() < 2 {
+        assert!(required < 2, "{test}: fewer than two GPUs visible, but TP_ALLREDUCE_REQUIRE_GPUS={required}");
+        skipped(&format!("needs 2 GPUs ({test})"));
+        return None;
+    }
+    let ctx = CudaContext::new(1).expect("CudaContext::new(1)");
+    // SAFETY: as for device 0 (`gpu`): work is ordered explicitly per stream.
+    unsafe { ctx.disable_event_tracking() };
+    Some(ctx)
+}
+
 /// The CUDA context of device 0, or `None` after printing a visible skip
 /// line. With `TP_ALLREDUCE_REQUIRE_GPU=1` a missing GPU fails the test.
 pub fn gpu(test: &str) -> Option<Arc<CudaContext>> {
@@ -45,10 +88,7 @@ pub fn gpu(test: &str) -> Option<Arc<CudaContext>> {
         }
     });
     if tp_allreduce::driver::device_count() == 0 {
-        if std::env::var("TP_ALLREDUCE_REQUIRE_GPU").as_deref() == Ok("1") {
-            panic!("{test}: no CUDA device, but TP_ALLREDUCE_REQUIRE_GPU=1");
-        }
-        skipped(&format!("no CUDA device ({test})"));
+        skipped_unless_required(&format!("no CUDA device ({test})"));
         return None;
     }
     let ctx = CudaContext::new(0).expect("CudaContext::new(0)");

@@ -239,7 +239,10 @@ fn timeout_error_names_both_ranks_and_the_phase() {
 #[test]
 fn without_a_driver_init_fails_cleanly() {
     if tp_allreduce::driver::driver_available() {
-        eprintln!("(a driver is present: this test checks the no-driver path only where there is none)");
+        // Not a GPU requirement: visible, and never a failure.
+        crate::common::skipped(
+            "a driver is present; the no-driver path runs where there is none (without_a_driver_init_fails_cleanly)",
+        );
         return;
     }
     let e = tp_allreduce::driver::require_driver().unwrap_err();

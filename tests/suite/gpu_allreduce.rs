@@ -120,7 +120,7 @@ fn copy_engine_ring_matrix() {
     assert!(refused.to_string().contains("one rank per GPU"), "{refused}");
     drop(shared);
     // One rank per GPU: every dtype, 1 element .. 8 MiB, misaligned, in place.
-    let Some(second) = crate::gpu_context::second_gpu(test) else { return };
+    let Some(second) = crate::common::second_gpu(test) else { return };
     let mut rng = common::rng(test);
     let streams = vec![ctx.new_stream().unwrap(), second.new_stream().unwrap()];
     let mut comms = Comm::from_streams(streams, test_config(None)).unwrap();

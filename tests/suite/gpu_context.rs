@@ -20,21 +20,6 @@ use tp_allreduce::{Algorithm, Comm, Config, DType, ReduceOp};
 
 use crate::common;
 
-/// The second GPU's context, or `None` after a visible skip line
-/// (`TP_ALLREDUCE_REQUIRE_GPUS=2` turns the skip into a failure).
-pub fn second_gpu(test: &str) -> Option<Arc<CudaContext>> {
-    if tp_allreduce::driver::device_count() < 2 {
-        let required: usize = std::env::var("TP_ALLREDUCE_REQUIRE_GPUS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        assert!(required < 2, "{test}: one GPU visible, but TP_ALLREDUCE_REQUIRE_GPUS={required}");
-        common::skipped(&format!("needs 2 GPUs ({test})"));
-        return None;
-    }
-    let ctx = CudaContext::new(1).expect("CudaContext::new(1)");
-    // SAFETY: as in `common::gpu` (work is ordered explicitly per stream).
-    unsafe { ctx.disable_event_tracking() };
-    Some(ctx)
-}
-
 /// The calling thread's current context (0: none).
 pub fn current() -> usize {
     tp_allreduce::driver::current_context().expect("cuCtxGetCurrent") as usize
@@ -183,7 +168,7 @@ fn public_calls_restore_the_callers_context() {
     let _lock = common::gpu_lock();
     let Some(ctx0) = common::gpu(test) else { return };
     let mut rng = common::rng(test);
-    let ctx1 = if tp_allreduce::driver::device_count() >= 2 { second_gpu(test).unwrap() } else { ctx0.clone() };
+    let ctx1 = if tp_allreduce::driver::device_count() >= 2 { common::second_gpu(test).unwrap() } else { ctx0.clone() };
     // The caller's own context: a second, non-primary one on GPU 0.
     let foreign = CudaContext::new_non_primary(0, 0).expect("cuCtxCreate");
     let rank_ctx = [ctx0.clone(), ctx1.clone()];

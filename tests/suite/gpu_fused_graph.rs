@@ -17,7 +17,6 @@ use tp_allreduce::{Algorithm, Comm, Config, DeviceBuffer, FusedOptions};
 
 use crate::common;
 use crate::gpu_fused::{group, island_groups, residual_roundings, test_config, uniform, CallData, FusedCase, EPS};
-use crate::gpu_fused_paths::second_gpu;
 
 const LAYERS: usize = 16;
 const REPLAYS: usize = 1000;
@@ -218,7 +217,7 @@ fn fused_graph_replays_two_gpus() {
     let test = "fused_graph_replays_two_gpus";
     let _lock = common::gpu_lock();
     let Some(ctx0) = common::gpu(test) else { return };
-    let Some(ctx1) = second_gpu(test) else { return };
+    let Some(ctx1) = crate::common::second_gpu(test) else { return };
     for algorithm in [Some(Algorithm::OneShotPush), Some(Algorithm::OneShotPull), None] {
         replay(test, &[ctx0.clone(), ctx1.clone()], 2, algorithm, FusedOptions::default());
     }

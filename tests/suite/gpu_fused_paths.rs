@@ -3,9 +3,6 @@
 //! (the separate kernel alone), two ranks on two GPUs, and bad arguments
 //! refused before any device work.
 
-use std::sync::Arc;
-
-use cudarc::driver::CudaContext;
 use tp_allreduce::{Algorithm, Config, DType, FusedOptions};
 
 use crate::common;
@@ -94,28 +91,13 @@ fn fused_world_of_one() {
     matrix("fused_world_of_one", &[1], None, cases);
 }
 
-/// The second GPU, or `None` after a visible skip
-/// (`TP_ALLREDUCE_REQUIRE_GPUS=2` makes it a failure).
-pub(crate) fn second_gpu(test: &str) -> Option<Arc<CudaContext>> {
-    if tp_allreduce::driver::device_count() < 2 {
-        let required: usize = std::env::var("TP_ALLREDUCE_REQUIRE_GPUS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        assert!(required < 2, "{test}: one GPU visible, but TP_ALLREDUCE_REQUIRE_GPUS={required}");
-        common::skipped(&format!("fewer than two GPUs ({test})"));
-        return None;
-    }
-    let ctx = CudaContext::new(1).expect("CudaContext::new(1)");
-    // SAFETY: as for device 0 (common::gpu): explicit stream ordering.
-    unsafe { ctx.disable_event_tracking() };
-    Some(ctx)
-}
-
 /// Two ranks, one per GPU: the push and pull kernels across devices.
 #[test]
 fn fused_two_ranks_on_two_gpus() {
     let test = "fused_two_ranks_on_two_gpus";
     let _lock = common::gpu_lock();
     let Some(ctx0) = common::gpu(test) else { return };
-    let Some(ctx1) = second_gpu(test) else { return };
+    let Some(ctx1) = common::second_gpu(test) else { return };
     let mut rng = common::rng(test);
     let (mut count, mut failures) = (0usize, Vec::new());
     let algorithms = [Some(Algorithm::OneShotPush), Some(Algorithm::OneShotPull), Some(Algorithm::TwoShotPush), None];

@@ -383,3 +383,51 @@ fn mismatched_capture_patterns_are_refused() {
         "{e}"
     );
 }
+
+/// A registration table smaller than the captured pull inputs: capture
+/// never fails for it (it once did: "more than N registered buffers /
+/// captured pull inputs over this communicator's life"). The first inputs
+/// get entries, the rest read a staged copy with a note; every replay is
+/// right; a second capture window (new buffers, as an engine's
+/// re-capture) works too.
+#[test]
+fn captures_past_a_full_registration_table_read_staged_copies() {
+    let _lock = common::gpu_lock();
+    let test = "captures_past_a_full_registration_table_read_staged_copies";
+    let Some(ctx) = common::gpu(test) else { return };
+    let mut rng = common::rng(test);
+    let world = 2;
+    let n = 4_096;
+    let config = Config { timeout: TIMEOUT, launch_timeout: TIMEOUT, max_registered_buffers: 8, ..Config::default() };
+    let comms = group_with(&ctx, world, Some(Algorithm::TwoShotPull), config);
+    for window in 0..2 {
+        let mut bufs = rank_buffers(&comms, n);
+        let graphs = capture(&comms, &mut bufs);
+        let registered = Comm::register_graph_buffers_group(&comms).unwrap();
+        // 7 entries besides the staging buffer, all taken in the first window.
+        assert_eq!(registered, if window == 0 { 7 } else { 0 }, "window {window}");
+        for rep in 0..5 {
+            for b in bufs.iter_mut() {
+                let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                b.x[0].copy_from_host(&x).unwrap();
+            }
+            for g in &graphs {
+                g.launch().unwrap();
+            }
+            for c in &comms {
+                c.synchronize().unwrap_or_else(|e| panic!("window {window} replay {rep}: {e}"));
+            }
+            for l in 0..LAYERS {
+                let xs: Vec<Vec<f32>> = bufs.iter().map(|b| b.x[l].to_host().unwrap()).collect();
+                for (r, b) in bufs.iter().enumerate() {
+                    let out = b.y[l].to_host().unwrap();
+                    common::check_sum(&xs, &out, Algorithm::TwoShotPull.max_roundings(world))
+                        .unwrap_or_else(|e| panic!("window {window} replay {rep} layer {l} rank {r}: {e}"));
+                }
+            }
+        }
+        drop(graphs);
+    }
+    let notes = comms[0].registration_notes();
+    assert!(notes.iter().any(|n| n.contains("registration table is full")), "{notes:?}");
+}

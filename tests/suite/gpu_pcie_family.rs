@@ -186,7 +186,7 @@ fn island_push_and_copy_engine_ring_graphs_replay_1000_times() {
     crate::gpu_graph::graph_run_locked(test, islands, 8, Some(Algorithm::Hierarchical), 1000, 10_755);
     // The copy-engine ring needs one rank per GPU.
     let Some(ctx) = common::gpu(test) else { return };
-    let Some(second) = crate::gpu_context::second_gpu(test) else { return };
+    let Some(second) = crate::common::second_gpu(test) else { return };
     crate::gpu_graph::graph_run_with_contexts(test, config(), &[ctx, second], Algorithm::CopyEngineRing, 1000, 300_007);
 }
 
@@ -200,7 +200,7 @@ fn copy_engine_ring_with_kernel_publication() {
     let _hook = KernelPublication::new();
     let mut failures = Vec::new();
     // One rank per GPU (the ring's rule).
-    let Some(second) = crate::gpu_context::second_gpu("copy_engine_ring_with_kernel_publication") else { return };
+    let Some(second) = crate::common::second_gpu("copy_engine_ring_with_kernel_publication") else { return };
     let gpus = vec![ctx.clone(), second];
     let comms = forced(&gpus, config(), Algorithm::CopyEngineRing);
     failures.extend(matrix(&comms, &mut rng, Algorithm::CopyEngineRing, 4 << 20, "kernel publication"));
@@ -291,7 +291,7 @@ fn new_waits_time_out_naming_their_phase() {
     drop(comms);
     // Copy-engine data: rank 1 never calls.
     // The copy-engine ring needs one rank per GPU.
-    let Some(second) = crate::gpu_context::second_gpu("new_waits_time_out_naming_their_phase") else { return };
+    let Some(second) = crate::common::second_gpu("new_waits_time_out_naming_their_phase") else { return };
     let two_gpus = || vec![ctx.clone(), second.clone()];
     let comms = forced(&two_gpus(), quick.clone(), Algorithm::CopyEngineRing);
     assert_eq!(stall(&comms, &[Some(300_000), None], 1)[0], (Some(Phase::CeData), Some(1)));

@@ -260,3 +260,83 @@ fn a_new_stream_at_a_destroyed_streams_address_is_ordered() {
     }
     eprintln!("a new stream reused a destroyed stream's handle address in {reused} of {} cases", 2 * rounds * world);
 }
+
+/// Two graphs holding calls of one communicator, replayed at the same time
+/// on unordered streams: the caller's mistake the library cannot see from
+/// the host (documented on `register_graph_buffers`). The kernels of the
+/// two replays share the rank's generation counter; what must never
+/// happen is a wrong result reported as success: every round either gives
+/// right sums on every rank or leaves an error on some rank.
+#[test]
+fn concurrent_replays_of_two_graphs_never_fail_silently() {
+    let Some(ctx) = common::gpu("concurrent_replays_of_two_graphs_never_fail_silently") else { return };
+    let _lock = common::gpu_lock();
+    let mut rng = common::rng("concurrent_replays_of_two_graphs_never_fail_silently");
+    let world = 2;
+    let n = 1 << 18; // 1 MiB of f32: a multi-block one-shot push launch
+    let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
+    for round in 0..6 {
+        let mut comms = group(&ctx, world);
+        for c in comms.iter_mut() {
+            c.set_algorithm(Some(Algorithm::OneShotPush)).unwrap();
+        }
+        let side: Vec<Arc<CudaStream>> = common::streams(&ctx, world);
+        let inputs: Vec<[Vec<f32>; 2]> =
+            (0..world).map(|_| [random_vec(&mut rng, n), random_vec(&mut rng, n)]).collect();
+        let mut bufs = Vec::new();
+        for (r, c) in comms.iter().enumerate() {
+            let s = c.stream();
+            let ins = [s.clone_htod(&inputs[r][0]).unwrap(), s.clone_htod(&inputs[r][1]).unwrap()];
+            let outs = [s.alloc_zeros::<f32>(n).unwrap(), s.alloc_zeros::<f32>(n).unwrap()];
+            s.synchronize().unwrap();
+            bufs.push((ins, outs));
+        }
+        // Graph k of rank r: one allreduce of input k into output k,
+        // captured on the rank's own stream.
+        let mut graphs = Vec::new();
+        for (r, c) in comms.iter().enumerate() {
+            let s = c.stream();
+            for k in 0..2 {
+                s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+                let (ins, outs) = &bufs[r];
+                let p = |b: &cudarc::driver::CudaSlice<f32>| common::ptr_of(&s, b, 0);
+                // SAFETY: live buffers of n elements on a stream of the context.
+                unsafe { c.all_reduce_raw(p(&ins[k]), p(&outs[k]), n, DType::F32, s.cu_stream()) }.unwrap();
+                let g = s.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+                graphs.push((r, k, g.unwrap().expect("a graph")));
+            }
+        }
+        // Replay graph 0 on each rank's stream and graph 1 on its side
+        // stream, unordered, several times.
+        for _ in 0..4 {
+            for (r, k, g) in &graphs {
+                let stream = if *k == 0 { comms[*r].stream() } else { side[*r].clone() };
+                // SAFETY: the graph's executable was built in this context.
+                unsafe { sys::cuGraphLaunch(g.cu_graph_exec(), stream.cu_stream()) }.result().unwrap();
+            }
+        }
+        let mut errors = Vec::new();
+        for (r, c) in comms.iter().enumerate() {
+            side[r].synchronize().ok();
+            if let Err(e) = c.synchronize() {
+                errors.push(format!("rank {r}: {e}"));
+            }
+        }
+        let mut wrong = Vec::new();
+        if errors.is_empty() {
+            for k in 0..2 {
+                let all: Vec<Vec<f32>> = inputs.iter().map(|i| i[k].clone()).collect();
+                for (r, c) in comms.iter().enumerate() {
+                    let out = c.stream().clone_dtoh(&bufs[r].1[k]).unwrap();
+                    if let Err(e) = check_sum(&all, &out, 1) {
+                        wrong.push(format!("rank {r} graph {k}: {e}"));
+                    }
+                }
+            }
+        }
+        assert!(wrong.is_empty(), "round {round}: wrong sums and no error:\n{}", wrong.join("\n"));
+        let outcome = if errors.is_empty() { "right sums".to_string() } else { errors[0].chars().take(90).collect() };
+        *outcomes.entry(outcome).or_default() += 1;
+    }
+    eprintln!("concurrent replays, outcomes per round: {outcomes:?}");
+}

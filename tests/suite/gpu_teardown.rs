@@ -36,7 +36,7 @@ fn config() -> Config {
 fn contexts(test: &str) -> Option<[Arc<CudaContext>; 2]> {
     let ctx0 = common::gpu(test)?;
     let ctx1 = if tp_allreduce::driver::device_count() >= 2 {
-        crate::gpu_context::second_gpu(test).expect("second GPU")
+        crate::common::second_gpu(test).expect("second GPU")
     } else {
         ctx0.clone()
     };

@@ -20,7 +20,8 @@ use tp_allreduce::test_hooks::{CorruptP2pCheck, FailRegionImport};
 use tp_allreduce::{Algorithm, Comm, Config, Error, ReduceOp, Transport, TransportPreference};
 
 use crate::common;
-use crate::gpu_context::{make_current, second_gpu};
+use crate::common::second_gpu;
+use crate::gpu_context::make_current;
 
 const FORCE_P2P: TransportPreference = TransportPreference::Force(Transport::PeerToPeer);
 

@@ -36,7 +36,7 @@ fn three_ranks_on_two_gpus_run_every_algorithm() {
     let test = "three_ranks_on_two_gpus_run_every_algorithm";
     let _lock = common::gpu_lock();
     let Some(ctx0) = common::gpu(test) else { return };
-    let Some(ctx1) = crate::gpu_context::second_gpu(test) else { return };
+    let Some(ctx1) = crate::common::second_gpu(test) else { return };
     let mut rng = common::rng(test);
     let mut failures = Vec::new();
     let mut cases = 0usize;

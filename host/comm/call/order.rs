@@ -21,8 +21,8 @@ impl Comm {
     ///   launches), or on the communicator's own stream (alive as long as
     ///   the communicator). A later call never touches an earlier call's
     ///   stream: the caller may have destroyed it since. Streams are told
-    ///   apart by their id, not their handle, whose address a new stream
-    ///   may reuse.
+    ///   apart by their id (`cuStreamGetId`), not their handle, whose
+    ///   address a new stream may reuse.
     /// * Captured calls: one on another stream than the previous call of the
     ///   same capture is refused, since the two could run concurrently in
     ///   the graph.
@@ -43,21 +43,27 @@ impl Comm {
     ) -> Result<()> {
         let mut order = self.order.lock().map_err(|_| Error::Broken("call-order lock poisoned".into()))?;
         let own_stream = stream == self.stream.cu_stream();
-        // SAFETY: `stream` is live (contract of this fn).
-        let stream_id = unsafe { driver::stream_id(stream)? };
         match capture {
             Some(capture) => {
-                if order.last_capture.is_some_and(|c| c.capture == capture && c.stream_id != stream_id) {
+                // Every stream of one capture is alive while it lasts, so
+                // within a capture the handle tells streams apart
+                // (`cuStreamGetId` on a capturing stream invalidates the
+                // capture).
+                let stream_handle = stream as u64;
+                if order.last_capture.is_some_and(|c| c.capture == capture && c.stream_handle != stream_handle) {
                     return Err(Error::invalid(
                         "all_reduce: two calls of one communicator were captured on different streams of the same \
                          graph; they could run concurrently and corrupt each other. Capture a communicator's calls \
                          on one stream (join the branches first).",
                     ));
                 }
-                order.last_capture = Some(CapturedCall { capture, stream_id });
+                order.last_capture = Some(CapturedCall { capture, stream_handle });
                 body()
             }
             None => {
+                // SAFETY: `stream` is live (contract of this fn) and not
+                // capturing.
+                let stream_id = unsafe { driver::stream_id(stream)? };
                 if let Some(prev) = order.last_eager.filter(|p| p.stream_id != stream_id) {
                     let event = order.event(&self.ctx)?;
                     // SAFETY: our own stream lives as long as `self`; `stream`
@@ -104,7 +110,8 @@ pub(super) struct EagerCall {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct CapturedCall {
     capture: u64,
-    stream_id: u64,
+    /// Its stream's handle (alive while the capture lasts).
+    stream_handle: u64,
 }
 
 /// What orders a rank's calls across streams (`Comm::ordered`).

@@ -205,3 +205,136 @@ fn paths_from_peers_must_have_the_socket_shape() {
     let address = FdSocket { path: "/tmp/tpar-fd-0123456789abcdef/fd.sock".into(), nonce: [0; 16] };
     assert!(fetch_fds(&address, 0, 1, seconds(1), |_| Ok(())).is_err());
 }
+
+/// A cuMem export is a character device (the NVIDIA control device); a
+/// peer's file, socket or pipe in its place is refused before the driver
+/// sees it.
+#[test]
+fn only_character_devices_pass_for_cumem_descriptors() {
+    use std::os::fd::AsFd;
+    let null = File::open("/dev/null").unwrap();
+    check_cumem_fd(null.as_fd()).unwrap();
+    let file = temp_files(1).pop().unwrap();
+    let e = check_cumem_fd(file.as_fd()).unwrap_err();
+    assert!(e.to_string().contains("not the NVIDIA driver's character device"), "{e}");
+    let (a, _b) = UnixStream::pair().unwrap();
+    assert!(check_cumem_fd(a.as_fd()).is_err());
+}
+
+const OTHER_UID: u32 = 65534;
+const CHILD_VAR: &str = "TPAR_FD_ATTACK_CHILD";
+
+/// Whether this process may run a child as another user (it must be root);
+/// says so when it may not.
+fn can_switch_user(test: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let root = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
+    if !root {
+        println!("{test}: skipped: needs root to run a peer as uid {OTHER_UID}");
+    }
+    root
+}
+
+/// This test binary run again as uid `OTHER_UID`, running only `test`.
+fn child_as_other_user(test: &str) -> std::process::Command {
+    use std::os::unix::process::CommandExt;
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", test, "--ignored", "--test-threads=1", "--nocapture"])
+        .uid(OTHER_UID)
+        .gid(OTHER_UID)
+        .env_remove("XDG_RUNTIME_DIR")
+        .env("TMPDIR", "/tmp");
+    c
+}
+
+/// Not a test by itself: the requester of another user in
+/// `the_server_refuses_a_peer_of_another_user` (it knows the path and the
+/// nonce, and asks as rank 1).
+#[test]
+#[ignore = "child process of the_server_refuses_a_peer_of_another_user"]
+fn child_requester_of_another_user() {
+    let Ok(arg) = std::env::var(CHILD_VAR) else { return };
+    let (path, nonce) = arg.split_once(' ').unwrap();
+    let nonce: [u8; 16] = (0..16)
+        .map(|i| u8::from_str_radix(&nonce[2 * i..2 * i + 2], 16).unwrap())
+        .collect::<Vec<_>>()
+        .try_into()
+        .unwrap();
+    let stream = UnixStream::connect(path).unwrap();
+    (&stream).write_all(&encode_request(&nonce, 1)).unwrap();
+    let mut got = Vec::new();
+    let r = receive_fds(&stream, 2, seconds(3), collect(&mut got));
+    println!("child requester: {r:?} {got:?}");
+}
+
+/// A process of another user that reaches the socket (its directory
+/// opened to everyone by mistake) and knows the nonce gets no descriptors.
+#[test]
+fn the_server_refuses_a_peer_of_another_user() {
+    if !can_switch_user("the_server_refuses_a_peer_of_another_user") {
+        return;
+    }
+    let server = FdServer::bind().unwrap();
+    let address = server.address();
+    let dir = Path::new(&address.path).parent().unwrap().to_path_buf();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+    std::fs::set_permissions(&address.path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let serving = server.serve(temp_files(2), &[1], seconds(3)).unwrap();
+    let out = child_as_other_user("comm::fd_passing::tests::child_requester_of_another_user")
+        .env(CHILD_VAR, format!("{} {}", address.path, hex(&address.nonce)))
+        .output()
+        .unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let served = serving.finish();
+    assert!(said.contains("child requester: Err"), "the other user was served: {said}");
+    let e = served.expect_err("rank 1 was served to another user");
+    assert!(e.to_string().contains("uid"), "{e}");
+}
+
+/// Not a test by itself: the server of another user in
+/// `a_fetcher_refuses_a_server_of_another_user`; prints its address.
+#[test]
+#[ignore = "child process of a_fetcher_refuses_a_server_of_another_user"]
+fn child_server_of_another_user() {
+    if std::env::var(CHILD_VAR).is_err() {
+        return;
+    }
+    let server = FdServer::bind().unwrap();
+    let address = server.address();
+    println!("ADDRESS {} {}", address.path, hex(&address.nonce));
+    std::io::stdout().flush().unwrap();
+    let r = server.serve(temp_files(2), &[1], seconds(3)).unwrap().finish();
+    println!("child server: {r:?}");
+}
+
+/// A server of another user (its own private directory, mode 0700) is
+/// not fetched from.
+#[test]
+fn a_fetcher_refuses_a_server_of_another_user() {
+    use std::io::BufRead;
+    if !can_switch_user("a_fetcher_refuses_a_server_of_another_user") {
+        return;
+    }
+    let mut child = child_as_other_user("comm::fd_passing::tests::child_server_of_another_user")
+        .env(CHILD_VAR, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let address = loop {
+        let line = lines.next().expect("the child printed no address").unwrap();
+        if let Some((_, rest)) = line.split_once("ADDRESS ") {
+            let (path, nonce) = rest.split_once(' ').unwrap();
+            let nonce: Vec<u8> = (0..16).map(|i| u8::from_str_radix(&nonce[2 * i..2 * i + 2], 16).unwrap()).collect();
+            break FdSocket { path: path.into(), nonce: nonce.try_into().unwrap() };
+        }
+    };
+    let mut got = Vec::new();
+    let r = fetch_fds(&address, 1, 2, seconds(3), collect(&mut got));
+    let _ = child.kill();
+    let _ = child.wait();
+    // The killed child's socket and directory.
+    let _ = std::fs::remove_dir_all(Path::new(&address.path).parent().unwrap());
+    let e = r.err().unwrap_or_else(|| panic!("fetched {got:?} from a server of uid {OTHER_UID}"));
+    assert!(e.to_string().contains("uid"), "{e}");
+}

@@ -134,7 +134,9 @@ impl Placement {
             one_rank_per_gpu,
             pull_max_blocks: config.pull_max_blocks.min(resident_limit),
             ring_blocks: config.ring_blocks.min(resident_limit),
-            fused_clusters: config.fused_clusters && hellos.iter().all(|h| h.clusters),
+            // Batch invariance: whether a row spreads over a cluster depends
+            // on the row count, and so would the sum-of-squares tree.
+            fused_clusters: config.fused_clusters && !config.batch_invariant && hellos.iter().all(|h| h.clusters),
             salt: hellos[0].salt,
             job: hellos[0].job.clone(),
             hellos,

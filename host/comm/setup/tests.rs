@@ -123,3 +123,12 @@ fn island_tables_of_the_handle() {
     let config = Config { islands: Some(vec![vec![0, 1, 2], vec![3, 4]]), island_size: Some(4), ..Config::default() };
     assert_eq!(island_split(5, &config).unwrap().map(|s| s.count()), Some(2), "explicit islands win");
 }
+
+#[test]
+fn relaxed_ordering_is_read_from_the_driver_parameters() {
+    let on = "EnableMSI: 1\nEnablePCIERelaxedOrderingMode: 1\nRegisterPCIDriver: 1\n";
+    let why = relaxed_ordering_in(on).expect("set");
+    assert!(why.contains("EnablePCIERelaxedOrderingMode: 1"), "{why}");
+    assert!(relaxed_ordering_in("EnablePCIERelaxedOrderingMode: 0\n").is_none());
+    assert!(relaxed_ordering_in("EnableMSI: 1\n").is_none(), "absent: the driver's default, 0");
+}

@@ -1,8 +1,11 @@
-//! A member (rank 1..N-1) against a hostile rank 0, played by the test on
-//! a listener of its own: WELCOME and good RESULTs, then one bad frame, in
-//! the join or in a round. The member must fail with the error the oracle
-//! names, naming rank 0, within bound (a held or trickled frame: at its
-//! timeout).
+//! A member (the whole `connect`, rank 1..N-1) against a hostile rank 0,
+//! played by the test on a listener of its own with the secret: the
+//! handshake, WELCOME and good RESULTs, then one bad frame, in the join or
+//! in a round. In a round, or where the bad frame is authenticated, the
+//! member must fail with the error the oracle names, naming rank 0, within
+//! bound (a held or trickled frame: at its timeout). In the join, where it
+//! cannot trust the frame, it must dial again and join the honest rank 0
+//! this fake then plays.
 
 #![forbid(unsafe_code)]
 
@@ -15,17 +18,16 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::{
-    abort_payload, frame, mutate, parse, pick, random_bytes, Ending, Fuzz, Parse, Raw, ABORT, GATHER, HELLO, LONG,
-    RESULT, WELCOME,
-};
+use super::handshake::{welcome_oracle, MemberSays};
+use super::{parse, random_bytes, Ending, Fuzz, How, Parse, Raw, Recipe, LONG, RESULT, WELCOME};
+use crate::rendezvous::testing::{root_handshake, Session};
 use crate::rendezvous::wire::{self, AbortCode, Kind, MAX_PAYLOAD};
-use crate::rendezvous::{connect, read_frame, Endpoint, Id};
+use crate::rendezvous::{connect, Endpoint, Id};
 
 /// Fake ranks 0 per transport, each with its own listener, and sessions
-/// (member connections) per fake.
+/// (members) per fake.
 const WORKERS: u64 = 3;
-const SESSIONS: usize = 500;
+const SESSIONS: usize = 300;
 /// Good rounds before the bad frame, at most.
 const MAX_GOOD_ROUNDS: u32 = 4;
 /// The member's timeout where the bad frame never completes (it waits for
@@ -69,7 +71,7 @@ impl Fake {
         (id, Fake::Unix(l))
     }
 
-    /// The member's connection, within `LONG`.
+    /// The member's next connection, within `LONG`.
     fn accept(&self, at: &str) -> Raw {
         let deadline = Instant::now() + LONG;
         loop {
@@ -92,42 +94,18 @@ impl Fake {
 struct Plan {
     world: usize,
     rank: usize,
-    /// `None`: the bad frame answers the HELLO; `Some(g)`: it answers the
-    /// GATHER of round g + 1, after g good rounds.
+    /// `None`: the bad frame comes in place of WELCOME; `Some(g)`: in place
+    /// of the RESULT of round g + 1, after g good rounds.
     good: Option<u32>,
     /// `parts[r - 1]`: every rank's bytes in round r.
     parts: Vec<Vec<Vec<u8>>>,
-    bad: Vec<u8>,
+    bad: Recipe,
     ending: Ending,
-    /// What the member's error must say.
+    /// What the member does: fails with this text, or (`retries`) dials
+    /// again, and then joins the honest rank 0.
     text: String,
+    retries: bool,
     timeout: Duration,
-}
-
-/// The RESULT payload's parts as the protocol defines them, or why not.
-fn result_parts(p: &[u8], world: usize) -> Result<Vec<Vec<u8>>, String> {
-    let word = |at: usize| {
-        p.get(at..at + 4)
-            .map(|b| super::u32_at(b, 0) as usize)
-            .ok_or_else(|| format!("RESULT payload cut at byte {at}"))
-    };
-    let count = word(0)?;
-    if count != world {
-        return Err(format!("RESULT holds {count} contributions, expected {world}"));
-    }
-    let (mut at, mut parts) = (4, Vec::new());
-    for rank in 0..world {
-        let len = word(at)?;
-        at += 4;
-        let end = at.checked_add(len).filter(|&e| e <= p.len());
-        let end = end.ok_or_else(|| format!("RESULT entry of rank {rank} ({len} bytes) runs past the payload"))?;
-        parts.push(p[at..end].to_vec());
-        at = end;
-    }
-    match p.len() - at {
-        0 => Ok(parts),
-        n => Err(format!("RESULT payload has {n} trailing bytes")),
-    }
 }
 
 /// A well-framed RESULT payload that is wrong in what it says: this rank's
@@ -157,48 +135,67 @@ fn bad_result(rng: &mut StdRng, parts: &[Vec<u8>], rank: usize) -> Vec<u8> {
     wire::encode_result(&parts)
 }
 
-/// What the member says about rank 0's frame `bytes` (then `ending`):
-/// `None` if it is the good WELCOME or RESULT; else its error text, and
-/// whether it waits for more bytes (fails only at its timeout if held).
-fn oracle(plan: &Plan, job: &[u8; 16], bytes: &[u8], ending: Ending) -> Option<(String, bool)> {
-    let (rank, world) = (plan.rank, plan.world);
-    let round = plan.good.map_or(0, |g| g + 1);
-    let join = plan.good.is_none();
-    let violation = |t: String| match join {
-        true => format!("rendezvous protocol violation from rank 0: {t}"),
-        false => format!("rendezvous protocol violation from rank 0: round {round}: {t}"),
+/// The RESULT payload's parts as the protocol defines them, or why not.
+fn result_parts(p: &[u8], world: usize) -> Result<Vec<Vec<u8>>, String> {
+    let word = |at: usize| {
+        p.get(at..at + 4)
+            .map(|b| super::u32_at(b, 0) as usize)
+            .ok_or_else(|| format!("RESULT payload cut at byte {at}"))
     };
-    let limit = if join { wire::MAX_CONTROL_PAYLOAD } else { MAX_PAYLOAD };
-    let f = match (parse(bytes, limit), ending) {
-        (Parse::Incomplete, Ending::Close) if join => {
-            return Some((format!("rank 0 closed the connection while rank {rank} was joining"), false))
-        }
+    let count = word(0)?;
+    if count != world {
+        return Err(format!("RESULT holds {count} contributions, expected {world}"));
+    }
+    let (mut at, mut parts) = (4, Vec::new());
+    for rank in 0..world {
+        let len = word(at)?;
+        at += 4;
+        let end = at.checked_add(len).filter(|&e| e <= p.len());
+        let end = end.ok_or_else(|| format!("RESULT entry of rank {rank} ({len} bytes) runs past the payload"))?;
+        parts.push(p[at..end].to_vec());
+        at = end;
+    }
+    match p.len() - at {
+        0 => Ok(parts),
+        n => Err(format!("RESULT payload has {n} trailing bytes")),
+    }
+}
+
+/// What member `rank` says about rank 0's frame `bytes` in round `round`
+/// (then `ending`), `authentic` being the frame rank 0's session would
+/// seal in its place and `parts` every rank's bytes in that round: `None`
+/// if it is the good RESULT; else its error text, and whether it waits for
+/// more bytes (fails only at its timeout if held).
+fn round_oracle(
+    rank: usize,
+    parts: &[Vec<u8>],
+    job: &[u8; 16],
+    (bytes, authentic): (&[u8], &[u8]),
+    ending: Ending,
+    round: u32,
+) -> Option<(String, bool)> {
+    let world = parts.len();
+    let violation = |t: String| format!("rendezvous protocol violation from rank 0: round {round}: {t}");
+    let f = match (parse(bytes, MAX_PAYLOAD), ending) {
         (Parse::Incomplete, Ending::Close) => {
             return Some((format!("rank 0 closed the connection in round {round}"), false))
         }
-        (Parse::Incomplete, _) if join => return Some((format!("rank {rank} got no WELCOME from rank 0"), true)),
         (Parse::Incomplete, _) => {
             return Some((format!("rank {rank} got no result for round {round} from rank 0"), true))
         }
-        (Parse::BadHeader(t), _) if join => return Some((violation(format!("during join: {t}")), false)),
         (Parse::BadHeader(t), _) => return Some((violation(t), false)),
         (Parse::Frame(f), _) => f,
     };
-    let text = match f.check(job, 0, if join { WELCOME } else { RESULT }, round) {
+    let text = match f.open(authentic).and_then(|()| f.check(job, 0, RESULT, round)) {
         Err(t) => violation(t),
         Ok(Some(a)) => match a.code {
             AbortCode::Timeout => format!("rank 0 reports: {}", a.reason),
             AbortCode::Rejected => format!("rank 0 refused this rank: {}", a.reason),
             AbortCode::Failed => format!("rank 0 aborted the rendezvous: {}", a.reason),
         },
-        Ok(None) if join => match f.payload.len() {
-            4 if super::u32_at(&f.payload, 0) as usize == world => return None,
-            4 => violation(format!("WELCOME for world size {}, expected {world}", super::u32_at(&f.payload, 0))),
-            n => violation(format!("world-size payload of {n} bytes, expected 4")),
-        },
         Ok(None) => match result_parts(&f.payload, world) {
             Err(t) => violation(t),
-            Ok(parts) if parts[rank] == plan.parts[round as usize - 1][rank] => return None,
+            Ok(got) if got[rank] == parts[rank] => return None,
             Ok(_) => violation(format!("RESULT does not hold rank {rank}'s own contribution")),
         },
     };
@@ -213,97 +210,159 @@ impl Plan {
         let most = if slow { 1 } else { MAX_GOOD_ROUNDS };
         let good = rng.gen_bool(0.7).then(|| rng.gen_range(0..=most));
         let rounds = good.map_or(1, |g| g + 1);
-        let parts = (0..rounds).map(|_| (0..world).map(|_| random_bytes(rng, 40)).collect()).collect();
-        let mut plan = Plan {
-            world,
-            rank,
-            good,
-            parts,
-            bad: Vec::new(),
-            ending: Ending::Close,
-            text: String::new(),
-            timeout: LONG,
-        };
-        let round = good.map_or(0, |g| g + 1);
-        let main = if good.is_some() { RESULT } else { WELCOME };
+        let parts: Vec<Vec<Vec<u8>>> =
+            (0..rounds).map(|_| (0..world).map(|_| random_bytes(rng, 40)).collect()).collect();
         loop {
-            let kind = pick(rng, &[main, main, main, main, HELLO, GATHER, ABORT, RESULT, WELCOME]);
-            let semantic = kind == RESULT && good.is_some() && rng.gen_bool(0.3);
-            let payload = match kind {
-                RESULT if semantic => bad_result(rng, &plan.parts[round as usize - 1], rank),
-                RESULT if good.is_some() => wire::encode_result(&plan.parts[round as usize - 1]),
-                RESULT => wire::encode_result(&[random_bytes(rng, 8), random_bytes(rng, 8)]),
-                ABORT => abort_payload(rng),
-                _ => (pick(rng, &[world, world, world + 1, 1]) as u32).to_le_bytes().to_vec(),
-            };
-            let base = frame(kind, job, 0, round, &payload);
-            let mutated = !semantic && (kind == main || rng.gen_bool(0.7));
-            let bad = if mutated { mutate(rng, base, world as u32) } else { base };
-            let ending = Ending::pick(rng, slow);
-            let bad = ending.cut(bad);
-            match oracle(&plan, job, &bad, ending) {
-                None => continue,
-                Some((_, waits)) if waits != slow && ending != Ending::Close => continue,
-                Some((text, waits)) => {
-                    (plan.bad, plan.ending, plan.text) = (bad, ending, text);
-                    plan.timeout = if waits { SHORT } else { LONG };
-                    return plan;
+            let bad = match good {
+                None => Recipe::bad(rng, WELCOME, 0, 0, world as u32, |_| (world as u32).to_le_bytes().to_vec()),
+                Some(g) => {
+                    let all = &parts[g as usize];
+                    match rng.gen_bool(0.3) {
+                        true => Recipe {
+                            kind: RESULT,
+                            job: None,
+                            sender: 0,
+                            round: g + 1,
+                            payload: bad_result(rng, all, rank),
+                            how: How::Sealed,
+                            world: world as u32,
+                        },
+                        false => Recipe::bad(rng, RESULT, 0, g + 1, world as u32, |_| wire::encode_result(all)),
+                    }
                 }
+            };
+            let ending = Ending::pick(rng, slow);
+            let (sent, authentic) = bad.preview(job);
+            let sent = ending.cut(sent);
+            let (text, retries, waits) = match good {
+                None => match (parse(&sent, wire::MAX_CONTROL_PAYLOAD), ending) {
+                    // Held: the member waits for WELCOME until its timeout.
+                    (Parse::Incomplete, Ending::Hold | Ending::Trickle) => {
+                        (format!("rank {rank} got no WELCOME from rank 0"), false, true)
+                    }
+                    _ => match welcome_oracle(&sent, job, &authentic, rank, world) {
+                        MemberSays::Joins => continue,
+                        MemberSays::Retries(t) => (t, true, false),
+                        MemberSays::Fails(t) => (t, false, false),
+                        MemberSays::Proves => unreachable!(),
+                    },
+                },
+                Some(g) => match round_oracle(rank, &parts[g as usize], job, (&sent, &authentic), ending, g + 1) {
+                    None => continue,
+                    Some((t, waits)) => (t, false, waits),
+                },
+            };
+            if waits != slow && ending != Ending::Close {
+                continue;
             }
+            let timeout = if waits { SHORT } else { LONG };
+            return Plan { world, rank, good, parts, bad, ending, text, retries, timeout };
         }
     }
 }
 
-/// One real member against the fake rank 0: good frames, then the bad one.
+/// One real member against the fake rank 0: good frames, then the bad one
+/// (and, if the member dials again, an honest rank 0).
 fn session(fuzz: &Fuzz, id: &Id, fake: &Fake, worker: u64, case: usize) {
     let mut rng = fuzz.rng((worker << 32) | case as u64);
     let at = fuzz.at(worker, case);
     let job = id.job_id();
     let plan = Plan::new(&mut rng, &job);
     let (rank, world) = (plan.rank, plan.world);
+    let rounds = plan.good.map_or(1, |g| g + 1);
     let started = Instant::now();
-    let err = thread::scope(|s| {
-        let member = s.spawn(|| -> crate::error::Result<()> {
+    let outcome = thread::scope(|s| {
+        let member = s.spawn(|| -> crate::error::Result<Vec<Vec<Vec<u8>>>> {
             let rdv = connect(id, rank, world, plan.timeout)?;
-            for r in 1..=plan.good.map_or(1, |g| g + 1) {
-                rdv.all_gather(&plan.parts[r as usize - 1][rank])?;
-            }
-            Ok(())
+            (1..=rounds).map(|r| rdv.all_gather(&plan.parts[r as usize - 1][rank])).collect()
         });
-        let raw = fake.accept(&at);
+        let mut session = accept_member(fake, id, world, rank, &at);
         fuzz.tally.connected();
-        let hello = read_frame(raw.conn(), Some(Instant::now() + LONG), 64).unwrap_or_else(|e| panic!("{at}: {e}"));
-        let h = hello.header;
-        assert_eq!((h.kind, h.job, h.sender, h.round), (Kind::Hello, job, rank as u32, 0), "{at}");
-        assert_eq!(hello.payload, (world as u32).to_le_bytes(), "{at}");
-        let mut fed = 1;
+        let mut fed = 2;
         if let Some(good) = plan.good {
-            assert!(raw.send(&frame(WELCOME, &job, 0, 0, &(world as u32).to_le_bytes())), "{at}");
-            for r in 1..=good + 1 {
-                let g = read_frame(raw.conn(), Some(Instant::now() + LONG), MAX_PAYLOAD)
-                    .unwrap_or_else(|e| panic!("{at}: no GATHER for round {r}: {e}"));
-                let mine = &plan.parts[r as usize - 1][rank];
-                assert_eq!((g.header.kind, g.header.round, &g.payload), (Kind::Gather, r, mine), "{at}");
-                if r <= good {
-                    let result = wire::encode_result(&plan.parts[r as usize - 1]);
-                    assert!(raw.send(&frame(RESULT, &job, 0, r, &result)), "{at}");
-                }
-            }
-            fed += good as u64 + 1;
+            session.send(Kind::Welcome, 0, &(world as u32).to_le_bytes());
+            serve_rounds(&mut session, &plan, 1..=good + 1, good + 1, &at);
+            fed += good as u64 + 2;
         }
-        raw.feed(&plan.bad, plan.ending);
+        let (bad, _) = plan.bad.build(&mut session.seal, &job);
+        feed(&session, &plan.ending.cut(bad), plan.ending);
         fuzz.tally.fed(fed, 1);
         fuzz.tally.slow(plan.timeout == SHORT);
+        if plan.retries {
+            // The member dials again: this time rank 0 is honest.
+            let mut again = accept_member(fake, id, world, rank, &at);
+            fuzz.tally.connected();
+            again.send(Kind::Welcome, 0, &(world as u32).to_le_bytes());
+            serve_rounds(&mut again, &plan, 1..=1, 1, &at);
+            fuzz.tally.fed(3, 0);
+        }
         let outcome = member.join().unwrap();
-        drop(raw);
+        drop(session);
         outcome
     });
-    let (ending, bad, text) = (plan.ending, &plan.bad, &plan.text);
-    let err = err.err().unwrap_or_else(|| panic!("{at}: the member accepted {ending:?} {bad:02x?}")).to_string();
-    assert!(
-        err.contains(text.as_str()) && err.contains("rank 0"),
-        "{at}: {ending:?} {bad:02x?}: {err:?}, expected {text:?}"
-    );
+    let (ending, text) = (plan.ending, &plan.text);
+    let bad = plan.bad.preview(&job).0;
+    if plan.retries {
+        let got = outcome.unwrap_or_else(|e| panic!("{at}: {ending:?} {bad:02x?}: the member did not try again: {e}"));
+        assert!(got == vec![plan.parts[0].clone()], "{at}: wrong result after the new attempt");
+    } else {
+        let err =
+            outcome.err().unwrap_or_else(|| panic!("{at}: the member accepted {ending:?} {bad:02x?}")).to_string();
+        assert!(
+            err.contains(text.as_str()) && err.contains("rank 0"),
+            "{at}: {ending:?} {bad:02x?}: {err:?}, expected {text:?}"
+        );
+    }
     let bound = plan.timeout + Duration::from_secs(3);
-    assert!(started.elapsed() < bound, "{at}: the member took {:?} to fail", started.elapsed());
+    assert!(started.elapsed() < bound, "{at}: the member took {:?}", started.elapsed());
+}
+
+/// The member's next connection, with the handshake done by the fake
+/// rank 0 (which holds the secret).
+fn accept_member(fake: &Fake, id: &Id, world: usize, rank: usize, at: &str) -> Session {
+    let raw = fake.accept(at);
+    let (session, hello) = root_handshake(raw.into_conn(), id, world).unwrap_or_else(|e| panic!("{at}: {e}"));
+    assert_eq!(
+        (hello.header.sender as usize, hello.payload[..4].to_vec()),
+        (rank, (world as u32).to_le_bytes().to_vec()),
+        "{at}"
+    );
+    session
+}
+
+/// Answers the member's GATHERs of `rounds` with the right RESULT, except
+/// (`up_to` being the last round) the last one's, which the caller sends.
+fn serve_rounds(s: &mut Session, plan: &Plan, rounds: std::ops::RangeInclusive<u32>, up_to: u32, at: &str) {
+    let rank = plan.rank;
+    for r in rounds {
+        let g = s.recv().unwrap_or_else(|e| panic!("{at}: no GATHER for round {r}: {e}"));
+        let mine = &plan.parts[r as usize - 1][rank];
+        assert_eq!((g.header.kind, g.header.round, &g.payload), (Kind::Gather, r, mine), "{at}");
+        if r < up_to || plan.retries {
+            s.send(Kind::Result, r, &wire::encode_result(&plan.parts[r as usize - 1]));
+        }
+    }
+}
+
+/// Sends `bytes` on the session's socket and ends as `ending` says (see
+/// `Raw::feed`).
+fn feed(s: &Session, bytes: &[u8], ending: Ending) {
+    let conn = &*s.conn;
+    match ending {
+        Ending::Close => {
+            let _ = crate::rendezvous::write_frame(conn, Instant::now() + LONG, bytes);
+            conn.disconnect();
+        }
+        Ending::Hold => {
+            let _ = crate::rendezvous::write_frame(conn, Instant::now() + LONG, bytes);
+        }
+        Ending::Trickle => {
+            for b in bytes {
+                if conn.write(std::slice::from_ref(b)).is_err() {
+                    return;
+                }
+                thread::sleep(super::TRICKLE_GAP);
+            }
+        }
+    }
 }

@@ -1,41 +1,45 @@
-//! Rank 0 against hostile peers. During the join: bad connections from
-//! several workers at once, duplicate claimants of rank 1, slow lorises,
-//! while the real ranks 2 and 3 join early and late; rank 0 must refuse
-//! each bad one as the oracle says and complete with the good ranks. In the
-//! rounds: a joined rank 1 (raw) that sends good rounds, then one bad
-//! frame; rank 0 must fail naming it, and tell rank 1 and rank 2 why.
+//! Rank 0 (the whole `connect`) against hostile peers. During the join:
+//! bad connections from several workers at once (without the secret),
+//! duplicate claimants of rank 1 (with it), slow lorises, while the real
+//! ranks 2 and 3 join early and late; rank 0 must refuse each bad one as
+//! the oracle says and complete with the good ranks. In the rounds: a
+//! joined rank 1 (played here, with the secret) that sends good rounds,
+//! then one bad frame; rank 0 must fail naming it, and tell rank 1 and
+//! rank 2 why.
 
 #![forbid(unsafe_code)]
 
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::Rng;
 
+use super::handshake::{hello_oracle, RootSays};
 use super::{
-    abort_payload, frame, kind_name, mutate, parse, pick, random_bytes, Ending, Fuzz, Parse, Raw, ABORT, GATHER, HELLO,
-    LONG, RESULT, WELCOME,
+    abort_payload, frame, mutate, parse, pick, random_bytes, Ending, Fuzz, Parse, Raw, Recipe, ABORT, CHALLENGE,
+    GATHER, HELLO, LONG, PROOF, RESULT, WELCOME,
 };
+use crate::rendezvous::testing::{member_handshake, Session};
 use crate::rendezvous::wire::{self, Kind, HEADER_LEN, MAX_PAYLOAD};
-use crate::rendezvous::{connect, connect_with, read_frame, Id, Limits};
+use crate::rendezvous::{connect, connect_with, Id, Limits};
 
 /// World of a join session: rank 1 is claimed by raw connections (one
 /// wins), ranks 2 and 3 are real and join in either order.
 const JOIN_WORLD: usize = 4;
 /// Join sessions per transport; workers of one session; bad connections
 /// per worker and session.
-const JOIN_SESSIONS: u64 = 5;
+const JOIN_SESSIONS: u64 = 4;
 const JOIN_WORKERS: u64 = 4;
 const JOIN_CONNECTIONS: usize = 250;
 /// Bad connections per worker and session whose frame never completes
-/// and that then hold or trickle: each costs rank 0's HELLO limit.
+/// and that then hold or trickle: each costs rank 0's handshake limit.
 const JOIN_SLOW: usize = 2;
-/// Rank 0's limit on a HELLO in the fuzz (short, since the slow lorises
-/// wait for it, but long enough that a HELLO thread that the scheduler
-/// delays on a loaded 2-core machine still reads a complete frame in time),
+/// Rank 0's limit on a handshake in the fuzz (short, since the slow
+/// lorises wait for it, but long enough that a handshake thread that the
+/// scheduler delays on a loaded 2-core machine still completes in time),
 /// and its join timeout (longer than a whole session).
-const HELLO_TIMEOUT: Duration = Duration::from_millis(300);
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_millis(400);
 const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// A refused connection must be closed within this.
 const REFUSE_BOUND: Duration = Duration::from_secs(5);
@@ -60,54 +64,38 @@ pub(super) fn join(fuzz: &Fuzz) {
 /// An ABORT rank 0 must send: the job id it carries, and its reason.
 type ExpectedAbort = ([u8; 16], String);
 
-/// What rank 0's join does with one connection, by the protocol.
-#[derive(Debug)]
-enum JoinSays {
-    /// A valid HELLO (the fuzz leaves those to the claimants of rank 1).
-    Admits,
-    /// Refused and closed, with an ABORT (job id, reason) when the frame was
-    /// complete; `waits`: the frame is incomplete, so a peer that holds
-    /// the connection is refused only at the HELLO limit.
-    Refuses { abort: Option<ExpectedAbort>, waits: bool },
+/// What rank 0's join does with one connection from a peer without the
+/// secret, by the protocol: it refuses and closes it, with an ABORT (job
+/// id, reason) when the frame was complete; `waits`: the frame is
+/// incomplete, so a peer that holds the connection is refused only at the
+/// handshake limit.
+fn join_oracle(bytes: &[u8], job: &[u8; 16]) -> (Option<ExpectedAbort>, bool) {
+    if let Parse::Incomplete = parse(bytes, wire::HANDSHAKE_PAYLOAD) {
+        return (None, true);
+    }
+    match hello_oracle(bytes, job, None, &Default::default()) {
+        RootSays::Refuses(text, abort) => (abort.map(|j| (j, text)), false),
+        other => unreachable!("a HELLO without the secret was {other:?}"),
+    }
 }
 
-fn join_oracle(bytes: &[u8], job: &[u8; 16]) -> JoinSays {
-    let f = match parse(bytes, wire::HELLO_PAYLOAD) {
-        Parse::Incomplete => return JoinSays::Refuses { abort: None, waits: true },
-        Parse::BadHeader(_) => return JoinSays::Refuses { abort: None, waits: false },
-        Parse::Frame(f) => f,
-    };
-    let world = JOIN_WORLD;
-    let rank = f.sender as usize;
-    let why = if f.job != *job {
-        "HELLO with a wrong job id".to_string()
-    } else if f.kind != HELLO {
-        format!("a connection opened with {} instead of HELLO", kind_name(f.kind))
-    } else if f.round != 0 {
-        format!("HELLO for round {}, expected round 0", f.round)
-    } else if rank == 0 || rank >= world {
-        format!("HELLO from rank {rank}, outside 1..={} for world size {world}", world - 1)
-    } else if f.payload.len() != 4 {
-        format!("world-size payload of {} bytes, expected 4", f.payload.len())
-    } else if super::u32_at(&f.payload, 0) as usize != world {
-        format!("rank {rank} was started with world size {}, rank 0 with {world}", super::u32_at(&f.payload, 0))
-    } else {
-        return JoinSays::Admits;
-    };
-    JoinSays::Refuses { abort: Some((f.job, why)), waits: false }
-}
-
-/// A bad opening for rank 0's join: the bytes, how the peer ends, and
-/// what rank 0 must answer. `slow`: a frame that never completes, then
+/// A bad opening for rank 0's join, by a peer that knows the job id (it
+/// travels in the clear) but not the secret: the bytes, how the peer ends,
+/// and what rank 0 must answer. `slow`: a frame that never completes, then
 /// held or trickled.
 fn bad_join(rng: &mut StdRng, job: &[u8; 16], slow: bool) -> (Vec<u8>, Ending, Option<ExpectedAbort>) {
     loop {
-        let kind = pick(rng, &[HELLO, HELLO, HELLO, HELLO, WELCOME, GATHER, RESULT, ABORT]);
+        let kind = pick(rng, &[HELLO, HELLO, HELLO, HELLO, WELCOME, GATHER, RESULT, ABORT, CHALLENGE, PROOF]);
         let sender = rng.gen_range(0..=JOIN_WORLD as u32 + 1);
         let payload = match kind {
-            HELLO | WELCOME => (pick(rng, &[JOIN_WORLD, JOIN_WORLD, 1, 3, 5]) as u32).to_le_bytes().to_vec(),
+            HELLO | CHALLENGE => {
+                let mut p = (pick(rng, &[JOIN_WORLD, JOIN_WORLD, 1, 3, 5]) as u32).to_le_bytes().to_vec();
+                p.extend(random_bytes(rng, 64).into_iter().chain(std::iter::repeat(0)).take(64));
+                p
+            }
+            WELCOME => (JOIN_WORLD as u32).to_le_bytes().to_vec(),
             ABORT => abort_payload(rng),
-            _ => random_bytes(rng, 16),
+            _ => random_bytes(rng, 40),
         };
         let base = frame(kind, job, sender, 0, &payload);
         let mut bytes = if kind == HELLO || rng.gen_bool(0.7) { mutate(rng, base, JOIN_WORLD as u32) } else { base };
@@ -117,10 +105,9 @@ fn bad_join(rng: &mut StdRng, job: &[u8; 16], slow: bool) -> (Vec<u8>, Ending, O
             bytes.truncate(rng.gen_range(0..HEADER_LEN));
         }
         match join_oracle(&bytes, job) {
-            JoinSays::Admits => continue,
             // A held incomplete frame is slow: only where asked for.
-            JoinSays::Refuses { waits, .. } if waits != slow && ending != Ending::Close => continue,
-            JoinSays::Refuses { abort, .. } => return (bytes, ending, abort),
+            (_, waits) if waits != slow && ending != Ending::Close => continue,
+            (abort, _) => return (bytes, ending, abort),
         }
     }
 }
@@ -131,7 +118,7 @@ fn bad_join(rng: &mut StdRng, job: &[u8; 16], slow: bool) -> (Vec<u8>, Ending, O
 fn join_session(fuzz: &Fuzz, id: Id, session: u64) {
     let mut rng = fuzz.rng(session << 8);
     let at = fuzz.at(session << 8, 0);
-    let limits = Limits { hello_timeout: HELLO_TIMEOUT, ..Limits::for_timeout(JOIN_TIMEOUT) };
+    let limits = Limits { handshake_timeout: HANDSHAKE_TIMEOUT, ..Limits::for_timeout(JOIN_TIMEOUT) };
     let (early, late) = if rng.gen_bool(0.5) { (2, 3) } else { (3, 2) };
     let claimants = rng.gen_range(1..=3);
     let want: Vec<Vec<u8>> = (0..JOIN_WORLD).map(|r| format!("rank {r}").into_bytes()).collect();
@@ -162,29 +149,30 @@ fn join_session(fuzz: &Fuzz, id: Id, session: u64) {
     id.remove_files();
 }
 
-/// A raw connection claiming rank 1 with a valid HELLO: true if rank 0
-/// admitted it (it then plays rank 1 in round 1), false if it was refused
-/// as a duplicate.
+/// A connection claiming rank 1 with the secret (a complete handshake):
+/// true if rank 0 admitted it (it then plays rank 1 in round 1), false if
+/// it was refused as a duplicate.
 fn claim_rank_1(fuzz: &Fuzz, id: &Id, want: &[Vec<u8>], at: &str) -> bool {
     let job = id.job_id();
     let raw = Raw::dial(id, at);
     fuzz.tally.connected();
-    assert!(raw.send(&frame(HELLO, &job, 1, 0, &(JOIN_WORLD as u32).to_le_bytes())));
-    let deadline = Instant::now() + JOIN_TIMEOUT + LONG;
-    let reply = read_frame(raw.conn(), Some(deadline), MAX_PAYLOAD).expect("a claimant got no answer");
+    let mut s = member_handshake(raw.into_conn(), id, 1, JOIN_WORLD).unwrap_or_else(|f| panic!("{at}: {f:?}"));
+    fuzz.tally.fed(2, 0);
+    let reply = s.recv().unwrap_or_else(|e| panic!("{at}: a claimant got no answer: {e}"));
     if reply.header.kind == Kind::Abort {
-        fuzz.tally.fed(1, 1);
         let reason = wire::decode_abort(&reply.payload).unwrap().reason;
         assert!(reason.contains("rank 1 has already joined"), "seed {}: claimant refused: {reason}", fuzz.seed);
-        assert_eq!(raw.frames_until_closed(REFUSE_BOUND).map(|f| f.len()), Ok(0));
+        assert!(reply.header.sealed, "{at}: a duplicate is refused within its session");
+        assert!(s.recv().is_err(), "{at}: the refused claimant's connection stays open");
         return false;
     }
     assert_eq!((reply.header.kind, reply.payload.as_slice()), (Kind::Welcome, &[JOIN_WORLD as u8, 0, 0, 0][..]));
-    assert!(raw.send(&frame(GATHER, &job, 1, 1, &want[1])));
-    fuzz.tally.fed(2, 0);
-    let result = read_frame(raw.conn(), Some(Instant::now() + LONG), MAX_PAYLOAD).unwrap();
+    s.send(Kind::Gather, 1, &want[1]);
+    fuzz.tally.fed(1, 0);
+    let result = s.recv().unwrap();
     assert_eq!(result.header.kind, Kind::Result);
     assert_eq!(wire::decode_result(&result.payload, JOIN_WORLD).unwrap(), want);
+    let _ = job;
     true
 }
 
@@ -232,13 +220,14 @@ pub(super) fn rounds(fuzz: &Fuzz) {
     });
 }
 
-/// A round session, decided before it runs: world 3, rank 1 raw.
+/// A round session, decided before it runs: world 3, rank 1 played here.
 struct RoundPlan {
     good: u32,
     /// `payloads[r - 1][rank]`: each rank's bytes in round r (rank 1's in
     /// the bad round are unused).
     payloads: Vec<[Vec<u8>; 3]>,
-    bad: Vec<u8>,
+    /// Rank 1's bad frame, built with its session's sealer when sent.
+    bad: Recipe,
     ending: Ending,
     /// What rank 0's error (and the ABORT it sends) must say.
     text: String,
@@ -248,7 +237,8 @@ struct RoundPlan {
 /// What rank 0 says about rank 1's frame in round `r`: `None` if it is a
 /// good GATHER; else the error text, and whether rank 0 waits for more
 /// bytes (so a held connection fails only at the timeout).
-fn round_oracle(bytes: &[u8], job: &[u8; 16], r: u32, ending: Ending) -> Option<(String, bool)> {
+/// `authentic`: the frame rank 1's session would seal in its place.
+fn round_oracle(bytes: &[u8], authentic: &[u8], job: &[u8; 16], r: u32, ending: Ending) -> Option<(String, bool)> {
     let violation = |t: String| format!("rendezvous protocol violation from rank 1: round {r}: {t}");
     match parse(bytes, MAX_PAYLOAD) {
         Parse::Incomplete if ending == Ending::Close => {
@@ -256,7 +246,7 @@ fn round_oracle(bytes: &[u8], job: &[u8; 16], r: u32, ending: Ending) -> Option<
         }
         Parse::Incomplete => Some((format!("ranks [1] did not send round {r} of all_gather"), true)),
         Parse::BadHeader(t) => Some((violation(t), false)),
-        Parse::Frame(f) => match f.check(job, 1, GATHER, r) {
+        Parse::Frame(f) => match f.open(authentic).and_then(|()| f.check(job, 1, GATHER, r)) {
             Ok(None) => None,
             Ok(Some(a)) => Some((format!("rank 1 aborted round {r}: {}", a.reason), false)),
             Err(t) => Some((violation(t), false)),
@@ -275,17 +265,10 @@ impl RoundPlan {
         let payloads = (0..=good).map(|_| [bytes(rng), bytes(rng), bytes(rng)]).collect();
         let r = good + 1;
         loop {
-            let kind = pick(rng, &[GATHER, GATHER, GATHER, GATHER, HELLO, WELCOME, RESULT, ABORT]);
-            let payload = match kind {
-                HELLO | WELCOME => 3u32.to_le_bytes().to_vec(),
-                ABORT => abort_payload(rng),
-                _ => random_bytes(rng, 64),
-            };
-            let base = frame(kind, job, 1, r, &payload);
-            let bad = if kind == GATHER || rng.gen_bool(0.7) { mutate(rng, base, 3) } else { base };
+            let bad = Recipe::bad(rng, GATHER, 1, r, 3, |rng| random_bytes(rng, 64));
             let ending = Ending::pick(rng, slow);
-            let bad = ending.cut(bad);
-            match round_oracle(&bad, job, r, ending) {
+            let (sent, authentic) = bad.preview(job);
+            match round_oracle(&ending.cut(sent), &authentic, job, r, ending) {
                 None => continue,
                 Some((_, waits)) if waits != slow && ending != Ending::Close => continue,
                 Some((text, waits)) => {
@@ -326,7 +309,7 @@ fn round_session(fuzz: &Fuzz, id: Id, worker: u64) {
         (zero.join().unwrap(), two.join().unwrap(), abort)
     });
     let (text, good) = (&plan.text, plan.good as usize);
-    let bad = &plan.bad;
+    let bad = &plan.bad.preview(&job).0;
     for (rank, (got, err)) in [(0, zero), (2, two)] {
         assert_eq!(got.len(), good, "{at}: rank {rank} completed {} of {good} good rounds", got.len());
         for (r, parts) in got.iter().enumerate() {
@@ -346,31 +329,35 @@ fn round_session(fuzz: &Fuzz, id: Id, worker: u64) {
     assert!(reason.contains(text.as_str()), "{at}: rank 1 was told {reason:?}, expected {text:?}");
 }
 
-/// Rank 1 by hand: joins, plays the good rounds, sends the bad frame;
-/// returns the reason of the ABORT rank 0 sent back, if any.
+/// Rank 1 by hand, with the secret: joins, plays the good rounds, sends
+/// the bad frame; returns the reason of the (sealed) ABORT rank 0 sent
+/// back, if any.
 fn play_rank_1(fuzz: &Fuzz, id: &Id, plan: &RoundPlan, at: &str) -> Option<String> {
     let job = id.job_id();
     let raw = Raw::dial(id, at);
     fuzz.tally.connected();
-    assert!(raw.send(&frame(HELLO, &job, 1, 0, &3u32.to_le_bytes())), "{at}");
-    let welcome = read_frame(raw.conn(), Some(Instant::now() + LONG), 64).unwrap_or_else(|e| panic!("{at}: {e}"));
+    let mut s: Session = member_handshake(raw.conn_arc(), id, 1, 3).unwrap_or_else(|f| panic!("{at}: {f:?}"));
+    let welcome = s.recv().unwrap_or_else(|e| panic!("{at}: {e}"));
     assert_eq!(welcome.header.kind, Kind::Welcome, "{at}");
     for r in 1..=plan.good {
-        assert!(raw.send(&frame(GATHER, &job, 1, r, &plan.payloads[r as usize - 1][1])), "{at}");
-        let result = read_frame(raw.conn(), Some(Instant::now() + LONG), MAX_PAYLOAD)
-            .unwrap_or_else(|e| panic!("{at}: rank 1 got no RESULT for round {r}: {e}"));
+        s.send(Kind::Gather, r, &plan.payloads[r as usize - 1][1]);
+        let result = s.recv().unwrap_or_else(|e| panic!("{at}: rank 1 got no RESULT for round {r}: {e}"));
         assert_eq!((result.header.kind, result.header.round), (Kind::Result, r), "{at}");
         assert!(wire::decode_result(&result.payload, 3).unwrap() == plan.want(r), "{at}: round {r}");
     }
-    raw.feed(&plan.bad, plan.ending);
-    fuzz.tally.fed(plan.good as u64 + 2, 1);
+    let (bad, _) = plan.bad.build(&mut s.seal, &job);
+    raw.feed(&plan.ending.cut(bad), plan.ending);
+    fuzz.tally.fed(plan.good as u64 + 3, 1);
     fuzz.tally.slow(plan.timeout == SHORT);
     let frames = raw
         .frames_until_closed(plan.timeout + LONG)
         .unwrap_or_else(|e| panic!("{at}: rank 0 did not close rank 1's connection: {e}"));
     match frames.as_slice() {
         [] => None,
-        [f] if f.header.kind == Kind::Abort => Some(wire::decode_abort(&f.payload).unwrap().reason),
+        [f] if f.header.kind == Kind::Abort => {
+            f.open(&mut s.open).unwrap_or_else(|e| panic!("{at}: rank 0's ABORT does not open: {e}"));
+            Some(wire::decode_abort(&f.payload).unwrap().reason)
+        }
         _ => panic!("{at}: after the bad frame rank 1 got {frames:?}"),
     }
 }

@@ -17,14 +17,13 @@ use crate::algorithm::Algorithm;
 /// What the epilogue adds inside a fused kernel besides its traffic: the
 /// row's reduction, which waits for the row's slowest slice, and the
 /// heavier entry and arithmetic. Measured on 2 H200 at 3 x 7168 bf16, graph
-/// replay: fused one-shot push minus the allreduce alone, +1.43 to +1.82 us
-/// over five runs with 2 ranks, +1.47 us with 4 ranks (thread-block
-/// clusters) (docs/RESULTS.md, fused epilogue).
+/// replay: fused one-shot push minus the allreduce alone, +1.56 us with 2
+/// ranks (docs/RESULTS.md, the fused epilogue on 2 H200).
 pub const FUSED_EPILOGUE_US: f64 = 1.5;
 /// The separate `add_rms_norm` kernel after a dependent allreduce in a CUDA
 /// graph, launch and its own work on a small message: measured on 2 H200
 /// at 3 x 7168 bf16, ours + separate kernel minus the allreduce alone,
-/// 3.37-3.60 us with 2 ranks, 3.87 with 4 (docs/RESULTS.md).
+/// 3.38 us with 2 ranks, 3.90 with 4 (docs/RESULTS.md).
 pub const SEPARATE_KERNEL_GRAPH_US: f64 = 3.4;
 /// The same launched eagerly: plus the host's launch call (assumption, as
 /// `launch_eager_us - launch_graph_us` of the parameters).

@@ -45,7 +45,8 @@
 //! owned finals to every member — `(m-1)/m·S`, `(I-1)/m·S`, `(m-1)/m·S`
 //! for equal islands of `m`;
 //! host-staged: every flow crosses PCIe twice (up into host memory, down
-//! into the receiver) with a ~14 us-class latency per hop.
+//! into the receiver), each hop a write into host memory and a polling
+//! read of it.
 //!
 //! NCCL is modelled as NCCL models itself (`tuning.cc`): a base latency per
 //! protocol, a per-step latency times the number of steps (`2(N-1)` for
@@ -80,7 +81,7 @@ pub use calibration::{
 };
 pub use epilogue_cost::{FUSED_EPILOGUE_US, SEPARATE_KERNEL_EAGER_US, SEPARATE_KERNEL_GRAPH_US};
 pub use nccl::{NcclAlgo, NcclProto, NcclVariant};
-pub use cost_params::{CostParams, ParamRow};
+pub use cost_params::{Basis, CostParams, ParamRow};
 
 use network::{flows, Net, Phase};
 
@@ -213,6 +214,38 @@ pub struct CostModel {
 impl CostModel {
     pub fn new(params: CostParams) -> CostModel {
         CostModel { params }
+    }
+
+    /// The parameters a figure of this model depends on: those whose
+    /// increase by 10 % moves `figure` by more than 0.01 %. What `plan`
+    /// reports as the basis of each prediction: which of them were measured
+    /// on the kind of link they price, which are borrowed.
+    pub fn dependencies(&self, figure: impl Fn(&CostModel) -> f64) -> Vec<ParamRow> {
+        let base = figure(self);
+        let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(&self.params) else {
+            return Vec::new();
+        };
+        self.params
+            .table()
+            .into_iter()
+            .filter(|row| {
+                let mut changed = fields.clone();
+                let Some(v) = changed.get(row.name).and_then(serde_json::Value::as_f64) else {
+                    return false;
+                };
+                // An integer field (the default PCIe generation) moves by one.
+                let bumped = if changed[row.name].is_u64() {
+                    serde_json::json!(v as u64 + 1)
+                } else {
+                    serde_json::json!(v * 1.1)
+                };
+                changed.insert(row.name.to_string(), bumped);
+                match serde_json::from_value::<CostParams>(serde_json::Value::Object(changed)) {
+                    Ok(params) => (figure(&CostModel::new(params)) - base).abs() > 1e-4 * base.abs().max(1e-9),
+                    Err(_) => false,
+                }
+            })
+            .collect()
     }
 
     /// Predicted time of `algorithm` over `transport` on the rank view

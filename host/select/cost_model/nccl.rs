@@ -99,6 +99,7 @@ impl CostModel {
             // per-step overhead; the mean over the ring's edges.
             let step_over = |c: Class| match c {
                 Class::NvLink(_) | Class::NvSwitch => p.nccl_step_nvlink_us,
+                Class::Host => p.nccl_host_step_us + step,
                 c => self.latency(c) + step,
             };
             let edge = flows.iter().map(|f| step_over(net.class[f.src][f.dst])).sum::<f64>() / nf;

@@ -63,9 +63,9 @@ fn what_is_asserted_follows_whose_figure_it_is() {
 #[test]
 fn untuned_selection_follows_the_measured_best_on_two_h200() {
     // docs/RESULTS.md, "Every algorithm against NCCL" (docs/results/h200-x2/
-    // final-check/all.log): one-shot push fastest from 1 KB to 4 MB, by
-    // more than 10 % over every other algorithm (4 MB: 14.56 us, two-shot
-    // push 16.23); at 8 MB the two pushes are within 2 % (27.76 / 27.42),
+    // every-algorithm/all.log): one-shot push fastest from 1 KB to 4 MB, by
+    // about 10 % over every other algorithm (4 MB: 14.55 us, two-shot push
+    // 16.15); at 8 MB the two pushes are within 1 % (27.47 / 27.31),
     // either is right.
     let view = embedded::by_name("h200-8x-nvswitch").unwrap().for_world(2).unwrap();
     let c = Constraints::for_topology(&view);

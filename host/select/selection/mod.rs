@@ -509,6 +509,11 @@ impl SelectionTable {
         &self.choices[self.index(bytes, dtype, capturing)]
     }
 
+    /// Whether any entry (any size, dtype, capture mode) chose `algorithm`.
+    pub fn chooses(&self, algorithm: Algorithm) -> bool {
+        self.choices.iter().any(|c| c.algorithm == algorithm)
+    }
+
     pub fn bounds(&self) -> &[usize] {
         &self.bounds
     }

@@ -12,6 +12,14 @@ The engines' contract (read from their sources):
   registered (collective);
 * ``close()`` on shutdown.
 
+Size-independent mode (``size_independent=True``; vLLM under
+``VLLM_BATCH_INVARIANT=1``, SGLang under deterministic inference): every
+message size goes through algorithms whose per-element reduction order does
+not depend on the size, so a row's result has the same bits whatever the
+batch. The communicator is asked for it with ``batch_invariant=True`` where
+the library offers that option; until then it is created with one forced
+algorithm (``SIZE_INDEPENDENT_FALLBACK``) and fused calls run unfused.
+
 Differences from the engines' own class, on purpose: no NVLink gate (PCIe
 boxes of 2-8 GPUs are the point), and warm-up calls inside ``capture()``
 but outside a graph return the real sum instead of an uninitialised tensor.
@@ -27,6 +35,12 @@ import socket
 logger = logging.getLogger("tp_allreduce")
 
 DEFAULT_MAX_SIZE = 8192 * 1024
+# Forced for every call in size-independent mode while the library has no
+# `batch_invariant` option: one algorithm for every size cannot depend on it.
+SIZE_INDEPENDENT_FALLBACK = "one-shot-push"
+# What the library reports from `plan()` for the algorithms whose reduction
+# order is the same at every size (ranks summed in rank order in f32).
+SIZE_INDEPENDENT_ALGORITHMS = ("one-shot-push", "two-shot-push", "one-shot-pull", "two-shot-pull")
 
 
 class TorchRuntime:
@@ -65,13 +79,41 @@ class TorchRuntime:
 
         return normalize_device(device)
 
-    def make_communicator(self, group, device, capture_copy_bytes):
+    def make_communicator(self, group, device, capture_copy_bytes, size_independent=False):
+        """The communicator, and in size-independent mode whether the
+        library itself guarantees it (``batch_invariant=True``) rather than
+        the forced-algorithm fallback. Returns ``comm`` (the flag is stored
+        on it as ``_tpa_native_batch_invariant``)."""
+        import inspect
+
         from ..torch import Communicator
 
-        return Communicator.from_group(group, device, capture_copy_bytes=capture_copy_bytes)
+        kwargs = {"capture_copy_bytes": capture_copy_bytes}
+        native = False
+        if size_independent:
+            if "batch_invariant" in inspect.signature(Communicator.from_group).parameters:
+                kwargs["batch_invariant"] = True
+                native = True
+            else:
+                kwargs["algorithm"] = SIZE_INDEPENDENT_FALLBACK
+        comm = Communicator.from_group(group, device, **kwargs)
+        comm._tpa_native_batch_invariant = native
+        return comm
 
     def nbytes(self, inp):
         return inp.numel() * inp.element_size()
+
+    def clone(self, t):
+        return t.clone()
+
+    def rows(self, inp):
+        return inp.shape[0] if inp.dim() > 0 else 1
+
+    def rows_view(self, out, inp, mul, div):
+        """``out`` (a collective's result) viewed with ``inp``'s trailing
+        shape and ``rows(inp) * mul // div`` rows."""
+        shape = (self.rows(inp) * mul // div, *inp.shape[1:])
+        return out if tuple(out.shape) == shape else out.view(shape)
 
     def fused_ineligible(self, inp, residual, weight):
         """Why ``(inp, residual, weight)`` cannot take the fused call, or
@@ -111,8 +153,11 @@ class CustomAllreduceAdapter:
 
     engine = "engine"
 
-    def __init__(self, group, device, max_size=DEFAULT_MAX_SIZE, *, runtime=None, **_engine_options):
+    def __init__(
+        self, group, device, max_size=DEFAULT_MAX_SIZE, *, runtime=None, size_independent=False, **_engine_options
+    ):
         self._IS_CAPTURING = False
+        self.size_independent = bool(size_independent)
         # The engines toggle `disabled` in place (piecewise graphs) and
         # restore it from `original_disabled`.
         self.disabled = True
@@ -149,7 +194,8 @@ class CustomAllreduceAdapter:
         why = None
         try:
             self.device = rt.normalize_device(self.device)
-            self.comm = rt.make_communicator(self.group, self.device, capture_copy_bytes=self.max_size)
+            extra = {"size_independent": True} if self.size_independent else {}
+            self.comm = rt.make_communicator(self.group, self.device, capture_copy_bytes=self.max_size, **extra)
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
         outcomes = rt.gather_object(self.group, why)
@@ -162,10 +208,12 @@ class CustomAllreduceAdapter:
         self.original_disabled = False
         if self.rank == 0:
             logger.info(
-                "tp-allreduce replaces %s's custom allreduce for a group of %d ranks (messages < %d bytes)",
+                "tp-allreduce replaces %s's custom allreduce for a group of %d ranks (%s)",
                 self.engine,
                 self.world_size,
-                self.max_size,
+                "every size, size-independent algorithms"
+                if self.size_independent
+                else f"messages < {self.max_size} bytes",
             )
 
     def _disable(self, why):
@@ -185,11 +233,21 @@ class CustomAllreduceAdapter:
 
     # ------------------------------------------------------------ calls
     def should_custom_ar(self, inp) -> bool:
+        """Whether ``inp`` goes through tp-allreduce. Below ``max_size``
+        bytes; in size-independent mode every size (the engine's fallback
+        would not be size-independent; the library chunks long messages)."""
         if self.disabled or self.comm is None:
             return False
-        if self._runtime.nbytes(inp) >= self.max_size:
+        if not self.size_independent and self._runtime.nbytes(inp) >= self.max_size:
             return False
         return self._runtime.ineligible(inp, self.device) is None
+
+    @property
+    def fused_runs_unfused(self) -> bool:
+        """Size-independent mode without the library's guarantee: fused
+        calls run the allreduce, then the separate kernel, whatever the shape
+        (the fused kernel's choice depends on the shape)."""
+        return self.size_independent and not getattr(self.comm, "_tpa_native_batch_invariant", False)
 
     def custom_all_reduce(self, input):  # noqa: A002 (the engines' parameter name)
         """Out-of-place sum over the group, or ``None`` when this call is not
@@ -218,7 +276,51 @@ class CustomAllreduceAdapter:
             return None
         if self._runtime.fused_ineligible(input, residual, weight) is not None:
             return None
+        if self.fused_runs_unfused:
+            return self.comm.all_reduce_add_rms_norm(input, residual, weight, eps, unfused=True)
         return self.comm.all_reduce_add_rms_norm(input, residual, weight, eps)
+
+    # ------------------------------------------------------------ all-gather / reduce-scatter
+    # tp-allreduce's all-gather and reduce-scatter are reached only when the
+    # Python Communicator has them (``all_gather(x) -> tensor``,
+    # ``reduce_scatter(x) -> tensor``, the conventions of ``all_reduce``:
+    # rows of dimension 0 in rank order). Without them these return None /
+    # False and the engine takes its own path.
+    def has_all_gather(self) -> bool:
+        return not self.disabled and self.comm is not None and hasattr(self.comm, "all_gather")
+
+    def has_reduce_scatter(self) -> bool:
+        return not self.disabled and self.comm is not None and hasattr(self.comm, "reduce_scatter")
+
+    def _collective_ineligible(self, inp):
+        if self._runtime.ineligible(inp, self.device) is not None:
+            return True
+        nbytes = self._runtime.nbytes(inp)
+        return nbytes == 0 or nbytes % 16 != 0
+
+    def gather_rows(self, inp):
+        """``inp`` of every rank stacked along dimension 0 in rank order
+        (shape ``(world * n, ...)``), or None when not for us."""
+        if not self.has_all_gather() or self._collective_ineligible(inp):
+            return None
+        if self._runtime.nbytes(inp) * self.world_size > self.max_size and not self.size_independent:
+            return None
+        return self._runtime.rows_view(self.comm.all_gather(inp), inp, self.world_size, 1)
+
+    def scatter_rows(self, inp):
+        """Rank r's share (rows ``r * n / world`` to ``(r + 1) * n / world``)
+        of the sum over ranks, or None when not for us (rows not divisible by
+        the world size, or a share not a multiple of 16 bytes)."""
+        if not self.has_reduce_scatter() or self._collective_ineligible(inp):
+            return None
+        rows = self._runtime.rows(inp)
+        if rows % self.world_size != 0:
+            return None
+        if (self._runtime.nbytes(inp) // self.world_size) % 16 != 0:
+            return None
+        if self._runtime.nbytes(inp) > self.max_size:
+            return None
+        return self._runtime.rows_view(self.comm.reduce_scatter(inp), inp, 1, self.world_size)
 
     # ------------------------------------------------------------ graphs
     @contextlib.contextmanager

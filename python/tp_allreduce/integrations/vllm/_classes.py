@@ -1,23 +1,197 @@
-"""The vLLM classes, built by subclassing whatever base vLLM provides (so
-this module imports neither vLLM nor PyTorch and is tested with fake
-bases)."""
+"""The vLLM side, written against whatever vLLM classes it is given (so
+this module imports neither vLLM nor PyTorch and is tested with fakes).
 
+tp-allreduce goes *into* vLLM's own ``CudaCommunicator``: ``install``
+wraps the class's ``__init__`` (and ``destroy``) in place, so every
+instance vLLM builds, through the platform or directly (the elastic-EP
+``StatelessGroupCoordinator`` asserts ``device_comm_cls ==
+CudaCommunicator`` and then calls the class itself), gets tp-allreduce as
+its ``ca_comm`` where vLLM would build a custom allreduce (tensor-parallel
+groups). The class stays vLLM's: no subclass, no isinstance or identity
+check changes.
+
+What vLLM reads from ``ca_comm`` (0.33.0): ``disabled``,
+``should_custom_ar``, ``custom_all_reduce``, ``capture``,
+``custom_all_gather``, ``custom_reduce_scatter`` (called without a guard by
+``CudaCommunicator``; their callers fall back to NCCL on ``None``),
+``fully_connected`` and ``mnnvl_lamport_ag_multicast_ptr`` (model code).
+"""
+
+import functools
 import logging
+import os
 
 from .._adapter import DEFAULT_MAX_SIZE, CustomAllreduceAdapter
 
 logger = logging.getLogger("tp_allreduce")
 
+# TP_ALLREDUCE_VLLM_OVER_FLASHINFER=1: on tensor-parallel groups where
+# tp-allreduce runs, vLLM's FlashInfer allreduces (on by default on sm90 and
+# sm100, consulted before the custom allreduce) are dropped so that every
+# eligible call reaches tp-allreduce, and the platform turns off the
+# compile-time AR+RMSNorm fusion pass (FlashInfer's kernel) by default.
+OVER_FLASHINFER_SWITCH = "TP_ALLREDUCE_VLLM_OVER_FLASHINFER"
+
+
+def over_flashinfer() -> bool:
+    return os.environ.get(OVER_FLASHINFER_SWITCH, "").strip() == "1"
+
+
+def _env_flag(name) -> bool:
+    """vLLM's parsing of its boolean variables (``"1"``/``"true"``)."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true")
+
+
+def batch_invariant() -> bool:
+    """``vllm.envs.VLLM_BATCH_INVARIANT`` where vLLM is importable, else
+    the same parsing of the environment."""
+    try:
+        import vllm.envs as envs
+
+        return bool(envs.VLLM_BATCH_INVARIANT)
+    except Exception:
+        return _env_flag("VLLM_BATCH_INVARIANT")
+
 
 class TpAllreduceVllmCustomAllreduce(CustomAllreduceAdapter):
     """vLLM's ``CustomAllreduce`` surface (``group, device, max_size``;
     vLLM-only keyword arguments such as ``symm_mem_enabled`` are accepted
-    and ignored) backed by tp-allreduce."""
+    and ignored) backed by tp-allreduce.
+
+    ``fully_connected`` means what vLLM's own class means: every pair of
+    the group's GPUs is NVLink-connected (``fully_connected_fn``, vLLM's
+    ``current_platform.is_fully_connected`` over the physical device ids; a
+    PCIe box reports False). ``mnnvl_lamport_ag_multicast_ptr`` (and the
+    other MNNVL pointers) are 0: vLLM's value when its multicast buffers are
+    absent, which turns off the model paths that would use them."""
 
     engine = "vllm"
 
-    def __init__(self, group, device, max_size=DEFAULT_MAX_SIZE, **options):
-        super().__init__(group, device, max_size, **options)
+    def __init__(self, group, device, max_size=DEFAULT_MAX_SIZE, *, fully_connected_fn=None, **options):
+        self.fully_connected = False
+        self.mnnvl_only = False
+        self.mnnvl_multicast_ptr = 0
+        self.mnnvl_lamport_ag_multicast_ptr = 0
+        self.mnnvl_lamport_ag_local_ptr = 0
+        self.mnnvl_lamport_rs_local_ptr = 0
+        # VLLM_BATCH_INVARIANT=1: every size through size-independent
+        # algorithms (vLLM's own class takes every size through one path then).
+        self.batch_invariant = bool(options.pop("size_independent", batch_invariant()))
+        kept = {k: v for k, v in options.items() if k == "runtime"}  # vLLM-only options are ignored
+        super().__init__(group, device, max_size, size_independent=self.batch_invariant, **kept)
+        if not self.disabled and fully_connected_fn is not None:
+            try:
+                self.fully_connected = bool(fully_connected_fn(self))
+            except Exception as e:  # topology query failed: say PCIe, vLLM's safe answer
+                logger.warning("tp-allreduce: NVLink topology query failed (%s); fully_connected = False", e)
+
+    def should_custom_all_gather(self, inp) -> bool:
+        return self.has_all_gather() and not self._collective_ineligible(inp)
+
+    def custom_all_gather(self, inp):
+        """vLLM's ``CustomAllreduce.custom_all_gather``: ``inp`` of every
+        rank along dimension 0 in rank order, or ``None`` (vLLM then gathers
+        with NCCL)."""
+        return self.gather_rows(inp)
+
+    def should_custom_reduce_scatter(self, inp) -> bool:
+        return self.custom_reduce_scatter_eligible(inp)
+
+    def custom_reduce_scatter_eligible(self, inp) -> bool:
+        # vLLM's own class never reduce-scatters under batch invariance (its
+        # backends switch with the size); neither do we, so vLLM's own path runs.
+        return not self.batch_invariant and self.has_reduce_scatter()
+
+    def custom_reduce_scatter(self, inp):
+        """vLLM's ``CustomAllreduce.custom_reduce_scatter``: this rank's
+        rows of the sum, or ``None`` (vLLM then reduce-scatters with NCCL)."""
+        if not self.custom_reduce_scatter_eligible(inp):
+            return None
+        return self.scatter_rows(inp)
+
+    def should_mnnvl_multimem_reduce_scatter(self, inp) -> bool:
+        return False
+
+
+def _vllm_fully_connected(ca):
+    """vLLM's own test (``CustomAllreduce.__init__``): physical ids of the
+    group's devices, gathered over the CPU group, NVLink between all pairs."""
+    import torch
+    import torch.distributed as dist
+    from vllm.platforms import current_platform
+
+    physical = current_platform.visible_device_id_to_physical_device_id(ca.device.index)
+    mine = torch.tensor([physical], dtype=torch.int, device="cpu")
+    everyone = [torch.tensor([0], dtype=torch.int, device="cpu") for _ in range(ca.world_size)]
+    dist.all_gather(everyone, mine, group=ca.group)
+    return current_platform.is_fully_connected([int(t.item()) for t in everyone])
+
+
+def _install_into(comm, adapter_cls):
+    """Puts tp-allreduce into one ``CudaCommunicator`` instance (end of its
+    ``__init__``). Leaves it untouched where vLLM builds no custom allreduce
+    or tp-allreduce cannot start (vLLM's own, or NCCL, stays)."""
+    wanted = getattr(comm, "use_custom_allreduce", None)
+    if wanted is None:  # attribute renamed: vLLM's rule is "tp groups only"
+        wanted = getattr(comm, "unique_name", "").split(":")[0] == "tp"
+    if not wanted or getattr(comm, "world_size", 1) <= 1:
+        return
+    if getattr(comm, "aiter_ar_comm", None) is not None:
+        return  # ROCm's AITER path; not ours
+    ours = adapter_cls(group=comm.cpu_group, device=comm.device)
+    if ours.disabled:
+        return
+    theirs = getattr(comm, "ca_comm", None)
+    comm.ca_comm = ours
+    if theirs is not None and theirs is not ours and hasattr(theirs, "close"):
+        try:
+            theirs.close()
+        except Exception as e:
+            logger.warning("tp-allreduce: closing vLLM's custom allreduce failed: %s", e)
+    if over_flashinfer():
+        for attr, closer in (("fi_ar_comm", "destroy"), ("fi_pcie_ipc_ar_comm", "destroy")):
+            other = getattr(comm, attr, None)
+            if other is None:
+                continue
+            try:
+                getattr(other, closer, lambda: None)()
+            except Exception as e:
+                logger.warning("tp-allreduce: closing vLLM's %s failed: %s", attr, e)
+            setattr(comm, attr, None)
+        for flag in ("use_flashinfer_allreduce", "use_flashinfer_pcie_ipc_allreduce"):
+            if hasattr(comm, flag):
+                setattr(comm, flag, False)
+
+
+def install(cls, adapter_cls=TpAllreduceVllmCustomAllreduce):
+    """Wraps ``cls.__init__`` and ``cls.destroy`` in place (idempotent);
+    returns ``cls``."""
+    if cls.__dict__.get("_tp_allreduce_installed"):
+        return cls
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if not self.__dict__.get("_tp_allreduce_done"):  # once, also through installed subclasses
+            self._tp_allreduce_done = True
+            _install_into(self, adapter_cls)
+
+    original_destroy = cls.__dict__.get("destroy") or getattr(cls, "destroy", None)
+
+    def destroy(self):
+        ca = getattr(self, "ca_comm", None)
+        if isinstance(ca, CustomAllreduceAdapter):
+            ca.close()
+        if original_destroy is not None:
+            original_destroy(self)
+
+    if original_destroy is not None:
+        destroy = functools.wraps(original_destroy)(destroy)
+    cls.__init__ = __init__
+    cls.destroy = destroy
+    cls._tp_allreduce_installed = True
+    return cls
 
 
 def _name(cls, module, name):
@@ -27,49 +201,41 @@ def _name(cls, module, name):
 
 
 def make_communicator_class(base, adapter_cls=TpAllreduceVllmCustomAllreduce, module=__name__):
-    """A subclass of vLLM's ``CudaCommunicator`` (``base``) whose ``ca_comm``
-    is tp-allreduce wherever vLLM would build a custom allreduce."""
+    """A subclass of ``base`` with tp-allreduce installed (``install``).
+    The plugin installs into vLLM's class itself; this is for callers that
+    want a separate class."""
 
     class TpAllreduceCudaCommunicator(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._install_tp_allreduce()
+        pass
 
-        def _install_tp_allreduce(self):
-            wanted = getattr(self, "use_custom_allreduce", None)
-            if wanted is None:  # attribute renamed: vLLM's rule is "tp groups only"
-                wanted = "tp" in getattr(self, "unique_name", "")
-            if not wanted or getattr(self, "world_size", 1) <= 1:
-                return
-            ours = adapter_cls(group=self.cpu_group, device=self.device)
-            if ours.disabled:
-                return  # vLLM's own custom allreduce (or NCCL) stays
-            theirs = getattr(self, "ca_comm", None)
-            self.ca_comm = ours
-            if theirs is not None and hasattr(theirs, "close"):
-                try:
-                    theirs.close()
-                except Exception as e:
-                    logger.warning("tp-allreduce: closing vLLM's custom allreduce failed: %s", e)
-
-        def destroy(self):
-            ca = getattr(self, "ca_comm", None)
-            if isinstance(ca, CustomAllreduceAdapter):
-                ca.close()
-            parent = getattr(super(), "destroy", None)
-            if parent is not None:
-                parent()
-
-    return _name(TpAllreduceCudaCommunicator, module, "TpAllreduceCudaCommunicator")
+    return install(_name(TpAllreduceCudaCommunicator, module, "TpAllreduceCudaCommunicator"), adapter_cls)
 
 
 def make_platform_class(base, communicator_qualname, module=__name__):
     """A subclass of vLLM's CUDA platform (``base``) whose device
-    communicator is ``communicator_qualname``."""
+    communicator is ``communicator_qualname`` (the plugin's name for vLLM's
+    own ``CudaCommunicator`` with tp-allreduce installed), and which, under
+    ``TP_ALLREDUCE_VLLM_OVER_FLASHINFER=1``, turns off the compile-time
+    AR+RMSNorm fusion pass (FlashInfer's kernel) so those allreduces stay
+    allreduces that reach tp-allreduce."""
 
     class TpAllreduceCudaPlatform(base):
         @classmethod
         def get_device_communicator_cls(cls) -> str:
             return communicator_qualname
+
+        @classmethod
+        def check_and_update_config(cls, vllm_config) -> None:
+            parent = getattr(super(), "check_and_update_config", None)
+            if parent is not None:
+                parent(vllm_config)
+            if not over_flashinfer():
+                return
+            pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config", None)
+            if pass_config is not None and getattr(pass_config, "fuse_allreduce_rms", False):
+                pass_config.fuse_allreduce_rms = False
+                logger.info(
+                    "tp-allreduce: %s=1 turns off vLLM's AR+RMSNorm fusion pass (FlashInfer)", OVER_FLASHINFER_SWITCH
+                )
 
     return _name(TpAllreduceCudaPlatform, module, "TpAllreduceCudaPlatform")
