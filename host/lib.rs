@@ -86,11 +86,11 @@ pub mod kernels {
 
 pub use algorithm::{Algorithm, Transport};
 pub use buffer::DeviceBuffer;
-pub use comm::{CallPlan, Comm, Element, FusedOptions, FusedPlan, ReduceOp};
+pub use comm::{CallPlan, CollectivePlan, Comm, Element, FusedOptions, FusedPlan, ReduceOp};
 pub use config::{Config, TransportPreference};
 pub use error::{DeviceFailure, Error, Result};
 pub use rank_env::RankEnv;
-pub use tp_allreduce_kernels::ids::DType;
+pub use tp_allreduce_kernels::ids::{Collective, DType};
 
 /// The README's Rust code, compiled as doc-tests (`cargo test --doc`).
 #[cfg(doctest)]

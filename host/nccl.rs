@@ -145,6 +145,59 @@ impl NcclComm {
     }
 }
 
+impl NcclComm {
+    /// All-gather of `count` elements a rank on `stream`.
+    pub fn all_gather(
+        &self,
+        send: sys::CUdeviceptr,
+        recv: sys::CUdeviceptr,
+        count: usize,
+        dtype: DType,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller guarantees `send` holds `count` and `recv`
+        // `world x count` elements on this communicator's device.
+        unsafe {
+            result::all_gather(
+                send as *const std::ffi::c_void,
+                recv as *mut std::ffi::c_void,
+                count,
+                nccl_dtype(dtype),
+                self.comm,
+                stream as nsys::cudaStream_t,
+            )
+            .map(|_| ())
+            .map_err(|e| nccl_err("ncclAllGather", e))
+        }
+    }
+
+    /// Sum reduce-scatter into `count` elements a rank on `stream`.
+    pub fn reduce_scatter(
+        &self,
+        send: sys::CUdeviceptr,
+        recv: sys::CUdeviceptr,
+        count: usize,
+        dtype: DType,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller guarantees `send` holds `world x count` and
+        // `recv` `count` elements on this communicator's device.
+        unsafe {
+            result::reduce_scatter(
+                send as *const std::ffi::c_void,
+                recv as *mut std::ffi::c_void,
+                count,
+                nccl_dtype(dtype),
+                nsys::ncclRedOp_t::ncclSum,
+                self.comm,
+                stream as nsys::cudaStream_t,
+            )
+            .map(|_| ())
+            .map_err(|e| nccl_err("ncclReduceScatter", e))
+        }
+    }
+}
+
 impl Drop for NcclComm {
     fn drop(&mut self) {
         // SAFETY: the communicator is destroyed once; errors are ignored.

@@ -5,6 +5,8 @@
 //!
 //! * [`AllReduce`]: sum over the ranks, as a [`CustomOp1`] (out of place:
 //!   allocates the output) and an [`InplaceOp1`] (overwrites the tensor).
+//! * [`AllGather`], [`ReduceScatter`]: the collectives beside it, over
+//!   dimension 0, as [`CustomOp1`]s.
 //! * [`FusedAddRmsNorm`]: the transformer layer's epilogue, allreduce then
 //!   `residual += x` then `RMSNorm(residual) * weight` (see its docs: an
 //!   unfused composition for now).
@@ -33,6 +35,7 @@
 
 #![forbid(unsafe_code)]
 
+mod gather_scatter;
 mod norm;
 #[cfg(test)]
 mod tests;
@@ -45,6 +48,7 @@ use candle_core::cuda_backend::CudaDType;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, InplaceOp1, Layout, Shape, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream};
 
+pub use gather_scatter::{AllGather, ReduceScatter};
 pub use norm::FusedAddRmsNorm;
 
 use crate::comm::{Comm, Element};

@@ -57,7 +57,7 @@ pub use cudarc::nccl::ReduceOp;
 pub use crate::algorithm::epilogue::FusedOptions;
 pub use crate::config::{Config, TransportPreference};
 pub use crate::element::Element;
-pub use call::FusedPlan;
+pub use call::{CollectivePlan, FusedPlan};
 
 use crate::algorithm::launch::ByDtype;
 use crate::algorithm::{Algorithm, RankAlgorithms, Transport};

@@ -74,6 +74,14 @@ macro_rules! for_each_algorithm {
             /// Ring whose data moves with copy-engine peer copies; small kernels
             /// wait for each piece's flag and reduce it (large messages).
             CopyEngineRing = 8, copy_engine_ring, "copy-engine-ring", AllReduce, CopyEngine;
+            /// All-gather: every rank writes its block into its slot of every
+            /// peer's receive region (one-shot push's region and protocol);
+            /// completion in the payload.
+            AllGatherPush = 9, all_gather_push, "all-gather-push", AllGather, Payload;
+            /// Reduce-scatter: every rank writes share d of its buffer into
+            /// rank d's slot (one-shot push's region and protocol); completion
+            /// in the payload.
+            ReduceScatterPush = 10, reduce_scatter_push, "reduce-scatter-push", ReduceScatter, Payload;
         }
     };
 }
@@ -87,6 +95,19 @@ pub enum Collective {
     AllGather,
     /// Every rank ends with its share of the sum (share r on rank r).
     ReduceScatter,
+}
+
+impl Collective {
+    pub const ALL: [Collective; 3] = [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter];
+
+    /// The kebab-case name every layer uses (CLI flags, bench ids).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "allreduce",
+            Collective::AllGather => "all-gather",
+            Collective::ReduceScatter => "reduce-scatter",
+        }
+    }
 }
 
 /// How an algorithm's kernels know that a peer's data arrived, which also

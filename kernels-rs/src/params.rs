@@ -149,6 +149,26 @@ pub struct IslandPushParams {
     pub ag_abort: [u64; MAX_RANKS],
 }
 
+/// Parameters of `all_gather_<dtype>` and `reduce_scatter_<dtype>`: the
+/// OneShotPush parameters (same receive region, same generation; the
+/// template's addresses unchanged) and where the ranks' blocks lie.
+/// AllGather: `h.input` is this rank's block of `h.count` elements, rank
+/// `r`'s block of the output is at `h.output + r * block_bytes`.
+/// ReduceScatter: rank `d`'s share of the input is at `h.input + d *
+/// block_bytes`, `h.count` elements; `h.output` receives this rank's sum.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GatherScatterParams {
+    pub push: OneShotPushParams,
+    /// Bytes from one rank's block (AllGather output) or share
+    /// (ReduceScatter input) to the next rank's.
+    pub block_bytes: u64,
+    pub _pad0: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<GatherScatterParams>() == core::mem::size_of::<OneShotPushParams>() + 16);
+const _: () = assert!(core::mem::align_of::<GatherScatterParams>() == 16);
+
 /// [`CopyEngineParams::mode`]: reduce-scatter step (`out = in + staging`).
 pub const CE_MODE_REDUCE: u32 = 0;
 /// [`CopyEngineParams::mode`]: all-gather step (`out = staging`).

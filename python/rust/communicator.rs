@@ -592,6 +592,56 @@ impl PyCommunicator {
         .py(py)
     }
 
+    /// All-gather of `count` elements a rank from `send_ptr` into
+    /// `recv_ptr` (`world_size x count`, rank r's block at `r x count`) on
+    /// the stream `stream_ptr`. `send_ptr` may be block `rank` of
+    /// `recv_ptr` (in place). Pointers as for `all_reduce`.
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        send_ptr: u64,
+        recv_ptr: u64,
+        count: usize,
+        dtype: u32,
+        stream_ptr: u64,
+    ) -> PyResult<()> {
+        let dtype = check_call_args(py, send_ptr, recv_ptr, count, dtype)?;
+        let inner = self.live(py)?;
+        py.detach(move || {
+            let _restore = CurrentContext::save();
+            device::bind(&inner.ctx)?;
+            // SAFETY: as `all_reduce`; the library checks both ranges.
+            unsafe { inner.comm.all_gather_raw(send_ptr, recv_ptr, count, dtype, stream_ptr as usize as sys::CUstream) }
+        })
+        .py(py)
+    }
+
+    /// Reduce-scatter (sum): `send_ptr` holds `world_size x count`
+    /// elements, `recv_ptr` receives the sum over ranks of block `rank`
+    /// (`count` elements) on the stream `stream_ptr`. `recv_ptr` may be
+    /// block `rank` of `send_ptr` (in place). Pointers as for `all_reduce`.
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        send_ptr: u64,
+        recv_ptr: u64,
+        count: usize,
+        dtype: u32,
+        stream_ptr: u64,
+    ) -> PyResult<()> {
+        let dtype = check_call_args(py, send_ptr, recv_ptr, count, dtype)?;
+        let inner = self.live(py)?;
+        py.detach(move || {
+            let _restore = CurrentContext::save();
+            device::bind(&inner.ctx)?;
+            // SAFETY: as `all_gather`.
+            unsafe {
+                inner.comm.reduce_scatter_raw(send_ptr, recv_ptr, count, dtype, stream_ptr as usize as sys::CUstream)
+            }
+        })
+        .py(py)
+    }
+
     /// What a fused call of `rows x hidden` would do:
     /// `(algorithm, transport, fused, reason)`.
     #[pyo3(signature = (rows, hidden, dtype, capturing=false))]

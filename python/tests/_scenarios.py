@@ -907,3 +907,73 @@ def stream_churn(rank, world, result):
     rec.run("destroyed_streams", lambda: destroyed(False))
     rec.run("new_stream_right_after_destroying", lambda: destroyed(True))
     comm.close()
+
+
+def gather_scatter(rank, world, result):
+    """`Communicator.all_gather` and `reduce_scatter` over dimension 0,
+    every dtype, odd row counts, eager and inside a captured CUDA graph
+    replayed with fresh inputs: all-gather bit for bit against every rank's
+    input, reduce-scatter against the float64 sum; outputs poisoned."""
+    rec = Recorder(result)
+    device = local_device(rank)
+    seed = shared_seed(rank)
+    comm = Communicator.from_group(None, device)
+    shapes = [(1,), (7, 3), (3, 7168), (1001, 5)]
+
+    def eager():
+        problems = []
+        for dt in (torch.float32, torch.float16, torch.bfloat16):
+            for shape in shapes:
+                case = next(_case)
+                x = rank_input(seed, case, rank, shape, dt).to(device)
+                out = torch.full((world * shape[0], *shape[1:]), NAN, dtype=dt, device=device)
+                comm.all_gather(x, out=out)
+                got = comm.all_gather(x)  # a new tensor
+                torch.cuda.current_stream(device).synchronize()
+                want = torch.cat([rank_input(seed, case, r, shape, dt) for r in range(world)]).to(device)
+                for what, t in (("out=", out), ("new", got)):
+                    if t.shape != want.shape or not torch.equal(t, want):
+                        problems.append(f"all_gather {dt} {shape} {what}: differs from the concatenation")
+                big = (world * shape[0], *shape[1:])
+                y = rank_input(seed, case, rank, big, dt).to(device)
+                part = torch.full((shape[0], *shape[1:]), NAN, dtype=dt, device=device)
+                comm.reduce_scatter(y, out=part)
+                torch.cuda.current_stream(device).synchronize()
+                ref = reference(seed, case, world, big, dt)[rank * shape[0] : (rank + 1) * shape[0]]
+                problems.append(mismatch(part, ref, dt, f"reduce_scatter {dt} {shape}"))
+        raise_if(problems)
+        return f"{3 * len(shapes)} cases x (all_gather out= and new, reduce_scatter)"
+
+    def captured():
+        shape, dt = (3, 7168), torch.bfloat16
+        x = torch.zeros(shape, dtype=dt, device=device)
+        y = torch.zeros((world * 3, 7168), dtype=dt, device=device)
+        gathered = torch.full((world * 3, 7168), NAN, dtype=dt, device=device)
+        part = torch.full(shape, NAN, dtype=dt, device=device)
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            with comm.capture():
+                with torch.cuda.graph(g, stream=s):
+                    comm.all_gather(x, out=gathered)
+                    comm.reduce_scatter(y, out=part)
+        torch.cuda.current_stream(device).wait_stream(s)
+        problems = []
+        for replay in range(20):
+            case = next(_case)
+            x.copy_(rank_input(seed, case, rank, shape, dt).to(device))
+            y.copy_(rank_input(seed, case + 1_000_000, rank, (world * 3, 7168), dt).to(device))
+            g.replay()
+            torch.cuda.synchronize(device)
+            want = torch.cat([rank_input(seed, case, r, shape, dt) for r in range(world)]).to(device)
+            if not torch.equal(gathered, want):
+                problems.append(f"replay {replay}: all_gather differs from the concatenation")
+            ref = reference(seed, case + 1_000_000, world, (world * 3, 7168), dt)[rank * 3 : (rank + 1) * 3]
+            problems.append(mismatch(part, ref, dt, f"replay {replay}: reduce_scatter"))
+        raise_if(problems)
+        return "20 replays with fresh inputs"
+
+    rec.run("eager", eager)
+    rec.run("captured", captured)
+    comm.close()

@@ -77,3 +77,7 @@ def test_calls_on_streams_that_come_and_go_match_the_f64_reference():
         spawn("stream_churn"),
         ["pooled_temporary_streams", "destroyed_streams", "new_stream_right_after_destroying"],
     )
+
+
+def test_all_gather_and_reduce_scatter_eager_and_captured():
+    assert_checks(spawn("gather_scatter"), ["eager", "captured"])

@@ -178,6 +178,44 @@ class Communicator:
         self._launch(tensor, tensor, code)
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dimension 0, rank r's
+        at rows ``[r*n, (r+1)*n)`` (``n = tensor.shape[0]``), into ``out`` (a
+        new tensor of shape ``(world_size * n, *tensor.shape[1:])`` when
+        ``None``); returns ``out``. Graph-capturable; needs no registration."""
+        code = self._check(tensor, "tensor")
+        shape = (self.world_size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() > 0 else (self.world_size,)
+        if out is None:
+            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        else:
+            self._check(out, "out")
+            if out.dtype != tensor.dtype or out.numel() != self.world_size * tensor.numel():
+                got, want = f"{out.dtype} x {out.numel()}", f"{tensor.dtype} x {self.world_size * tensor.numel()}"
+                raise InvalidUsage(f"out must hold world_size x the input: got {got}, want {want}")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._core.all_gather(tensor.data_ptr(), out.data_ptr(), tensor.numel(), code, stream)
+        return out
+
+    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+        """The sum over ranks of rows ``[r*m, (r+1)*m)`` of ``tensor`` on rank
+        ``r`` (``m = tensor.shape[0] / world_size``, which must divide), into
+        ``out`` (a new tensor of shape ``(m, *tensor.shape[1:])`` when
+        ``None``); returns ``out``. Graph-capturable; needs no registration."""
+        code = self._check(tensor, "tensor")
+        if tensor.dim() == 0 or tensor.shape[0] % self.world_size != 0:
+            raise InvalidUsage(f"reduce_scatter: dimension 0 of {tuple(tensor.shape)} is not a multiple of {self.world_size}")
+        count = tensor.numel() // self.world_size
+        if out is None:
+            out = torch.empty((tensor.shape[0] // self.world_size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        else:
+            self._check(out, "out")
+            if out.dtype != tensor.dtype or out.numel() != count:
+                got, want = f"{out.dtype} x {out.numel()}", f"{tensor.dtype} x {count}"
+                raise InvalidUsage(f"out must hold the input / world_size: got {got}, want {want}")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._core.reduce_scatter(tensor.data_ptr(), out.data_ptr(), count, code, stream)
+        return out
+
     def all_reduce_add_rms_norm(
         self,
         input: torch.Tensor,  # noqa: A002 (the engines' parameter name)

@@ -151,7 +151,7 @@ fn per_pair_transport_runs_hierarchical_with_host_staged_cross_slots() {
         let mut comms =
             Comm::from_streams(streams, Config { islands: Some(islands.clone()), ..config() }).expect("init");
         assert_eq!(comms[0].transport(), Transport::PerPair, "{}", comms[0].transport_reason());
-        for a in Algorithm::OURS.into_iter().filter(|&a| a != Algorithm::Hierarchical) {
+        for a in Algorithm::allreduce_algorithms().filter(|&a| a != Algorithm::Hierarchical) {
             assert!(comms[0].set_algorithm(Some(a)).is_err(), "{a} must not run over the per-pair transport");
         }
         for c in comms.iter_mut() {

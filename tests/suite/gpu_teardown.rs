@@ -51,7 +51,7 @@ fn group(ctxs: &[Arc<CudaContext>; 2]) -> Vec<Comm> {
 
 /// The algorithms this group runs, in an order that ends with `last`.
 fn available(comms: &mut [Comm], last: Algorithm) -> Vec<Algorithm> {
-    Algorithm::OURS
+    Algorithm::allreduce_algorithms()
         .into_iter()
         .filter(|&a| a != last)
         .chain([last])

@@ -13,6 +13,7 @@ mod cli;
 mod cpu;
 mod gpu_allreduce;
 mod gpu_batch_invariant;
+mod gpu_collectives;
 mod gpu_context;
 mod gpu_errors;
 mod gpu_foundation;

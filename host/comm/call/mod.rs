@@ -26,6 +26,7 @@ mod fused_calls;
 mod order;
 mod validate;
 
+pub use collectives::CollectivePlan;
 pub use fused_calls::FusedPlan;
 pub(crate) use order::CallOrder;
 
@@ -234,18 +235,37 @@ impl Comm {
     }
 
     /// A collective without a selection table: the forced algorithm when it
-    /// implements it, else the first of ours that does and is available.
+    /// implements it, else the first of ours that does and is available,
+    /// else NCCL's (forced NCCL: NCCL's).
     fn choose_other(&self, collective: Collective) -> Result<Choice> {
-        let caps = self.capabilities();
-        let forced = self.config.algorithm.filter(|a| a.collective() == collective);
-        let algorithm = forced
-            .or_else(|| {
-                Algorithm::OURS
-                    .into_iter()
-                    .find(|a| a.collective() == collective && algorithm::availability(*a, &caps, None).is_ok())
-            })
-            .ok_or_else(|| Error::Unsupported(format!("no {collective:?} algorithm runs on this communicator")))?;
+        let algorithm = self.other_algorithm(collective).map_err(Error::Unsupported)?;
         Ok(Choice { algorithm, tuned_shape: None, fused: None })
+    }
+
+    /// [`choose_other`](Self::choose_other)'s algorithm, or why none runs.
+    pub(super) fn other_algorithm(&self, collective: Collective) -> std::result::Result<Algorithm, String> {
+        let caps = self.capabilities();
+        if self.config.algorithm == Some(Algorithm::Nccl) && self.nccl.is_some() {
+            return Ok(Algorithm::Nccl);
+        }
+        let forced = self.config.algorithm.filter(|a| a.collective() == collective);
+        let ours = forced.or_else(|| {
+            Algorithm::OURS
+                .into_iter()
+                .find(|a| a.collective() == collective && algorithm::availability(*a, &caps, None).is_ok())
+        });
+        match (ours, &self.nccl) {
+            (Some(a), _) => Ok(a),
+            (None, Some(_)) => Ok(Algorithm::Nccl),
+            (None, None) => {
+                let why: Vec<String> = Algorithm::OURS
+                    .into_iter()
+                    .filter(|a| a.collective() == collective)
+                    .filter_map(|a| algorithm::availability(a, &caps, None).err())
+                    .collect();
+                Err(format!("no {} algorithm runs on this communicator ({}), and NCCL is unavailable", collective.name(), why.join("; ")))
+            }
+        }
     }
 
     /// Whether `algorithm` runs a fused call of `shape` in its own kernels.
@@ -289,9 +309,13 @@ impl Comm {
     unsafe fn run_plain(&self, r: &Request, choice: &Choice, stream: sys::CUstream, capturing: bool) -> Result<()> {
         let algorithm = choice.algorithm;
         if algorithm == Algorithm::Nccl {
-            return match &self.nccl {
-                Some(nccl) => nccl.all_reduce(r.send, r.recv, r.count, r.dtype, stream),
-                None => Err(Error::Nccl("the NCCL algorithm was selected but no NCCL communicator exists".into())),
+            return match (&self.nccl, r.collective) {
+                (Some(nccl), Collective::AllReduce) => nccl.all_reduce(r.send, r.recv, r.count, r.dtype, stream),
+                (Some(nccl), Collective::AllGather) => nccl.all_gather(r.send, r.recv, r.count, r.dtype, stream),
+                (Some(nccl), Collective::ReduceScatter) => {
+                    nccl.reduce_scatter(r.send, r.recv, r.count, r.dtype, stream)
+                }
+                (None, _) => Err(Error::Nccl("the NCCL algorithm was selected but no NCCL communicator exists".into())),
             };
         }
         algorithm::availability(algorithm, &self.capabilities(), None).map_err(Error::Unsupported)?;

@@ -69,6 +69,21 @@ impl CostModel {
         bytes: usize,
         opts: &Options,
     ) -> Prediction {
+        self.predict_nccl_passes(view, variant, transport, bytes, opts, 2.0)
+    }
+
+    /// NCCL moving `passes` times `(N-1)/N` of the message around its ring
+    /// in `passes x (N-1)` steps: 2 for allreduce (reduce-scatter, then
+    /// all-gather), 1 for an all-gather or reduce-scatter of `bytes` in all.
+    pub(super) fn predict_nccl_passes(
+        &self,
+        view: &Topology,
+        variant: NcclVariant,
+        transport: Transport,
+        bytes: usize,
+        opts: &Options,
+        passes: f64,
+    ) -> Prediction {
         let p = &self.params;
         let n = view.len();
         let nf = n as f64;
@@ -90,9 +105,9 @@ impl CostModel {
         let mut b = Breakdown { launch_us: base + eager, ..Default::default() };
         if n > 1 {
             let per_rank = match variant.algo {
-                NcclAlgo::Ring => 2.0 * (nf - 1.0) / nf * s,
+                NcclAlgo::Ring => passes * (nf - 1.0) / nf * s,
                 // Chain: every rank receives and forwards S up, then S down.
-                NcclAlgo::Tree => 2.0 * s,
+                NcclAlgo::Tree => passes * s,
             } * wire_factor;
             let flows: Vec<Flow> = (0..n).map(|r| Flow { src: r, dst: (r + 1) % n, bytes: per_rank }).collect();
             // Per step: NCCL's NVLink step, else the link latency + NCCL's
@@ -103,7 +118,7 @@ impl CostModel {
                 c => self.latency(c) + step,
             };
             let edge = flows.iter().map(|f| step_over(net.class[f.src][f.dst])).sum::<f64>() / nf;
-            let hops = 2.0 * (nf - 1.0);
+            let hops = passes * (nf - 1.0);
             b.latency_us = hops * edge;
             let link_gbps =
                 flows.iter().map(|f| self.single_flow_gbps(&net, f.src, f.dst)).fold(f64::INFINITY, f64::min);
@@ -127,6 +142,17 @@ impl CostModel {
             b.local_us = net.local_beyond(2.0, s, b.wire_us + b.contention_us);
         }
         Prediction { method: Method::Nccl(variant), transport, breakdown: b }
+    }
+
+    /// NCCL's all-gather or reduce-scatter moving `bytes` in all (the
+    /// gathered buffer, or the one scattered): the best variant of one ring
+    /// pass.
+    pub fn predict_nccl_collective(&self, view: &Topology, transport: Transport, bytes: usize, opts: &Options) -> Prediction {
+        NcclVariant::ALL
+            .iter()
+            .map(|&v| self.predict_nccl_passes(view, v, transport, bytes, opts, 1.0))
+            .min_by(|a, b| a.total_us().total_cmp(&b.total_us()))
+            .expect("four variants")
     }
 
     /// The best NCCL variant (tuned NCCL).

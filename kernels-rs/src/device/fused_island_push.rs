@@ -67,7 +67,7 @@
 //! barrier; F's first row has one), the failing threads record it.
 
 use super::epilogue::{block_sum, inv_rms, normalise, sum_squares};
-use super::island_push::{gather_sends, pick_owned, poll_terms, reduce_scatter_sends, NEG_ZERO_ACC};
+use super::island_push::{first_send_pack, gather_sends, pick_owned, poll_terms, reduce_scatter_sends, NEG_ZERO_ACC};
 use super::pack::{aligned16, load_pack, store_pack, Element, ZERO_PACK};
 use super::ptx;
 use super::sentinel::{self, Stall};
@@ -107,20 +107,23 @@ unsafe fn fused_island_push<E: Element, const CROSS: bool>(p: FusedIslandPushPar
     let input = p.push.h.input as *const u8;
     let vin = aligned16(p.push.h.input);
     let half = (generation & 1) as u64 * p.push.h.half_bytes;
-    let live = abort == 0;
 
     // ---- A: reduce-scatter (island_push's phase A over whole-row shares).
     let mut t = first;
+    let mut next = first_send_pack!(E, p.push, t, sh, packs, input, count, vin);
     while t < sh {
         let off = ptx::opaque_u64(half + 16 * t as u64);
-        reduce_scatter_sends!(E, p.push, t, sh, packs, off, input, count, vin, live);
+        reduce_scatter_sends!(E, p.push, t, sh, packs, off, input, count, vin, abort, next);
         t += stride;
+        if t < sh {
+            next = first_send_pack!(E, p.push, t, sh, packs, input, count, vin);
+        }
     }
 
     // ---- Generation: block barrier (block-uniform stop on abort), the block
     //      counted; the last block of the launch advances it at the end
     //      (`finish_generation`: the count's answer stays off the polls).
-    let (aborted, block_count) = sentinel::count_block(control, region, !live, true);
+    let (aborted, block_count) = sentinel::count_block(control, region, abort != 0, true);
     if aborted {
         return; // not counted: nothing to finish
     }

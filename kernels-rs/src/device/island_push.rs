@@ -142,16 +142,38 @@ const _: () = assert!(4 * GROUP >= crate::layout::MAX_RANKS, "four groups cover 
 const _: () = assert!(crate::layout::MAX_RANKS == 8, "the send groups of phase A cover sends 0..8");
 const _: () = assert!(2 * GROUP >= MAX_ISLANDS - 1, "two groups cover the cross slots");
 
+/// Phase A: the pack of send 0 (the first owner in the staggered order) at
+/// reduce-scatter position `$t`, or zeros where it has none. Loaded ahead
+/// of the position's other sends (`reduce_scatter_sends!`), for the first
+/// position before anything looks at the abort word, as OneShotPush loads
+/// its first pack: the first peer store then waits for one memory
+/// latency, not for the control words and then the input.
+macro_rules! first_send_pack {
+    ($E:ty, $p:expr, $t:expr, $sh:expr, $packs:expr, $input:expr, $count:expr, $vin:expr) => {{
+        let i = $crate::device::island_push::share_index($p.send_share[0]) * $sh + $t;
+        if $p.sends > 0 && i < $packs {
+            $crate::device::island_push::load_message_pack::<$E>($input, $count, i as u64, $vin)
+        } else {
+            $crate::device::pack::ZERO_PACK
+        }
+    }};
+}
+pub(super) use first_send_pack;
+
 /// Phase A, sends `$from..$to` (at most GROUP) of reduce-scatter position
 /// `$t` (byte offset `$off` in the half): the input packs loaded back to
-/// back, then stored canonicalised to the owners' slots (posted
-/// relaxed.sys stores). `$p`: the `IslandPushParams` (never borrowed).
+/// back (send 0's is `$first`, loaded earlier: `first_send_pack!`), then
+/// stored canonicalised to the owners' slots (posted relaxed.sys stores)
+/// unless `$abort` (the abort word read at entry) is set. `$p`: the
+/// `IslandPushParams` (never borrowed).
 macro_rules! send_group {
-    ($E:ty, $p:expr, $t:expr, $sh:expr, $packs:expr, $off:expr, $input:expr, $count:expr, $vin:expr, $live:expr,
-     $from:literal, $to:literal) => {
+    ($E:ty, $p:expr, $t:expr, $sh:expr, $packs:expr, $off:expr, $input:expr, $count:expr, $vin:expr, $abort:expr,
+     $first:expr, $from:literal, $to:literal) => {
         let mut v = [$crate::device::pack::ZERO_PACK; $crate::device::island_push::GROUP];
         $crate::for_each_rank!(S => {
-            if S >= $from && S < $to && (S as u32) < $p.sends {
+            if S == 0 && $from == 0 {
+                v[0] = $first;
+            } else if S >= $from && S < $to && (S as u32) < $p.sends {
                 let i = $crate::device::island_push::share_index($p.send_share[S]) * $sh + $t;
                 if i < $packs {
                     v[(S - $from) % $crate::device::island_push::GROUP] =
@@ -160,7 +182,7 @@ macro_rules! send_group {
             }
         });
         $crate::for_each_rank!(S => {
-            if $live && S >= $from && S < $to && (S as u32) < $p.sends
+            if $abort == 0 && S >= $from && S < $to && (S as u32) < $p.sends
                 && $crate::device::island_push::share_index($p.send_share[S]) * $sh + $t < $packs
             {
                 let value = <$E>::canonicalise(v[(S - $from) % $crate::device::island_push::GROUP]);
@@ -172,15 +194,27 @@ macro_rules! send_group {
 pub(super) use send_group;
 
 /// Phase A at position `$t` of every share: every send, in groups (the
-/// first send alone, so that the first peer store waits for one input
-/// load only). Share `k` covers packs `k * $sh ..` below `$packs`.
+/// first send alone, its pack `$first` loaded ahead: `first_send_pack!`),
+/// so that the first peer store waits for one input load only. Share `k`
+/// covers packs `k * $sh ..` below `$packs`.
 macro_rules! reduce_scatter_sends {
-    ($E:ty, $p:expr, $t:expr, $sh:expr, $packs:expr, $off:expr, $input:expr, $count:expr, $vin:expr, $live:expr) => {
-        $crate::device::island_push::send_group!($E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $live, 0, 1);
-        $crate::device::island_push::send_group!($E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $live, 1, 3);
-        $crate::device::island_push::send_group!($E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $live, 3, 5);
-        $crate::device::island_push::send_group!($E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $live, 5, 7);
-        $crate::device::island_push::send_group!($E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $live, 7, 8);
+    ($E:ty, $p:expr, $t:expr, $sh:expr, $packs:expr, $off:expr, $input:expr, $count:expr, $vin:expr, $abort:expr,
+     $first:expr) => {
+        $crate::device::island_push::send_group!(
+            $E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $abort, $first, 0, 1
+        );
+        $crate::device::island_push::send_group!(
+            $E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $abort, $first, 1, 3
+        );
+        $crate::device::island_push::send_group!(
+            $E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $abort, $first, 3, 5
+        );
+        $crate::device::island_push::send_group!(
+            $E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $abort, $first, 5, 7
+        );
+        $crate::device::island_push::send_group!(
+            $E, $p, $t, $sh, $packs, $off, $input, $count, $vin, $abort, $first, 7, 8
+        );
     };
 }
 pub(super) use reduce_scatter_sends;
@@ -329,28 +363,31 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
     let input = p.h.input as *const u8;
     let vin = aligned16(p.h.input);
     let half = (generation & 1) as u64 * p.h.half_bytes;
-    let live = abort == 0;
 
     // ---- A: reduce-scatter. Each share not owned here goes to its owner's
     //      reduce-scatter slot of this rank (posted relaxed.sys stores),
     //      owners in the staggered order of `send_share`.
-    if live {
+    let mut t = first;
+    let mut next = first_send_pack!(E, p, t, sh, packs, input, count, vin);
+    if abort == 0 {
         trace.loaded(generation);
     }
-    let mut t = first;
     while t < sh {
         let off = ptx::opaque_u64(half + 16 * t as u64);
-        reduce_scatter_sends!(E, p, t, sh, packs, off, input, count, vin, live);
-        if t == first && live {
+        reduce_scatter_sends!(E, p, t, sh, packs, off, input, count, vin, abort, next);
+        if t == first && abort == 0 {
             trace.first_store(generation);
         }
         t += stride;
+        if t < sh {
+            next = first_send_pack!(E, p, t, sh, packs, input, count, vin);
+        }
     }
 
     // ---- Generation: block barrier (block-uniform stop on abort), the block
     //      counted; the last block of the launch advances it, at the end
     //      where FINISH_GENERATION_LATE (the count's answer off the polls).
-    let (aborted, block_count) = sentinel::count_block(control, region, !live, true);
+    let (aborted, block_count) = sentinel::count_block(control, region, abort != 0, true);
     if aborted {
         return; // not counted: nothing to finish
     }

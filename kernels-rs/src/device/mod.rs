@@ -9,7 +9,8 @@
 //! * one file per algorithm, declared from the list of algorithms
 //!   (`ids::for_each_algorithm`): [`one_shot_pull`], [`two_shot_pull`],
 //!   [`one_shot_push`], [`two_shot_push`], [`ring`], [`hierarchical`],
-//!   [`copy_engine_ring`]; [`island_push`] is the body TwoShotPush and
+//!   [`copy_engine_ring`], and beside allreduce [`all_gather_push`] and
+//!   [`reduce_scatter_push`]; [`island_push`] is the body TwoShotPush and
 //!   Hierarchical share; [`p2p_check`] the init-time transfer check,
 //!   [`elementwise`] the `sum` and `affine` kernels of the tests and tools.
 //! * the fused epilogue (allreduce + residual add + RMSNorm): [`epilogue`]
@@ -19,7 +20,8 @@
 //!
 //! Entry points are `#[no_mangle] extern "ptx-kernel"` functions named
 //! `<algorithm>_<dtype>`. Sentinel kernels (OneShotPush, TwoShotPush,
-//! Hierarchical) and the copy-engine ring's kernels take one
+//! Hierarchical, AllGatherPush, ReduceScatterPush) and the copy-engine
+//! ring's kernels take one
 //! `#[repr(C)]` parameter struct by value (`crate::params`); the others take
 //! scalars and raw pointers (a `DeviceHandle` pointer first).
 
