@@ -321,7 +321,10 @@ fn the_rendered_report_of_the_embedded_ptx_fits_120_columns() {
 
 /// The sentinel kernels' SASS (when ptxas and a disassembler are installed):
 /// no block barrier before the first peer store, and the path to it stays
-/// short (the old OneShotPush needed ~280 instructions and a barrier).
+/// short (the old OneShotPush needed ~280 instructions and a barrier; the
+/// longest now, 266, is sm_90's hierarchical_f16, whose first send pack is
+/// loaded at entry, ahead of the control words, so most of those
+/// instructions run while that load is in flight).
 #[test]
 fn sentinel_kernels_reach_their_first_peer_store_without_a_barrier() {
     let (Some(ptxas), Some(disassembler)) = (find_tool("ptxas"), find_disassembler()) else {
@@ -343,7 +346,7 @@ fn sentinel_kernels_reach_their_first_peer_store_without_a_barrier() {
                 super::sass::first_peer_store(text).unwrap_or_else(|| panic!("{} {name}: no peer store", p.arch));
             eprintln!("{} {name}: {path:?}", p.arch);
             assert_eq!(path.barriers, 0, "{} {name}", p.arch);
-            assert!(path.instructions <= 260, "{} {name}: {path:?}", p.arch);
+            assert!(path.instructions <= 270, "{} {name}: {path:?}", p.arch);
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
