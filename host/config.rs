@@ -117,7 +117,8 @@ pub struct Config {
     /// it uses.
     pub islands: Option<Vec<Vec<usize>>>,
     pub transport: TransportPreference,
-    /// Force one algorithm for every call (`None`: the selection decides).
+    /// Force one algorithm for the calls of its collective (NCCL: for every
+    /// collective; `None`: the selection decides).
     pub algorithm: Option<Algorithm>,
     /// Capacity of the device table of registered buffers (graph slots
     /// included); each entry is 64 bytes.

@@ -90,10 +90,15 @@ impl Comm {
         let (selection, fused_selection, topology, more, table_source) =
             selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
         notes.extend(more);
+        let collective_table = crate::select::selection::CollectiveTable::build(
+            &crate::select::cost_model::CostModel::default(),
+            &topology,
+            selection.constraints(),
+        );
         let watchdog = super::watchdog::Watchdog::start(&ctx, setup.watched_peers.clone(), setup.abort_targets(rank))?;
         log::info!(
             "communicator rank {rank} of {world} on GPU {}: transport {}{} ({}); algorithms from {table_source}; \
-             bf16 eager: {}; NCCL {}",
+             bf16 eager: {}; all-gather per block, graph: {}; NCCL {}",
             ctx.ordinal(),
             setup.transport,
             match (setup.transport, setup.island_split) {
@@ -103,6 +108,7 @@ impl Comm {
             },
             setup.transport_reason,
             selection.describe(crate::DType::Bf16, false),
+            collective_table.describe(tp_allreduce_kernels::ids::Collective::AllGather, true),
             if nccl.is_some() { "available" } else { "not available" },
         );
         Ok(Comm {
@@ -122,6 +128,7 @@ impl Comm {
             nccl,
             selection,
             fused_selection,
+            collective_table,
             topology,
             notes,
             watchdog,

@@ -88,6 +88,8 @@ pub struct Comm {
     selection: crate::select::selection::SelectionTable,
     /// The same for fused calls (`all_reduce_add_rms_norm`, `call/fused_calls.rs`).
     fused_selection: crate::select::selection::SelectionTable,
+    /// Ours or NCCL's per block size for the all-gather and reduce-scatter.
+    collective_table: crate::select::selection::CollectiveTable,
     topology: crate::select::topology::Topology,
     notes: Vec<String>,
     /// Watches the peers in other processes (stopped first at teardown).
@@ -166,6 +168,12 @@ impl Comm {
         &self.fused_selection
     }
 
+    /// Ours or NCCL's per block size for the all-gather and reduce-scatter
+    /// (built at init from the cost model).
+    pub fn collective_table(&self) -> &crate::select::selection::CollectiveTable {
+        &self.collective_table
+    }
+
     /// What init decided and why (tuning table used or not, NCCL, topology).
     pub fn notes(&self) -> &[String] {
         &self.notes
@@ -189,17 +197,20 @@ impl Comm {
         self.rendezvous.all_gather(mine)
     }
 
-    /// Forces an algorithm for later calls (`None`: back to the selection).
-    /// Takes effect immediately on this rank; every rank must do the same.
+    /// Forces an algorithm for later calls of its collective (NCCL: of
+    /// every collective; `None`: back to the selection). Takes effect
+    /// immediately on this rank; every rank must do the same.
     pub fn set_algorithm(&mut self, algorithm: Option<Algorithm>) -> Result<()> {
         if let Some(a) = algorithm {
-            if a.collective() != tp_allreduce_kernels::ids::Collective::AllReduce {
-                return Err(Error::Unsupported(format!("{a} is not an allreduce algorithm")));
-            }
             crate::algorithm::availability(a, &self.capabilities(), None).map_err(Error::Unsupported)?;
         }
         self.config.algorithm = algorithm;
         Ok(())
+    }
+
+    /// The algorithm forced for calls of `collective`, if any.
+    pub(crate) fn forced_for(&self, collective: tp_allreduce_kernels::ids::Collective) -> Option<Algorithm> {
+        self.config.algorithm.filter(|a| *a == Algorithm::Nccl || a.collective() == collective)
     }
 
     /// Forces the launch shape `(blocks, threads)` of later sentinel

@@ -121,7 +121,10 @@ pub(crate) fn build_table(
     constraints.copy_engine = setup.layout.copy_engine_pieces > 0;
     constraints.one_shot_push_max_bytes =
         setup.layout.one_shot_push_max_packs as usize * tp_allreduce_kernels::layout::PACK_BYTES;
-    constraints.communicator_override = config.algorithm;
+    // The allreduce tables: an algorithm of another collective forces only
+    // that collective's calls.
+    constraints.communicator_override =
+        config.algorithm.filter(|a| a.collective() == tp_allreduce_kernels::ids::Collective::AllReduce);
     if config.batch_invariant {
         constraints.disabled.extend(Algorithm::BATCH_VARIANT);
         // NCCL is never chosen, not even as the bar to clear.
@@ -146,7 +149,7 @@ pub(crate) fn build_table(
         },
         None => None,
     };
-    if let Some(a) = config.algorithm {
+    if let Some(a) = constraints.communicator_override {
         source = format!("forced to {a} by the configuration");
     } else if let Some(a) = constraints.env_override {
         source = format!("forced to {a} by {} where it applies, else {source}", crate::env::ALGORITHM);
@@ -159,7 +162,7 @@ pub(crate) fn build_table(
     // reductions, and an unfused path rounds the sum before the residual
     // add. Which one depends on the row length only.
     let fused_constraints = if config.batch_invariant {
-        Constraints { communicator_override: config.algorithm.or(Some(Algorithm::OneShotPush)), ..constraints.clone() }
+        Constraints { communicator_override: constraints.communicator_override.or(Some(Algorithm::OneShotPush)), ..constraints.clone() }
     } else {
         constraints.clone()
     };

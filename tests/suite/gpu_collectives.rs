@@ -55,9 +55,12 @@ fn upload<T: TestElem>(comm: &Comm, offset: usize, n: usize, values: Option<&[T]
     buf
 }
 
+/// Every rank's whole output view and every rank's input, in rank order.
+type OutputsAndInputs<T> = (Vec<Vec<T>>, Vec<Vec<T>>);
+
 /// Runs `case` on every rank; returns every rank's whole output view (the
 /// poisoned prefix checked) and the inputs.
-fn run<T: TestElem>(comms: &[Comm], rng: &mut StdRng, case: Case) -> Result<(Vec<Vec<T>>, Vec<Vec<T>>), String> {
+fn run<T: TestElem>(comms: &[Comm], rng: &mut StdRng, case: Case) -> Result<OutputsAndInputs<T>, String> {
     let world = comms.len();
     let n = case.count;
     let (send_len, recv_len) = match case.collective {
@@ -363,8 +366,8 @@ fn world_of_one_and_bad_arguments() {
     // SAFETY: both views lie inside `big` (200 elements).
     let e = unsafe { comms[0].all_gather_raw(p + 4, p, 100, DType::F32, s.cu_stream()) };
     assert!(matches!(e, Err(Error::InvalidUsage(ref m)) if m.contains("overlap")), "{e:?}");
-    let plan = comms[0].plan_collective(Collective::AllGather);
+    let plan = comms[0].plan_collective(Collective::AllGather, 8 << 20, true);
     assert_eq!(plan.algorithm, Algorithm::AllGatherPush, "{plan:?}");
-    let plan = comms[0].plan_collective(Collective::ReduceScatter);
+    let plan = comms[0].plan_collective(Collective::ReduceScatter, 8 << 20, false);
     assert_eq!(plan.algorithm, Algorithm::ReduceScatterPush, "{plan:?}");
 }

@@ -52,7 +52,6 @@ fn group(ctxs: &[Arc<CudaContext>; 2]) -> Vec<Comm> {
 /// The algorithms this group runs, in an order that ends with `last`.
 fn available(comms: &mut [Comm], last: Algorithm) -> Vec<Algorithm> {
     Algorithm::allreduce_algorithms()
-        .into_iter()
         .filter(|&a| a != last)
         .chain([last])
         .filter(|&a| comms.iter_mut().all(|c| c.set_algorithm(Some(a)).is_ok()))

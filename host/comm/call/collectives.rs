@@ -15,7 +15,7 @@
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use tp_allreduce_kernels::ids::{Collective, DType};
 
-use super::{Comm, Request};
+use super::{Choice, Comm, Request};
 use crate::algorithm::Algorithm;
 use crate::comm::{Element, ReduceOp};
 
@@ -161,16 +161,27 @@ impl Comm {
         }
     }
 
-    /// What an all-gather or reduce-scatter runs on this communicator, and
-    /// why (any size: ours cuts long messages into launches).
-    pub fn plan_collective(&self, collective: Collective) -> CollectivePlan {
-        match self.other_algorithm(collective) {
-            Ok(Algorithm::Nccl) => {
-                CollectivePlan { algorithm: Algorithm::Nccl, reason: format!("{}: NCCL's (none of ours runs here)", collective.name()) }
+    /// What an all-gather or reduce-scatter of `block_bytes` per rank (the
+    /// all-gather's send, the reduce-scatter's receive) runs on this
+    /// communicator in graph replay (`capturing`) or eagerly, and why.
+    pub fn plan_collective(&self, collective: Collective, block_bytes: usize, capturing: bool) -> CollectivePlan {
+        let name = collective.name();
+        let entry = self.collective_table.lookup(collective, block_bytes, capturing);
+        let figures = entry
+            .map(|c| format!(" (model: ours {:.1} us, NCCL's {:.1} us)", c.ours_us, c.nccl_us))
+            .unwrap_or_default();
+        match self.choose_other(collective, block_bytes, capturing) {
+            Ok(Choice { algorithm: Algorithm::Nccl, .. }) => {
+                let why = match self.other_algorithm(collective) {
+                    Ok(Algorithm::Nccl) if self.config.algorithm == Some(Algorithm::Nccl) => "forced".to_string(),
+                    Ok(Algorithm::Nccl) => "none of ours runs here".to_string(),
+                    _ => format!("NCCL's ring predicted faster{figures}"),
+                };
+                CollectivePlan { algorithm: Algorithm::Nccl, reason: format!("{name}: NCCL's ({why})") }
             }
-            Ok(a) => CollectivePlan {
-                algorithm: a,
-                reason: format!("{}: {a}, one hop with payload completion in one-shot push's region", collective.name()),
+            Ok(c) => CollectivePlan {
+                algorithm: c.algorithm,
+                reason: format!("{name}: {}, one hop with payload completion{figures}", c.algorithm),
             },
             Err(why) => CollectivePlan { algorithm: Algorithm::Nccl, reason: format!("unavailable: {why}") },
         }

@@ -268,7 +268,7 @@ impl Comm {
     pub fn plan_fused(&self, rows: usize, hidden: usize, dtype: DType, capturing: bool) -> FusedPlan {
         let shape = EpilogueShape { rows, hidden, dtype, norm: true };
         let transport = self.setup.transport;
-        let (algorithm, reason) = match self.config.algorithm {
+        let (algorithm, reason) = match self.forced_for(tp_allreduce_kernels::ids::Collective::AllReduce) {
             Some(forced) => (forced, "forced by configuration".to_string()),
             None => {
                 let c = self.fused_selection.lookup(shape.bytes(), dtype, capturing);

@@ -214,11 +214,12 @@ impl Comm {
     /// whether the algorithm's fused kernels run it.
     fn choose(&self, r: &Request, capturing: bool) -> Result<Choice> {
         if r.collective != Collective::AllReduce {
-            return self.choose_other(r.collective);
+            let block_bytes = r.count * r.dtype.size_bytes();
+            return self.choose_other(r.collective, block_bytes, capturing);
         }
         let bytes = r.count * r.dtype.size_bytes();
         let fused_table = r.epilogue.is_some_and(|e| !e.opts.unfused);
-        let forced = self.config.algorithm.filter(|a| a.collective() == Collective::AllReduce);
+        let forced = self.forced_for(Collective::AllReduce);
         let (algorithm, tuned_shape) = match forced {
             Some(forced) => (forced, None),
             None => {
@@ -234,15 +235,22 @@ impl Comm {
         Ok(Choice { algorithm, tuned_shape, fused })
     }
 
-    /// A collective without a selection table: the forced algorithm when it
-    /// implements it, else the first of ours that does and is available,
-    /// else NCCL's (forced NCCL: NCCL's).
-    fn choose_other(&self, collective: Collective) -> Result<Choice> {
+    /// The all-gather or reduce-scatter of `block_bytes` per rank: the
+    /// forced algorithm when it implements the collective (forced NCCL:
+    /// NCCL's), else the collective table's choice when it can run here,
+    /// else the first of ours that can, else NCCL's.
+    fn choose_other(&self, collective: Collective, block_bytes: usize, capturing: bool) -> Result<Choice> {
         let algorithm = self.other_algorithm(collective).map_err(Error::Unsupported)?;
+        let forced = self.forced_for(collective).is_some();
+        let algorithm = match self.collective_table.lookup(collective, block_bytes, capturing) {
+            Some(c) if !forced && c.algorithm == Algorithm::Nccl && self.nccl.is_some() => Algorithm::Nccl,
+            _ => algorithm,
+        };
         Ok(Choice { algorithm, tuned_shape: None, fused: None })
     }
 
-    /// [`choose_other`](Self::choose_other)'s algorithm, or why none runs.
+    /// The algorithm of ours (or NCCL's) an all-gather or reduce-scatter
+    /// runs when sizes play no part, or why none runs.
     pub(super) fn other_algorithm(&self, collective: Collective) -> std::result::Result<Algorithm, String> {
         let caps = self.capabilities();
         if self.config.algorithm == Some(Algorithm::Nccl) && self.nccl.is_some() {
@@ -404,7 +412,7 @@ impl Comm {
     /// The plan for a call of `bytes` (what `all_reduce` would do).
     pub fn plan_call(&self, bytes: usize, dtype: DType, capturing: bool, in_place: bool) -> CallPlan {
         let transport = self.setup.transport;
-        if let Some(forced) = self.config.algorithm {
+        if let Some(forced) = self.forced_for(Collective::AllReduce) {
             return CallPlan { algorithm: forced, transport, reason: "forced by configuration".into() };
         }
         let c = self.selection.lookup(bytes, dtype, capturing);

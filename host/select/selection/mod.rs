@@ -33,7 +33,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use tp_allreduce_kernels::ids::DType;
+use tp_allreduce_kernels::ids::{Collective, DType};
 
 use crate::algorithm::{self, Capabilities, IslandSplit};
 use crate::algorithm::{Algorithm, Transport};
@@ -289,7 +289,8 @@ impl Selecting<'_> {
         let forced =
             [(self.c.communicator_override, "the communicator's override"), (self.c.env_override, env::ALGORITHM)];
         for (forced, who) in forced {
-            let Some(a) = forced else { continue };
+            // An algorithm of another collective forces only its own calls.
+            let Some(a) = forced.filter(|a| a.collective() == Collective::AllReduce) else { continue };
             match self.c.available(a, self.view.len(), self.bytes) {
                 Ok(()) => return (Some(a), format!("{notes}forced by {who}")),
                 Err(why) => notes.push_str(&format!("{a} forced by {who} is not applicable ({why}); ")),
@@ -565,6 +566,91 @@ impl SelectionTable {
                     format!("<= {}", human_bytes(self.bounds[i]))
                 };
                 parts.push(format!("{upto}: {}", c.algorithm));
+            }
+        }
+        parts.join("; ")
+    }
+}
+
+/// Ours or NCCL's for the all-gather and the reduce-scatter, per size
+/// bucket of one rank's block (the all-gather's send, the
+/// reduce-scatter's receive), graph replay and eager: ours where the cost
+/// model predicts it at least [`MODEL_MARGIN`] faster than NCCL's ring (one
+/// pass over `world` blocks), else NCCL's; ours wherever NCCL is
+/// unavailable. Built at init from the plain table's inputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CollectiveTable {
+    bounds: Vec<usize>,
+    /// `[(collective index * 2 + capturing) * bounds.len() + bucket]`
+    /// (all-gather 0, reduce-scatter 1).
+    choices: Vec<CollectiveChoice>,
+}
+
+/// One entry of a [`CollectiveTable`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CollectiveChoice {
+    pub algorithm: Algorithm,
+    /// Ours at the bucket's bound (us, model); NaN when none of ours runs.
+    pub ours_us: f64,
+    /// NCCL's (us, model).
+    pub nccl_us: f64,
+}
+
+impl CollectiveTable {
+    pub fn build(model: &CostModel, view: &Topology, constraints: &Constraints) -> CollectiveTable {
+        let bounds = bucket_bounds();
+        let world = view.len();
+        let mut choices = Vec::with_capacity(4 * bounds.len());
+        for collective in [Collective::AllGather, Collective::ReduceScatter] {
+            let ours = Algorithm::OURS.into_iter().find(|a| a.collective() == collective);
+            for capturing in [false, true] {
+                let opts = Options { capturing, islands: constraints.islands, nccl: NcclTuning::default() };
+                for (i, &bound) in bounds.iter().enumerate() {
+                    let block = if bound == usize::MAX { bounds[i - 1].saturating_mul(2) } else { bound };
+                    let ours_us = ours
+                        .filter(|a| constraints.available(*a, world, block).is_ok())
+                        .and_then(|a| model.predict(view, a, constraints.transport, block, &opts).ok())
+                        .map_or(f64::NAN, |p| p.total_us());
+                    let nccl_us = model
+                        .predict_nccl_collective(view, constraints.transport, block.saturating_mul(world), &opts)
+                        .total_us();
+                    // NaN (none of ours runs) never clears the margin.
+                    let ours_clears = ours_us <= nccl_us * (1.0 - MODEL_MARGIN);
+                    let algorithm = match ours {
+                        Some(a) if ours_clears || !constraints.nccl_available => a,
+                        _ => Algorithm::Nccl,
+                    };
+                    choices.push(CollectiveChoice { algorithm, ours_us, nccl_us });
+                }
+            }
+        }
+        CollectiveTable { bounds, choices }
+    }
+
+    /// The choice for a call moving `block_bytes` per rank. O(log
+    /// buckets), no allocation. The all-reduce has none (its own table).
+    pub fn lookup(&self, collective: Collective, block_bytes: usize, capturing: bool) -> Option<&CollectiveChoice> {
+        let c = match collective {
+            Collective::AllGather => 0,
+            Collective::ReduceScatter => 1,
+            Collective::AllReduce => return None,
+        };
+        let bucket = self.bounds.partition_point(|&b| b < block_bytes).min(self.bounds.len() - 1);
+        self.choices.get((c * 2 + usize::from(capturing)) * self.bounds.len() + bucket)
+    }
+
+    /// Ranges of block sizes with the same choice, for logs.
+    pub fn describe(&self, collective: Collective, capturing: bool) -> String {
+        let mut parts: Vec<String> = Vec::new();
+        let choice = |i: usize| self.lookup(collective, self.bounds[i], capturing).map(|c| c.algorithm);
+        for i in 0..self.bounds.len() {
+            if i + 1 == self.bounds.len() || choice(i + 1) != choice(i) {
+                let upto = if self.bounds[i] == usize::MAX {
+                    "larger".to_string()
+                } else {
+                    format!("<= {}", human_bytes(self.bounds[i]))
+                };
+                parts.push(format!("{upto}: {}", choice(i).map_or("-".into(), |a| a.to_string())));
             }
         }
         parts.join("; ")

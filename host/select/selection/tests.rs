@@ -300,3 +300,45 @@ fn table_lookup_matches_select_at_bounds() {
     assert_ne!(table.digest(), SelectionTable::build(&CostModel::default(), None, &view, &forced).digest());
     assert!(table.describe(DType::Bf16, true).contains("larger"));
 }
+
+#[test]
+fn collective_table_takes_the_faster_of_ours_and_nccls_ring() {
+    let model = CostModel::default();
+    for view in views() {
+        let c = Constraints::for_topology(&view);
+        let table = CollectiveTable::build(&model, &view, &c);
+        for collective in [Collective::AllGather, Collective::ReduceScatter] {
+            for capturing in [false, true] {
+                for &bytes in &sizes() {
+                    let e = *table.lookup(collective, bytes, capturing).unwrap();
+                    let ours = Algorithm::OURS.into_iter().find(|a| a.collective() == collective).unwrap();
+                    if !c.nccl_available {
+                        assert_eq!(e.algorithm, ours, "{} {bytes}: no NCCL, ours", view.name);
+                    } else if e.algorithm == ours {
+                        assert!(e.ours_us <= e.nccl_us * (1.0 - MODEL_MARGIN), "{} {bytes}: {e:?}", view.name);
+                    } else {
+                        assert_eq!(e.algorithm, Algorithm::Nccl);
+                        assert!(e.ours_us.is_nan() || e.ours_us > e.nccl_us * (1.0 - MODEL_MARGIN), "{e:?}");
+                    }
+                }
+            }
+        }
+        assert!(table.lookup(Collective::AllReduce, 4096, true).is_none());
+    }
+}
+
+#[test]
+fn collective_table_on_the_motivating_machine() {
+    let view = embedded::default_topology();
+    let c = Constraints::for_topology(&view);
+    let table = CollectiveTable::build(&CostModel::default(), &view, &c);
+    // One hop beats the ring's 2(N-1) steps on small blocks; the ring's
+    // single flows across the socket boundary win on large ones.
+    assert_eq!(table.lookup(Collective::AllGather, 4 << 10, true).unwrap().algorithm, Algorithm::AllGatherPush);
+    assert_eq!(table.lookup(Collective::ReduceScatter, 4 << 10, true).unwrap().algorithm, Algorithm::ReduceScatterPush);
+    assert_eq!(table.lookup(Collective::AllGather, 8 << 20, true).unwrap().algorithm, Algorithm::Nccl);
+    let without_nccl = Constraints { nccl_available: false, ..c };
+    let table = CollectiveTable::build(&CostModel::default(), &view, &without_nccl);
+    assert_eq!(table.lookup(Collective::AllGather, 8 << 20, true).unwrap().algorithm, Algorithm::AllGatherPush);
+    assert!(table.describe(Collective::ReduceScatter, false).contains("reduce-scatter-push"));
+}
