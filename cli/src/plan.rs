@@ -6,14 +6,14 @@
 
 use std::fmt::Write as _;
 
-use tp_allreduce_kernels::ids::DType;
+use tp_allreduce_kernels::ids::{Collective, DType};
 use tp_allreduce_kernels::layout::MAX_RANKS;
 
 use crate::bench::scenarios::{VERIFY_PASS_ALLREDUCES, VERIFY_PASS_BYTES};
 use crate::{table, topology_view};
 use tp_allreduce::algorithm::Algorithm;
-use tp_allreduce::select::cost_model::{CostModel, CostParams, Options};
-use tp_allreduce::select::selection::{human_bytes, select_fused, select_with, Constraints};
+use tp_allreduce::select::cost_model::{Basis, CostModel, CostParams, Options, ParamRow};
+use tp_allreduce::select::selection::{human_bytes, select_fused, select_with, CollectiveTable, Constraints};
 use tp_allreduce::select::topology::{embedded, Topology};
 
 /// Sizes the report shows by default: 4 KiB .. 8 MiB doubling, plus 42 KiB.
@@ -123,15 +123,19 @@ pub fn plan_report(req: &PlanRequest) -> Result<String, String> {
     let _ = writeln!(s, "transport: {}; hierarchical islands: {islands}", c.transport);
     let _ = writeln!(s, "NCCL: {nccl}; baseline: tuned NCCL (best of ring/tree x LL/Simple)\n");
     s.push_str(&sizes_table(req, &view, &c));
+    s.push_str(&basis(req, &view, &c));
     s.push_str(&verify_pass(req, &view, &c));
     s.push_str(&fused_verify_pass(req, &view, &c));
+    s.push_str(&gather_scatter(req, &view, &c));
     s.push_str(&assumptions(&CostModel::default()));
     Ok(s)
 }
 
 fn sizes_table(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
     let model = CostModel::default();
-    let mut t = table::new(["size", "algorithm", "transport", "predicted us", "NCCL us", "speedup"], 3..6);
+    let header = ["size", "algorithm", "transport", "predicted us", "NCCL us", "speedup", "measured params"];
+    let mut t = table::new(header, 3..7);
+    let opts = Options { capturing: req.capturing, islands: c.islands, nccl: Default::default() };
     for &bytes in &req.sizes {
         let ch = select_with(&model, None, view, req.world(), req.dtype, bytes, req.capturing, c);
         let (nccl, speedup) = if c.nccl_available {
@@ -139,6 +143,8 @@ fn sizes_table(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
         } else {
             ("n/a".to_string(), "-".to_string())
         };
+        let deps = dependencies(&model, view, ch.algorithm, ch.transport, bytes, &opts);
+        let measured = deps.iter().filter(|r| measured_here(view, r.basis)).count();
         t.add_row(vec![
             human_bytes(bytes),
             ch.algorithm.name().to_string(),
@@ -146,9 +152,130 @@ fn sizes_table(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
             format!("{:.1}", ch.predicted_us),
             nccl,
             speedup,
+            format!("{measured} of {}", deps.len()),
         ]);
     }
     table::render(&t)
+}
+
+/// The parameters the prediction of `algorithm` at `bytes` depends on
+/// (`CostModel::dependencies`).
+fn dependencies(
+    model: &CostModel,
+    view: &Topology,
+    algorithm: Algorithm,
+    transport: tp_allreduce::Transport,
+    bytes: usize,
+    opts: &Options,
+) -> Vec<ParamRow> {
+    model.dependencies(|m| m.predict(view, algorithm, transport, bytes, opts).map_or(f64::NAN, |p| p.total_us()))
+}
+
+/// Whether a parameter of `basis` was measured on the kind of link this
+/// topology has (or on none: launch, device memory).
+fn measured_here(view: &Topology, basis: Basis) -> bool {
+    match basis {
+        Basis::MeasuredLocal => true,
+        Basis::MeasuredPcie => view.is_pcie(),
+        Basis::MeasuredNvlink => !view.is_pcie(),
+        Basis::Published | Basis::Calibrated | Basis::Assumption => false,
+    }
+}
+
+/// What each algorithm's figures above rest on: the parameters they depend
+/// on that were not measured on this kind of link, with where they come
+/// from (docs/COST-MODEL.md has every source).
+fn basis(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
+    let model = CostModel::default();
+    let opts = Options { capturing: req.capturing, islands: c.islands, nccl: Default::default() };
+    let link = if view.is_pcie() { "PCIe" } else { "NVLink" };
+    let mut s = format!(
+        "
+measured params: of the parameters a figure depends on, how many were measured on {link}
+or on no link (launch, device memory); the others, per algorithm chosen above:
+"
+    );
+    let mut seen = Vec::new();
+    for &bytes in &req.sizes {
+        let ch = select_with(&model, None, view, req.world(), req.dtype, bytes, req.capturing, c);
+        if seen.contains(&ch.algorithm) {
+            continue;
+        }
+        seen.push(ch.algorithm);
+        let deps = dependencies(&model, view, ch.algorithm, ch.transport, bytes, &opts);
+        let borrowed: Vec<String> = deps
+            .iter()
+            .filter(|r| !measured_here(view, r.basis))
+            .map(|r| format!("{} ({})", r.name, r.basis.label()))
+            .collect();
+        let listed = if borrowed.is_empty() { "none".to_string() } else { borrowed.join(", ") };
+        s.push_str(&wrap(&format!("  {}: {listed}", ch.algorithm), 118, "      "));
+    }
+    s
+}
+
+/// `text` broken at spaces into lines of at most `width` characters (a
+/// longer word stays whole), every line after the first led by `indent`,
+/// each ending in a newline.
+fn wrap(text: &str, width: usize, indent: &str) -> String {
+    let body = text.trim_start();
+    let mut line = text[..text.len() - body.len()].to_string();
+    let mut fresh = true;
+    let mut out = String::new();
+    for word in body.split_whitespace() {
+        if !fresh && line.chars().count() + 1 + word.chars().count() > width {
+            out.push_str(&line);
+            out.push('\n');
+            line = indent.to_string();
+            fresh = true;
+        }
+        if !fresh {
+            line.push(' ');
+        }
+        line.push_str(word);
+        fresh = false;
+    }
+    out.push_str(&line);
+    out.push('\n');
+    out
+}
+
+/// All-gather and reduce-scatter, each size asked for one rank's block: what the collective
+/// table chooses, ours (one hop, payload completion) against NCCL's ring
+/// (one pass).
+fn gather_scatter(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
+    let model = CostModel::default();
+    let opts = Options { capturing: req.capturing, islands: c.islands, nccl: Default::default() };
+    let table = CollectiveTable::build(&model, view, c);
+    let mut s = String::from("\nall-gather / reduce-scatter (block: one rank's share):\n");
+    let header = ["block", "collective", "chosen", "ours us", "NCCL us", "speedup"];
+    let mut t = table::new(header, 3..6);
+    for &bytes in &req.sizes {
+        for collective in [Collective::AllGather, Collective::ReduceScatter] {
+            let Some(e) = table.lookup(collective, bytes, req.capturing) else { continue };
+            let ours = Algorithm::OURS.into_iter().find(|a| a.collective() == collective);
+            let ours_us = ours
+                .and_then(|a| model.predict(view, a, c.transport, bytes, &opts).ok())
+                .map_or(f64::NAN, |p| p.total_us());
+            let nccl_us = model.predict_nccl_collective(view, c.transport, bytes * req.world(), &opts).total_us();
+            let nccl = if c.nccl_available { format!("{nccl_us:.1}") } else { "n/a".into() };
+            let speedup = match (c.nccl_available, e.algorithm) {
+                (true, Algorithm::Nccl) => "1.00x".to_string(),
+                (true, _) => format!("{:.2}x", nccl_us / ours_us),
+                (false, _) => "-".to_string(),
+            };
+            t.add_row(vec![
+                human_bytes(bytes),
+                collective.name().to_string(),
+                e.algorithm.name().to_string(),
+                format!("{ours_us:.1}"),
+                nccl,
+                speedup,
+            ]);
+        }
+    }
+    s.push_str(&table::render(&t));
+    s
 }
 
 fn verify_pass(req: &PlanRequest, view: &Topology, c: &Constraints) -> String {
@@ -310,6 +437,13 @@ mod tests {
     fn report(name: &str, world: Option<usize>, rpg: usize) -> Result<String, String> {
         let t = embedded::by_name(name).unwrap();
         plan_report(&PlanRequest::for_world(t, world, rpg, DType::Bf16)?)
+    }
+
+    #[test]
+    fn wrapping_keeps_the_lead_and_indents_what_follows() {
+        assert_eq!(wrap("  a: bb cc dd", 9, "    "), "  a: bb\n    cc dd\n");
+        assert_eq!(wrap("  a: bb", 80, "    "), "  a: bb\n");
+        assert_eq!(wrap("x averyveryverylongword y", 6, " "), "x\n averyveryverylongword\n y\n");
     }
 
     #[test]
