@@ -13,7 +13,7 @@ use tp_allreduce::comm::{Comm, ReduceOp};
 use tp_allreduce::driver::elementwise;
 use tp_allreduce::error::{Error, Result};
 use tp_allreduce::nccl::NcclComm;
-use tp_allreduce::DType;
+use tp_allreduce::{Collective, DType};
 
 /// A device buffer of f32, f16 or bf16.
 #[derive(Debug)]
@@ -111,6 +111,43 @@ pub fn nccl_all_reduce(nccl: &NcclComm, input: &AnyBuffer, output: &mut AnyBuffe
         return Err(mismatch("NCCL all_reduce", input, output));
     }
     nccl.all_reduce(input.device_address(), output.device_address(), input.len(), input.dtype(), stream.cu_stream())
+}
+
+/// `collective` of `input` into `output` (sum) on the communicator's
+/// stream: the allreduce, the all-gather (`output` holds `world` inputs)
+/// or the reduce-scatter (`input` holds `world` outputs).
+pub fn run(comm: &Comm, collective: Collective, input: &AnyBuffer, output: &mut AnyBuffer) -> Result<()> {
+    let op = ReduceOp::Sum;
+    match (collective, input, output) {
+        (Collective::AllReduce, i, o) => all_reduce(comm, i, o),
+        (Collective::AllGather, AnyBuffer::F32(i), AnyBuffer::F32(o)) => comm.all_gather(i, o),
+        (Collective::AllGather, AnyBuffer::F16(i), AnyBuffer::F16(o)) => comm.all_gather(i, o),
+        (Collective::AllGather, AnyBuffer::Bf16(i), AnyBuffer::Bf16(o)) => comm.all_gather(i, o),
+        (Collective::ReduceScatter, AnyBuffer::F32(i), AnyBuffer::F32(o)) => comm.reduce_scatter(i, o, &op),
+        (Collective::ReduceScatter, AnyBuffer::F16(i), AnyBuffer::F16(o)) => comm.reduce_scatter(i, o, &op),
+        (Collective::ReduceScatter, AnyBuffer::Bf16(i), AnyBuffer::Bf16(o)) => comm.reduce_scatter(i, o, &op),
+        (_, i, o) => Err(mismatch(collective.name(), i, o)),
+    }
+}
+
+/// NCCL's `collective` (sum) of `input` into `output` on `stream`, shaped
+/// as in [`run`].
+pub fn nccl_run(
+    nccl: &NcclComm,
+    collective: Collective,
+    input: &AnyBuffer,
+    output: &mut AnyBuffer,
+    stream: &CudaStream,
+) -> Result<()> {
+    if input.dtype() != output.dtype() {
+        return Err(mismatch(collective.name(), input, output));
+    }
+    let (send, recv, dtype, s) = (input.device_address(), output.device_address(), input.dtype(), stream.cu_stream());
+    match collective {
+        Collective::AllReduce => nccl_all_reduce(nccl, input, output, stream),
+        Collective::AllGather => nccl.all_gather(send, recv, input.len(), dtype, s),
+        Collective::ReduceScatter => nccl.reduce_scatter(send, recv, output.len(), dtype, s),
+    }
 }
 
 /// `output = input * scale + bias` on `stream` (capturable).

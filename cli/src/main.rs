@@ -267,6 +267,7 @@ fn tune(args: TuneArgs) -> CliResult {
         gpus: gpus.clone(),
         ranks_per_gpu: args.ranks_per_gpu,
         config: config.clone(),
+        collective: tp_allreduce::Collective::AllReduce,
     };
     let outcome = bench::tune(&opts, args.out, args.shapes).map_err(text)?;
     if let Some(path) = &args.report {

@@ -8,21 +8,23 @@ use cudarc::driver::CudaStream;
 
 use super::ranks::{Buffers, Ranks};
 use crate::any_buffer::{self, AnyBuffer};
+use tp_allreduce::algorithm::Algorithm;
 use tp_allreduce::comm::{Comm, Config};
 use tp_allreduce::driver;
 use tp_allreduce::error::{Error, Result};
 use tp_allreduce::nccl::NcclComm;
-use tp_allreduce::DType;
+use tp_allreduce::{Collective as Op, DType};
 
-/// Something that can allreduce rank r's buffers on its stream.
-pub trait Collective: Sync {
+/// A group of communicators (ours or NCCL's) that can run a collective (allreduce, all-gather,
+/// reduce-scatter) on rank r's buffers on its stream.
+pub trait CommGroup: Sync {
     fn world(&self) -> usize;
-    /// One allreduce of rank `rank` (sum), queued on its stream.
-    fn all_reduce(&self, rank: usize, input: &AnyBuffer, output: &mut AnyBuffer) -> Result<()>;
-    /// One allreduce on every rank (NCCL wraps them in one group call).
+    /// One `op` of rank `rank` (sum), queued on its stream.
+    fn run(&self, op: Op, rank: usize, input: &AnyBuffer, output: &mut AnyBuffer) -> Result<()>;
+    /// One `bufs.collective` on every rank (NCCL wraps them in one group call).
     fn issue_all(&self, bufs: &mut Buffers) -> Result<()> {
         for r in 0..self.world() {
-            self.all_reduce(r, &bufs.inputs[r], &mut bufs.outputs[r])?;
+            self.run(bufs.collective, r, &bufs.inputs[r], &mut bufs.outputs[r])?;
         }
         Ok(())
     }
@@ -43,8 +45,10 @@ pub trait Collective: Sync {
     fn check(&self) -> Result<()> {
         Ok(())
     }
-    fn describe(&self, bytes: usize, dtype: DType) -> String;
-    fn roundings(&self, bytes: usize, dtype: DType) -> usize;
+    /// What runs an `op` of `bytes` (a block for the all-gather and reduce-scatter).
+    fn describe(&self, op: Op, bytes: usize, dtype: DType) -> String;
+    /// Roundings of a partial sum to the element type per output element.
+    fn roundings(&self, op: Op, bytes: usize, dtype: DType) -> usize;
 }
 
 /// Our communicators, one per rank (each on its rank's stream).
@@ -52,12 +56,22 @@ pub struct OurGroup<'a> {
     pub comms: &'a [Comm],
 }
 
-impl Collective for OurGroup<'_> {
+impl OurGroup<'_> {
+    /// What a captured `op` of `bytes` runs.
+    fn algorithm(&self, op: Op, bytes: usize, dtype: DType) -> Algorithm {
+        match op {
+            Op::AllReduce => self.comms[0].plan_call(bytes, dtype, true, false).algorithm,
+            _ => self.comms[0].plan_collective(op, bytes, true).algorithm,
+        }
+    }
+}
+
+impl CommGroup for OurGroup<'_> {
     fn world(&self) -> usize {
         self.comms.len()
     }
-    fn all_reduce(&self, rank: usize, input: &AnyBuffer, output: &mut AnyBuffer) -> Result<()> {
-        any_buffer::all_reduce(&self.comms[rank], input, output)
+    fn run(&self, op: Op, rank: usize, input: &AnyBuffer, output: &mut AnyBuffer) -> Result<()> {
+        any_buffer::run(&self.comms[rank], op, input, output)
     }
     fn after_capture(&self) -> Result<()> {
         Comm::register_graph_buffers_group(self.comms).map(|_| ())
@@ -68,11 +82,14 @@ impl Collective for OurGroup<'_> {
     fn check(&self) -> Result<()> {
         self.comms.iter().try_for_each(|c| c.check())
     }
-    fn describe(&self, bytes: usize, dtype: DType) -> String {
-        self.comms[0].plan_call(bytes, dtype, true, false).algorithm.name().to_string()
+    fn describe(&self, op: Op, bytes: usize, dtype: DType) -> String {
+        self.algorithm(op, bytes, dtype).name().to_string()
     }
-    fn roundings(&self, bytes: usize, dtype: DType) -> usize {
-        self.comms[0].plan_call(bytes, dtype, true, false).algorithm.max_roundings(self.comms.len())
+    fn roundings(&self, op: Op, bytes: usize, dtype: DType) -> usize {
+        match op {
+            Op::AllGather => 0,
+            _ => self.algorithm(op, bytes, dtype).max_roundings(self.comms.len()),
+        }
     }
 }
 
@@ -82,20 +99,20 @@ pub struct NcclGroup<'a> {
     pub streams: &'a [Arc<CudaStream>],
 }
 
-impl Collective for NcclGroup<'_> {
+impl CommGroup for NcclGroup<'_> {
     fn world(&self) -> usize {
         self.comms.len()
     }
-    fn all_reduce(&self, rank: usize, input: &AnyBuffer, output: &mut AnyBuffer) -> Result<()> {
+    fn run(&self, op: Op, rank: usize, input: &AnyBuffer, output: &mut AnyBuffer) -> Result<()> {
         driver::bind(self.streams[rank].context())?;
-        any_buffer::nccl_all_reduce(&self.comms[rank], input, output, &self.streams[rank])
+        any_buffer::nccl_run(&self.comms[rank], op, input, output, &self.streams[rank])
     }
     fn issue_all(&self, bufs: &mut Buffers) -> Result<()> {
         // One thread drives every rank: NCCL needs them in one group call.
         cudarc::nccl::result::group_start().map_err(|e| Error::Nccl(format!("ncclGroupStart: {:?}", e.0)))?;
         let mut result = Ok(());
         for r in 0..self.world() {
-            result = self.all_reduce(r, &bufs.inputs[r], &mut bufs.outputs[r]);
+            result = self.run(bufs.collective, r, &bufs.inputs[r], &mut bufs.outputs[r]);
             if result.is_err() {
                 break;
             }
@@ -106,11 +123,14 @@ impl Collective for NcclGroup<'_> {
     fn capturable_per_rank(&self) -> bool {
         self.comms.len() == 1
     }
-    fn describe(&self, _: usize, _: DType) -> String {
+    fn describe(&self, _: Op, _: usize, _: DType) -> String {
         "nccl".into()
     }
-    fn roundings(&self, _: usize, _: DType) -> usize {
-        self.comms.len()
+    fn roundings(&self, op: Op, _: usize, _: DType) -> usize {
+        match op {
+            Op::AllGather => 0,
+            _ => self.comms.len(),
+        }
     }
 }
 

@@ -3,12 +3,12 @@
 //! scenarios, into one [`Report`].
 #![forbid(unsafe_code)]
 
-use super::collective::{nccl_group, our_group, Collective, NcclGroup, OurGroup};
+use super::collective::{nccl_group, our_group, CommGroup, NcclGroup, OurGroup};
 use super::progress::{total_steps, Progress};
 use super::ranks::{Buffers, Ranks};
 use super::report::{Report, VerifyPass};
 use super::scenarios::{large_message_efficiency, launch_floor, verify_pass};
-use super::stats::{measurement, set_speedups, Measurement, RowKey};
+use super::stats::{measurement_of, set_speedups, Measurement, RowKey};
 use super::timing::time_collective;
 use super::trace::{summarize, TraceSummary};
 use super::{Mode, Options, Scenarios, Selection};
@@ -17,6 +17,7 @@ use tp_allreduce::algorithm::Algorithm;
 use tp_allreduce::comm::Comm;
 use tp_allreduce::error::Result;
 use tp_allreduce::nccl::NcclComm;
+use tp_allreduce::Collective;
 
 /// Runs the whole benchmark and returns the report.
 pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<Report> {
@@ -24,7 +25,15 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
     let mut comms = our_group(&ranks, &opts.config)?;
     let topology_fingerprint = comms[0].topology().fingerprint();
     let mut notes: Vec<String> = comms[0].notes().to_vec();
-    notes.push(format!("auto selects (graph): {}", comms[0].selection().describe(opts.dtype, true)));
+    if opts.collective == Collective::AllReduce {
+        notes.push(format!("auto selects (graph): {}", comms[0].selection().describe(opts.dtype, true)));
+    } else {
+        notes.push(format!("collective: {}; every size is one rank's block", opts.collective.name()));
+        notes.push(format!(
+            "auto selects (graph): {}",
+            comms[0].collective_table().describe(opts.collective, opts.mode == Mode::Graph)
+        ));
+    }
     let nccl = match opts.include_nccl.then(|| nccl_group(&ranks)) {
         Some(Ok(n)) => Some(n),
         Some(Err(why)) => {
@@ -41,7 +50,7 @@ pub fn run(opts: &Options, scenarios: &Scenarios, command_line: &str) -> Result<
     let mut measurements = Vec::new();
     let mut trace = Vec::new();
     for (i, &bytes) in opts.sizes.iter().enumerate() {
-        let mut bufs = Buffers::new(&ranks, bytes, opts.dtype, 0x5EED ^ (i as u64) << 20)?;
+        let mut bufs = Buffers::for_collective(&ranks, opts.collective, bytes, opts.dtype, 0x5EED ^ (i as u64) << 20)?;
         measurements.extend(measure_size(
             &ranks,
             &mut comms,
@@ -183,10 +192,10 @@ fn measure_size(
         }
         progress.step(&format!("{} {}", human_bytes(bytes), sel.name()));
         let group = OurGroup { comms };
-        let ran = group.describe(bytes, dtype);
+        let ran = group.describe(bufs.collective, bytes, dtype);
         let mut samples = time_collective(&group, ranks, bufs, opts)?;
         let key = RowKey { bytes, dtype, selection: &sel.name(), ran: &ran, world, mode: opts.mode };
-        rows.push(measurement(key, &mut samples));
+        rows.push(measurement_of(bufs.collective, key, &mut samples));
         for (r, c) in comms.iter().enumerate() {
             if let Some(records) = c.take_trace_records()? {
                 trace.extend(summarize(&records, bytes, &sel.name(), r));
@@ -203,7 +212,7 @@ fn measure_size(
         }
         let mut samples = time_collective(&group, ranks, bufs, &o)?;
         let key = RowKey { bytes, dtype, selection: "nccl", ran: "nccl", world, mode: o.mode };
-        let nccl_row = measurement(key, &mut samples);
+        let nccl_row = measurement_of(bufs.collective, key, &mut samples);
         set_speedups(&mut rows, &nccl_row);
         rows.push(nccl_row);
     }

@@ -43,9 +43,9 @@ use serde::{Deserialize, Serialize};
 use tp_allreduce::algorithm::Algorithm;
 use tp_allreduce::comm::Config;
 use tp_allreduce::error::{Error, Result};
-use tp_allreduce::DType;
+use tp_allreduce::{Collective, DType};
 
-pub use collective::{nccl_group, our_group, Collective, NcclGroup, OurGroup};
+pub use collective::{nccl_group, our_group, CommGroup, NcclGroup, OurGroup};
 pub use in_process::run;
 pub use options::BenchArgs;
 pub use ranks::{Buffers, Ranks};
@@ -131,6 +131,9 @@ pub struct Options {
     pub gpus: Vec<usize>,
     pub ranks_per_gpu: usize,
     pub config: Config,
+    /// What the sweep measures (sizes are one rank's block for the
+    /// all-gather and reduce-scatter).
+    pub collective: Collective,
 }
 
 impl Default for Options {
@@ -147,6 +150,7 @@ impl Default for Options {
             gpus: vec![0],
             ranks_per_gpu: 1,
             config: Config::default(),
+            collective: Collective::AllReduce,
         }
     }
 }

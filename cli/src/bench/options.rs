@@ -11,7 +11,7 @@ use clap::Args;
 use super::{default_sizes, Mode, Options, Scenarios, Selection};
 use tp_allreduce::algorithm::Algorithm;
 use tp_allreduce::comm::Config;
-use tp_allreduce::DType;
+use tp_allreduce::{Collective, DType};
 
 /// Message sizes in bytes, as given by `--sizes`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -22,6 +22,8 @@ pub struct SizeList(pub Vec<usize>);
 pub struct AlgorithmList {
     pub selections: Vec<Selection>,
     pub include_nccl: bool,
+    /// `all` was given (every algorithm of the measured collective).
+    pub all: bool,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -32,6 +34,11 @@ pub struct BenchArgs {
     /// Element type: f32, f16 or bf16.
     #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
     pub dtype: DType,
+    /// What to measure: `allreduce`, `all-gather` or `reduce-scatter`
+    /// (sizes are then one rank's block; in one process, without the
+    /// scenarios).
+    #[arg(long, default_value = "allreduce", value_parser = parse_collective)]
+    pub collective: Collective,
     /// Comma-separated: `auto`, algorithm names, `nccl`, or `all`.
     #[arg(long, default_value = "auto,nccl", value_parser = parse_algorithms)]
     pub algorithms: AlgorithmList,
@@ -144,15 +151,25 @@ pub fn parse_dtype(s: &str) -> Result<DType, String> {
         .ok_or_else(|| format!("bad dtype `{s}`: f32, f16 or bf16"))
 }
 
+/// `allreduce`, `all-gather` or `reduce-scatter`.
+pub fn parse_collective(s: &str) -> Result<Collective, String> {
+    let t = s.trim().to_ascii_lowercase();
+    Collective::ALL
+        .into_iter()
+        .find(|c| c.name() == t || (t == "all-reduce" && *c == Collective::AllReduce))
+        .ok_or_else(|| format!("bad collective `{s}`: allreduce, all-gather or reduce-scatter"))
+}
+
 /// `auto`, algorithm names, `nccl`, `all`, comma-separated.
 pub fn parse_algorithms(s: &str) -> Result<AlgorithmList, String> {
-    let mut list = AlgorithmList { selections: Vec::new(), include_nccl: false };
+    let mut list = AlgorithmList { selections: Vec::new(), include_nccl: false, all: false };
     for a in s.split(',').map(str::trim) {
         match a {
             "all" => {
                 list.selections.push(Selection::Auto);
                 list.selections.extend(Algorithm::allreduce_algorithms().map(Selection::Forced));
                 list.include_nccl = true;
+                list.all = true;
             }
             "nccl" => list.include_nccl = true,
             other => list.selections.push(other.parse::<Selection>().map_err(|e| e.to_string())?),
@@ -181,10 +198,11 @@ impl BenchArgs {
             config.launch_shape = self.shape;
         }
         config.trace |= self.trace;
+        let selections = self.selections()?;
         let opts = Options {
             sizes: self.sizes.0.clone(),
             dtype: self.dtype,
-            selections: self.algorithms.selections.clone(),
+            selections,
             include_nccl: self.algorithms.include_nccl,
             mode: self.mode,
             iterations: self.iterations,
@@ -193,7 +211,17 @@ impl BenchArgs {
             gpus,
             ranks_per_gpu: self.ranks_per_gpu,
             config,
+            collective: self.collective,
         };
+        if self.collective != Collective::AllReduce {
+            if self.processes || self.fused || self.efficiency || self.trace {
+                return Err(format!(
+                    "--collective {} runs in one process without --processes, --fused, --efficiency or --trace",
+                    self.collective.name()
+                ));
+            }
+            return Ok((opts, Scenarios::default()));
+        }
         // The launch floor and the efficiency scenario are in-process only.
         let scenarios = Scenarios {
             verify_pass: !self.no_verify_pass,
@@ -202,6 +230,23 @@ impl BenchArgs {
             fused: self.fused.then_some(self.fused_shape),
         };
         Ok((opts, scenarios))
+    }
+
+    /// `--algorithms` for the measured collective: `all` is `auto` and
+    /// every algorithm of that collective; a named algorithm of another
+    /// collective is an error.
+    fn selections(&self) -> Result<Vec<Selection>, String> {
+        let c = self.collective;
+        if self.algorithms.all {
+            let ours = Algorithm::ALL.into_iter().filter(|a| *a != Algorithm::Nccl && a.collective() == c);
+            return Ok(std::iter::once(Selection::Auto).chain(ours.map(Selection::Forced)).collect());
+        }
+        for s in &self.algorithms.selections {
+            if let Some(a) = s.forced().filter(|a| a.collective() != c) {
+                return Err(format!("--algorithms: {a} is not an algorithm of the {} (--collective)", c.name()));
+            }
+        }
+        Ok(self.algorithms.selections.clone())
     }
 }
 

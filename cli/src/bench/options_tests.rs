@@ -102,3 +102,30 @@ fn gpus_must_exist_and_be_distinct() {
     let a = parse(&["--gpus", "3"]).unwrap();
     assert!(a.options(2, Config::default()).is_err());
 }
+
+#[test]
+fn the_collective_picks_its_own_algorithms() {
+    assert_eq!(parse_collective("all-gather"), Ok(Collective::AllGather));
+    assert_eq!(parse_collective(" Reduce-Scatter "), Ok(Collective::ReduceScatter));
+    assert_eq!(parse_collective("all-reduce"), Ok(Collective::AllReduce));
+    assert!(parse_collective("broadcast").unwrap_err().contains("bad collective"));
+
+    let (opts, scenarios) = parse(&["--collective", "all-gather"]).unwrap().options(1, Config::default()).unwrap();
+    assert_eq!((opts.collective, opts.selections), (Collective::AllGather, vec![Selection::Auto]));
+    assert_eq!(scenarios, Scenarios::default(), "the allreduce's scenarios do not run");
+
+    let a = parse(&["--collective", "reduce-scatter", "--algorithms", "all"]).unwrap();
+    let (opts, _) = a.options(1, Config::default()).unwrap();
+    assert_eq!(opts.selections, [Selection::Auto, Selection::Forced(Algorithm::ReduceScatterPush)]);
+    assert!(opts.include_nccl);
+
+    let a = parse(&["--collective", "all-gather", "--algorithms", "one-shot-push"]).unwrap();
+    let e = a.options(1, Config::default()).unwrap_err();
+    assert!(e.contains("one-shot-push is not an algorithm of the all-gather"), "{e}");
+    let a = parse(&["--algorithms", "all-gather-push"]).unwrap();
+    assert!(a.options(1, Config::default()).unwrap_err().contains("not an algorithm of the allreduce"));
+    for extra in ["--processes", "--fused", "--efficiency", "--trace"] {
+        let e = parse(&["--collective", "all-gather", extra]).unwrap().options(1, Config::default()).unwrap_err();
+        assert!(e.contains("runs in one process"), "{extra}: {e}");
+    }
+}

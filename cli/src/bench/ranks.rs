@@ -11,7 +11,7 @@ use crate::any_buffer::AnyBuffer;
 use crate::reference::{check_sum, decode, random_bits};
 use tp_allreduce::driver;
 use tp_allreduce::error::{driver as driver_error, Error, Result};
-use tp_allreduce::DType;
+use tp_allreduce::{Collective, DType};
 
 /// Ranks of an in-process benchmark group: their contexts and streams.
 pub struct Ranks {
@@ -52,10 +52,15 @@ impl Ranks {
 }
 
 /// Per-rank device buffers of one size with random contents and the
-/// expected sum.
+/// expected result: for the allreduce, input and output of the size; for
+/// the all-gather, an input block of the size and an output of `world`
+/// blocks; for the reduce-scatter, an input of `world` blocks and an output
+/// block.
 pub struct Buffers {
+    /// Elements of the size (one block for the all-gather and reduce-scatter).
     pub count: usize,
     pub dtype: DType,
+    pub collective: Collective,
     pub inputs: Vec<AnyBuffer>,
     pub outputs: Vec<AnyBuffer>,
     host_inputs: Vec<Vec<f64>>,
@@ -67,13 +72,32 @@ pub fn rank_seed(seed: u64, rank: usize) -> u64 {
 }
 
 impl Buffers {
+    /// Allreduce buffers of `bytes`.
     pub fn new(ranks: &Ranks, bytes: usize, dtype: DType, seed: u64) -> Result<Buffers> {
+        Self::for_collective(ranks, Collective::AllReduce, bytes, dtype, seed)
+    }
+
+    /// Buffers of `collective` with `bytes` per block.
+    pub fn for_collective(
+        ranks: &Ranks,
+        collective: Collective,
+        bytes: usize,
+        dtype: DType,
+        seed: u64,
+    ) -> Result<Buffers> {
         let count = (bytes / dtype.size_bytes()).max(1);
-        let mut bufs = Buffers { count, dtype, inputs: Vec::new(), outputs: Vec::new(), host_inputs: Vec::new() };
+        let world = ranks.world();
+        let (input_len, output_len) = match collective {
+            Collective::AllReduce => (count, count),
+            Collective::AllGather => (count, world * count),
+            Collective::ReduceScatter => (world * count, count),
+        };
+        let mut bufs =
+            Buffers { count, dtype, collective, inputs: Vec::new(), outputs: Vec::new(), host_inputs: Vec::new() };
         for (r, stream) in ranks.streams.iter().enumerate() {
-            let (raw, values) = random_bits(dtype, count, rank_seed(seed, r));
+            let (raw, values) = random_bits(dtype, input_len, rank_seed(seed, r));
             bufs.inputs.push(AnyBuffer::from_bytes(stream, dtype, &raw)?);
-            bufs.outputs.push(AnyBuffer::alloc(stream, dtype, count)?);
+            bufs.outputs.push(AnyBuffer::alloc(stream, dtype, output_len)?);
             bufs.host_inputs.push(values);
         }
         Ok(bufs)
@@ -88,15 +112,40 @@ impl Buffers {
         self.outputs.iter_mut().try_for_each(|o| o.fill_bytes(0x7F))
     }
 
-    /// Checks every rank's output against the f64 sum (with `roundings`
-    /// roundings to the element type allowed).
+    /// Checks every rank's output against the f64 reference: the sum
+    /// (with `roundings` roundings to the element type allowed), every
+    /// rank's block bit for bit (all-gather), or the sum of block r on rank
+    /// r (reduce-scatter).
     pub fn verify(&self, roundings: usize, what: &str) -> Result<()> {
+        let n = self.count;
         for (r, o) in self.outputs.iter().enumerate() {
             let got = decode(self.dtype, &o.to_host_bytes()?);
-            check_sum(self.dtype, &self.host_inputs, &got, roundings).map_err(|e| {
+            let checked = match self.collective {
+                Collective::AllReduce => check_sum(self.dtype, &self.host_inputs, &got, roundings),
+                Collective::AllGather => check_gathered(&self.host_inputs, &got, n),
+                Collective::ReduceScatter => {
+                    let shares: Vec<Vec<f64>> =
+                        self.host_inputs.iter().map(|x| x[r * n..(r + 1) * n].to_vec()).collect();
+                    check_sum(self.dtype, &shares, &got, roundings)
+                }
+            };
+            checked.map_err(|e| {
                 Error::InvalidUsage(format!("benchmark correctness check failed for {what}: rank {r} {e}"))
             })?;
         }
         Ok(())
     }
+}
+
+/// `got` is every rank's `n` inputs in rank order, bit for bit.
+fn check_gathered(inputs: &[Vec<f64>], got: &[f64], n: usize) -> std::result::Result<(), String> {
+    for (j, input) in inputs.iter().enumerate() {
+        for (i, want) in input.iter().enumerate().take(n) {
+            let g = got.get(j * n + i).copied().unwrap_or(f64::NAN);
+            if g.to_bits() != want.to_bits() {
+                return Err(format!("element {} (rank {j}'s element {i}) is {g}, not {want}", j * n + i));
+            }
+        }
+    }
+    Ok(())
 }

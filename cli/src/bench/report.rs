@@ -91,16 +91,19 @@ pub struct Efficiency {
 /// The terminal table, then the scenarios and notes.
 pub fn render_table(r: &Report) -> String {
     let mut out = String::new();
+    let collective = r.measurements.first().map_or("allreduce", |m| m.collective.as_str());
     let _ = writeln!(
         out,
-        "{} x {} ({} rank(s) per GPU), {}, {} mode, {} allreduces per sample, {} samples",
+        "{} x {} ({} rank(s) per GPU), {}, {} mode, {} {}s per sample, {} samples{}",
         r.world,
         r.gpu_model,
         r.ranks_per_gpu,
         r.measurements.first().map(|m| m.dtype.as_str()).unwrap_or("-"),
         r.mode,
         r.iterations,
-        r.repeats
+        collective,
+        r.repeats,
+        if collective == "allreduce" { "" } else { "; size: one rank's block" },
     );
     let header = ["size", "selection", "ran", "median us", "p10 - p90 us", "algbw GB/s", "busbw GB/s", "vs nccl"];
     let mut t = table::new(header, 3..8);

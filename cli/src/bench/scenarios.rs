@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use super::collective::{our_group, Collective, OurGroup};
+use super::collective::{our_group, CommGroup, OurGroup};
 use super::progress::Progress;
 use super::ranks::{Buffers, Ranks};
 use super::report::{Efficiency, VerifyPass};
@@ -29,7 +29,7 @@ pub const VERIFY_PASS_BYTES: usize = 43_008;
 
 /// The motivating workload: 122 allreduces of 42 KB bf16, each followed by
 /// a small dependent elementwise kernel, captured into one graph per rank.
-pub fn verify_pass(c: &dyn Collective, ranks: &Ranks, selection: &str) -> Result<VerifyPass> {
+pub fn verify_pass(c: &dyn CommGroup, ranks: &Ranks, selection: &str) -> Result<VerifyPass> {
     let dtype = DType::Bf16;
     let world = c.world();
     let mut bufs = Buffers::new(ranks, VERIFY_PASS_BYTES, dtype, 0xF00D)?;
@@ -37,11 +37,11 @@ pub fn verify_pass(c: &dyn Collective, ranks: &Ranks, selection: &str) -> Result
     bufs.poison()?;
     c.issue_all(&mut bufs)?;
     sync_all(c, ranks)?;
-    bufs.verify(c.roundings(VERIFY_PASS_BYTES, dtype), "verify pass")?;
+    bufs.verify(c.roundings(tp_allreduce::Collective::AllReduce, VERIFY_PASS_BYTES, dtype), "verify pass")?;
     let graphs = capture_per_rank(ranks, |r, s| {
         for _ in 0..VERIFY_PASS_ALLREDUCES {
             // in -> out (allreduce), out -> in (dependent layer: x/world).
-            c.all_reduce(r, &bufs.inputs[r], &mut bufs.outputs[r])?;
+            c.run(bufs.collective, r, &bufs.inputs[r], &mut bufs.outputs[r])?;
             any_buffer::affine(s, &bufs.outputs[r], &mut bufs.inputs[r], 1.0 / world as f32, 0.0)?;
         }
         Ok(())
@@ -53,7 +53,7 @@ pub fn verify_pass(c: &dyn Collective, ranks: &Ranks, selection: &str) -> Result
     let (median, p10, p90) = percentiles(&mut samples);
     Ok(VerifyPass {
         selection: selection.into(),
-        algorithm: c.describe(VERIFY_PASS_BYTES, dtype),
+        algorithm: c.describe(tp_allreduce::Collective::AllReduce, VERIFY_PASS_BYTES, dtype),
         allreduces: VERIFY_PASS_ALLREDUCES,
         bytes: VERIFY_PASS_BYTES,
         median_ms: median,

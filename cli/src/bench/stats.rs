@@ -5,11 +5,15 @@
 use serde::{Deserialize, Serialize};
 
 use super::Mode;
-use tp_allreduce::DType;
+use tp_allreduce::{Collective, DType};
 
 /// One measured row.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Measurement {
+    /// `allreduce`, `all-gather` or `reduce-scatter`.
+    #[serde(default = "allreduce_name")]
+    pub collective: String,
+    /// The message (for the all-gather and reduce-scatter: one rank's block).
     pub bytes: usize,
     pub dtype: String,
     /// `auto`, an algorithm name, or `nccl`.
@@ -21,9 +25,12 @@ pub struct Measurement {
     pub median_us: f64,
     pub p10_us: f64,
     pub p90_us: f64,
-    /// bytes / time.
+    /// Bytes of the whole result (all-gather, reduce-scatter: `world`
+    /// blocks) / time.
     pub algbw_gbs: f64,
-    /// algbw * 2(n-1)/n, the standard bus-bandwidth figure.
+    /// The standard bus-bandwidth figure: algbw * 2(n-1)/n for the
+    /// allreduce, algbw * (n-1)/n for the others (what each rank's links
+    /// carry in an optimal ring).
     pub busbw_gbs: f64,
     /// NCCL's median / ours, when NCCL ran the same size.
     pub speedup_vs_nccl: Option<f64>,
@@ -70,11 +77,26 @@ pub struct RowKey<'a> {
     pub mode: Mode,
 }
 
+fn allreduce_name() -> String {
+    Collective::AllReduce.name().into()
+}
+
 /// One table row from per-allreduce samples (microseconds).
 pub fn measurement(key: RowKey, samples: &mut [f64]) -> Measurement {
+    measurement_of(Collective::AllReduce, key, samples)
+}
+
+/// One table row of `collective` from per-call samples (microseconds);
+/// `key.bytes` is one rank's block for the all-gather and reduce-scatter.
+pub fn measurement_of(collective: Collective, key: RowKey, samples: &mut [f64]) -> Measurement {
     let (median, p10, p90) = percentiles(samples);
-    let algbw = algbw_gbs(key.bytes, median);
+    let (total, bus) = match collective {
+        Collective::AllReduce => (key.bytes, busbw(1.0, key.world)),
+        _ => (key.bytes * key.world, (key.world.max(2) - 1) as f64 / key.world.max(1) as f64),
+    };
+    let algbw = algbw_gbs(total, median);
     Measurement {
+        collective: collective.name().into(),
         bytes: key.bytes,
         dtype: key.dtype.name().into(),
         selection: key.selection.into(),
@@ -85,7 +107,7 @@ pub fn measurement(key: RowKey, samples: &mut [f64]) -> Measurement {
         p10_us: p10,
         p90_us: p90,
         algbw_gbs: algbw,
-        busbw_gbs: busbw(algbw, key.world),
+        busbw_gbs: algbw * bus,
         speedup_vs_nccl: None,
     }
 }
@@ -143,5 +165,22 @@ mod tests {
         let mut rows = vec![row];
         set_speedups(&mut rows, &nccl);
         assert_eq!(rows[0].speedup_vs_nccl, Some(3.0));
+    }
+
+    #[test]
+    fn gather_and_scatter_rows_count_every_block() {
+        // 8 ranks, 1 MB blocks, 80 us: 8 MB moved per rank's view, bus
+        // bandwidth (n-1)/n of it (NCCL's convention for both).
+        let key =
+            RowKey { bytes: 1_000_000, dtype: DType::F16, selection: "auto", ran: "x", world: 8, mode: Mode::Graph };
+        for c in [Collective::AllGather, Collective::ReduceScatter] {
+            let row = measurement_of(c, key, &mut [80.0]);
+            assert_eq!(row.collective, c.name());
+            assert!((row.algbw_gbs - 100.0).abs() < 1e-9, "{c:?}: {}", row.algbw_gbs);
+            assert!((row.busbw_gbs - 87.5).abs() < 1e-9, "{c:?}: {}", row.busbw_gbs);
+        }
+        let row = measurement_of(Collective::AllReduce, key, &mut [80.0]);
+        assert_eq!(row.collective, "allreduce");
+        assert!((row.algbw_gbs - 12.5).abs() < 1e-9);
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaGraph, CudaStream};
 
-use super::collective::Collective;
+use super::collective::CommGroup;
 use super::ranks::{Buffers, Ranks};
 use super::{Mode, Options};
 use tp_allreduce::comm::Comm;
@@ -29,7 +29,7 @@ pub(crate) fn launch(graph: &CudaGraph) -> Result<()> {
 }
 
 /// Waits for every rank's stream, then checks the collective for errors.
-pub(crate) fn sync_all(c: &dyn Collective, ranks: &Ranks) -> Result<()> {
+pub(crate) fn sync_all(c: &dyn CommGroup, ranks: &Ranks) -> Result<()> {
     for s in &ranks.streams {
         let synced = driver::synchronize(s);
         c.check()?;
@@ -79,9 +79,9 @@ pub(crate) fn time_graph_replays(
 
 /// Verifies, then times `c` on `bufs`; returns per-allreduce microseconds
 /// (one sample per timed repeat).
-pub fn time_collective(c: &dyn Collective, ranks: &Ranks, bufs: &mut Buffers, opts: &Options) -> Result<Vec<f64>> {
-    let what = c.describe(bufs.bytes(), bufs.dtype);
-    let roundings = c.roundings(bufs.bytes(), bufs.dtype);
+pub fn time_collective(c: &dyn CommGroup, ranks: &Ranks, bufs: &mut Buffers, opts: &Options) -> Result<Vec<f64>> {
+    let what = c.describe(bufs.collective, bufs.bytes(), bufs.dtype);
+    let roundings = c.roundings(bufs.collective, bufs.bytes(), bufs.dtype);
     bufs.poison()?;
     c.issue_all(bufs)?;
     sync_all(c, ranks)?;
@@ -90,7 +90,7 @@ pub fn time_collective(c: &dyn Collective, ranks: &Ranks, bufs: &mut Buffers, op
     match mode {
         Mode::Graph => {
             let graphs = capture_per_rank(ranks, |r, _| {
-                (0..opts.iterations).try_for_each(|_| c.all_reduce(r, &bufs.inputs[r], &mut bufs.outputs[r]))
+                (0..opts.iterations).try_for_each(|_| c.run(bufs.collective, r, &bufs.inputs[r], &mut bufs.outputs[r]))
             })?;
             c.after_capture()?;
             for g in &graphs {
@@ -108,7 +108,7 @@ pub fn time_collective(c: &dyn Collective, ranks: &Ranks, bufs: &mut Buffers, op
 }
 
 /// `iterations` eager calls on every rank per sample.
-fn time_eager(c: &dyn Collective, ranks: &Ranks, bufs: &mut Buffers, opts: &Options) -> Result<Vec<f64>> {
+fn time_eager(c: &dyn CommGroup, ranks: &Ranks, bufs: &mut Buffers, opts: &Options) -> Result<Vec<f64>> {
     let starts: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
     let ends: Vec<CudaEvent> = ranks.contexts.iter().map(event).collect::<Result<_>>()?;
     let mut samples = Vec::with_capacity(opts.repeats);

@@ -17,7 +17,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::collective::{nccl_group, our_group, Collective, NcclGroup, OurGroup};
+use super::collective::{nccl_group, our_group, CommGroup, NcclGroup, OurGroup};
 use super::progress::Progress;
 use super::ranks::{Buffers, Ranks};
 use super::stats::percentiles;
