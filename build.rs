@@ -12,6 +12,29 @@
 //! * `TP_ALLREDUCE_WRITE_PTX=1` (with a source build) refreshes the
 //!   committed PTX and `kernels-rs/ptx/MANIFEST` (see `.ci/regen-ptx`).
 //!
+//! "Built from source" means: taken from the PTX cache, which holds what the
+//! nightly toolchain produced for exactly these kernel sources, or built into
+//! it. Every build of this crate (any target directory, profile or feature
+//! set, the Python wheel in `python/`) shares the cache, so the four nightly
+//! nvptx builds (about a minute of CPU each) run once per change of the
+//! kernels' code:
+//! * where: `TP_ALLREDUCE_PTX_CACHE`, default `<this crate>/.cache/ptx`
+//!   (git-ignored), one folder per key holding `<arch>.ptx` as rustc emitted
+//!   it (~6 MB each); the nested cargo builds in a staging folder `tmp/...`
+//!   that is removed afterwards;
+//! * key: the kernel sources hash (below) and the nightly rustc's version;
+//! * the kernel sources hash covers the kernel crate's Rust sources with
+//!   comments (doc comments included) and formatting whitespace taken out
+//!   (string and char literals, `asm!` templates among them, kept verbatim),
+//!   its `Cargo.toml` without comment lines, and every flag and setting of the
+//!   nested build; a comment-only edit keeps the hash, so neither the cache
+//!   nor the committed PTX (whose `MANIFEST` records the hash) goes stale;
+//! * concurrent builds: each builds in a staging folder of its own and
+//!   renames each PTX file into place (atomic): a build finds a whole file or
+//!   none, and two builds of one key write the same bytes.
+//! * The launch bounds (`add_launch_bounds`) are added on every build, after
+//!   the cache: changing them needs no nvptx build.
+//!
 //! The nested cargo gets its own target directory (reusing the outer one
 //! deadlocks on cargo's build lock) and a clean environment (the outer
 //! cargo's RUSTFLAGS/RUSTC/target settings must not leak into it).
@@ -22,10 +45,29 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant, SystemTime};
 
 const DEFAULT_ARCHS: &str = "sm_120,sm_90,sm_89,sm_80";
 const KERNEL_FLAGS: &str = "-Zunstable-options -Cpanic=immediate-abort";
 const FIX_NIGHTLY: &str = "rustup toolchain install nightly && rustup component add rust-src --toolchain nightly";
+/// The nested cargo's arguments before `--target-dir`.
+const CARGO_ARGS: [&str; 5] = ["rustc", "--release", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"];
+/// The nested build's profile, as cargo environment settings.
+const PROFILE: [(&str, &str); 4] = [
+    ("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "1"),
+    ("CARGO_PROFILE_RELEASE_OPT_LEVEL", "3"),
+    ("CARGO_PROFILE_RELEASE_DEBUG", "false"),
+    ("CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS", "false"),
+];
+/// PTX ISA above the target's default where an entry needs it: the sm_90
+/// cluster entries use `st.async` and `mbarrier` expect-tx (PTX 8.1; LLVM
+/// emits 7.8 for sm_90 by default, 8.7 for sm_120). PTX 8.1 loads on
+/// drivers of CUDA 12.1 and newer.
+const PTX_ISA: [(&str, &str); 1] = [("sm_90", "target-feature=+ptx81")];
+/// Cache folders (keys) kept besides the one in use: the most recently built
+/// ones, and any built within the last day.
+const CACHE_KEEP: usize = 8;
+const CACHE_KEEP_AGE: Duration = Duration::from_secs(24 * 3600);
 
 fn main() {
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
@@ -34,7 +76,8 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels-rs/src");
     println!("cargo:rerun-if-changed=kernels-rs/Cargo.toml");
     println!("cargo:rerun-if-changed=kernels-rs/ptx");
-    for var in ["TP_ALLREDUCE_PTX_ARCHS", "TP_ALLREDUCE_BUILD_PTX", "TP_ALLREDUCE_WRITE_PTX"] {
+    for var in ["TP_ALLREDUCE_PTX_ARCHS", "TP_ALLREDUCE_BUILD_PTX", "TP_ALLREDUCE_WRITE_PTX", "TP_ALLREDUCE_PTX_CACHE"]
+    {
         println!("cargo:rerun-if-env-changed={var}");
     }
 
@@ -53,7 +96,7 @@ fn main() {
         }
     }
 
-    let sources_hash = hash_sources(&kernels);
+    let sources_hash = kernel_sources_hash(&kernels);
     let mode = env::var("TP_ALLREDUCE_BUILD_PTX").unwrap_or_default();
     let nightly = nightly_status();
     let build_from_source = match mode.as_str() {
@@ -74,23 +117,14 @@ fn main() {
     let rustc_version;
     if build_from_source {
         rustc_version = nightly.clone().unwrap_or_default();
-        let staged = stage_sources(&kernels, &out).unwrap_or_else(|e| fail(&e));
-        let handles: Vec<_> = archs
-            .iter()
-            .map(|arch| {
-                let arch = arch.clone();
-                let kernels = staged.clone();
-                let out = out.clone();
-                std::thread::spawn(move || build_arch(&kernels, &out, &arch).map(|p| (arch, p)))
-            })
-            .collect();
-        for h in handles {
-            match h.join().expect("PTX build thread panicked") {
-                Ok((arch, path)) => {
-                    ptx.insert(arch, path);
-                }
-                Err(e) => fail(&e),
-            }
+        let cache = PtxCache::open(&root, &out, &sources_hash, &rustc_version);
+        let raw = cache.get_or_build(&kernels, &archs).unwrap_or_else(|e| fail(&e));
+        for (arch, file) in raw {
+            let text = fs::read_to_string(&file).unwrap_or_else(|e| fail(&format!("reading {}: {e}", file.display())));
+            let dest = out.join(format!("{arch}.ptx"));
+            fs::write(&dest, add_launch_bounds(&text))
+                .unwrap_or_else(|e| fail(&format!("writing {}: {e}", dest.display())));
+            ptx.insert(arch, dest);
         }
         if env::var("TP_ALLREDUCE_WRITE_PTX").as_deref() == Ok("1") {
             write_committed(&kernels, &ptx, &sources_hash, &rustc_version);
@@ -128,11 +162,14 @@ fn main() {
         writeln!(index, "    ({arch:?}, {sm}, include_str!({:?})),", path.display().to_string()).unwrap();
     }
     writeln!(index, "];").unwrap();
-    writeln!(index, "/// \"built\" (from kernels-rs sources in this build) or \"committed\" (kernels-rs/ptx).")
-        .unwrap();
+    writeln!(
+        index,
+        "/// \"built\" (from the kernels-rs sources by the nightly toolchain, in this build or taken from the PTX cache) or \"committed\" (kernels-rs/ptx)."
+    )
+    .unwrap();
     writeln!(index, "pub const PTX_ORIGIN: &str = {:?};", if build_from_source { "built" } else { "committed" })
         .unwrap();
-    writeln!(index, "/// Hash of the kernels-rs sources this build saw.").unwrap();
+    writeln!(index, "/// Hash of the kernels-rs sources this build saw (comments and formatting excluded).").unwrap();
     writeln!(index, "pub const KERNEL_SOURCES_HASH: &str = {sources_hash:?};").unwrap();
     writeln!(index, "/// rustc that built the PTX (empty when committed PTX is used).").unwrap();
     writeln!(index, "pub const PTX_RUSTC_VERSION: &str = {rustc_version:?};").unwrap();
@@ -183,20 +220,139 @@ fn nightly_status() -> Result<String, String> {
     Ok(String::from_utf8_lossy(&version.stdout).trim().to_string())
 }
 
-/// Copies the kernel crate to `out/kernels-rs-src` as a workspace of its own
+// ---------------------------------------------------------------- PTX cache
+
+/// The PTX cache (see the top of this file): `dir` holds the PTX of one key.
+struct PtxCache {
+    root: PathBuf,
+    dir: PathBuf,
+}
+
+impl PtxCache {
+    /// The cache for these sources and this rustc: `TP_ALLREDUCE_PTX_CACHE`,
+    /// else `<crate>/.cache/ptx`; where neither can be created (a read-only
+    /// checkout), one in `OUT_DIR` that serves this build directory only.
+    fn open(crate_root: &Path, out: &Path, sources_hash: &str, rustc_version: &str) -> PtxCache {
+        let key = format!("{sources_hash}-{}", &fnv1a(rustc_version.as_bytes())[..8]);
+        let root = match env::var_os("TP_ALLREDUCE_PTX_CACHE").filter(|v| !v.is_empty()) {
+            Some(dir) => PathBuf::from(dir),
+            None => crate_root.join(".cache").join("ptx"),
+        };
+        let root = match fs::create_dir_all(root.join(&key)) {
+            Ok(()) => root,
+            Err(e) => {
+                let fallback = out.join("ptx-cache");
+                println!(
+                    "cargo:warning=PTX cache {} not writable ({e}): using {} (set TP_ALLREDUCE_PTX_CACHE to share one between builds)",
+                    root.display(),
+                    fallback.display()
+                );
+                fs::create_dir_all(fallback.join(&key))
+                    .unwrap_or_else(|e| fail(&format!("{}: {e}", fallback.display())));
+                fallback
+            }
+        };
+        let dir = root.join(&key);
+        PtxCache { root, dir }
+    }
+
+    /// The cached PTX file of every arch in `archs`, building the missing ones.
+    fn get_or_build(&self, kernels: &Path, archs: &[String]) -> Result<BTreeMap<String, PathBuf>, String> {
+        let file = |arch: &str| self.dir.join(format!("{arch}.ptx"));
+        let missing: Vec<&String> = archs.iter().filter(|a| !file(a).is_file()).collect();
+        if !missing.is_empty() {
+            // A staging folder of this build's own: the sources as cargo
+            // sees them, and each arch's PTX until it is renamed into place.
+            let nonce = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+            let stage = self.root.join("tmp").join(format!("{}-{nonce}", std::process::id()));
+            let staged = stage_sources(kernels, &stage)?;
+            let started = Instant::now();
+            let handles: Vec<_> = missing
+                .iter()
+                .map(|arch| {
+                    let (arch, staged, stage) = (arch.to_string(), staged.clone(), stage.clone());
+                    let target_dir = stage.join("target").join(&arch);
+                    std::thread::spawn(move || {
+                        let asm = stage.join(format!("{arch}.s"));
+                        build_arch(&staged, &target_dir, &arch, &asm).map(|()| (arch, asm))
+                    })
+                })
+                .collect();
+            let mut result = Ok(());
+            for h in handles {
+                let built = h.join().map_err(|_| "PTX build thread panicked".to_string()).and_then(|r| r);
+                match built {
+                    // rename: a concurrent build of the same key finds
+                    // either no file or a whole one.
+                    Ok((arch, asm)) => {
+                        let dest = file(&arch);
+                        if let Err(e) = fs::rename(&asm, &dest) {
+                            result = Err(format!("moving {} to {}: {e}", asm.display(), dest.display()));
+                        }
+                    }
+                    Err(e) => result = Err(e),
+                }
+            }
+            let _ = fs::remove_dir_all(&stage);
+            result?;
+            println!(
+                "cargo:warning=built the PTX for {} in {} s into {}",
+                missing.iter().map(|a| a.as_str()).collect::<Vec<_>>().join(", "),
+                started.elapsed().as_secs(),
+                self.dir.display()
+            );
+            self.prune();
+        }
+        Ok(archs.iter().map(|a| (a.clone(), file(a))).collect())
+    }
+
+    /// Removes the cache folders of old keys (each one is ~25 MB) and
+    /// staging folders left by killed builds: all but the `CACHE_KEEP` most
+    /// recently written, unless written within `CACHE_KEEP_AGE`.
+    fn prune(&self) {
+        let now = SystemTime::now();
+        let age = |p: &Path| {
+            fs::metadata(p).and_then(|m| m.modified()).ok().and_then(|t| now.duration_since(t).ok()).unwrap_or_default()
+        };
+        let mut keys: Vec<(Duration, PathBuf)> = fs::read_dir(&self.root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_dir() && *p != self.dir && is_key(p))
+            .map(|p| (age(&p), p))
+            .collect();
+        keys.sort();
+        for (old, path) in keys.into_iter().skip(CACHE_KEEP) {
+            if old > CACHE_KEEP_AGE {
+                let _ = fs::remove_dir_all(path);
+            }
+        }
+        for stage in fs::read_dir(self.root.join("tmp")).into_iter().flatten().flatten() {
+            if age(&stage.path()) > CACHE_KEEP_AGE {
+                let _ = fs::remove_dir_all(stage.path());
+            }
+        }
+    }
+}
+
+/// A cache key folder's name: `<16 hex>-<8 hex>`.
+fn is_key(path: &Path) -> bool {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    name.len() == 25 && name.as_bytes()[16] == b'-' && name.chars().filter(|c| c.is_ascii_hexdigit()).count() == 24
+}
+
+/// Copies the kernel crate to `stage/kernels-rs` as a workspace of its own
 /// (inside the outer workspace it would resolve the host's dependencies and
 /// share its lock file); the PTX does not depend on where the sources are.
-fn stage_sources(kernels: &Path, out: &Path) -> Result<PathBuf, String> {
-    let staged = out.join("kernels-rs-src");
-    if staged.exists() {
-        fs::remove_dir_all(&staged).map_err(|e| format!("{}: {e}", staged.display()))?;
-    }
+fn stage_sources(kernels: &Path, stage: &Path) -> Result<PathBuf, String> {
+    let staged = stage.join("kernels-rs");
     let mut files = Vec::new();
     collect_files(&kernels.join("src"), &mut files);
     for file in files {
         let rel = file.strip_prefix(kernels).map_err(|e| e.to_string())?;
         let dest = staged.join(rel);
-        fs::create_dir_all(dest.parent().unwrap()).map_err(|e| e.to_string())?;
+        fs::create_dir_all(dest.parent().unwrap()).map_err(|e| format!("{}: {e}", dest.display()))?;
         fs::copy(&file, &dest).map_err(|e| format!("{}: {e}", file.display()))?;
     }
     let manifest = fs::read_to_string(kernels.join("Cargo.toml")).map_err(|e| e.to_string())?;
@@ -204,56 +360,35 @@ fn stage_sources(kernels: &Path, out: &Path) -> Result<PathBuf, String> {
     Ok(staged)
 }
 
-/// PTX ISA above the target's default where an entry needs it: the sm_90
-/// cluster entries use `st.async` and `mbarrier` expect-tx (PTX 8.1; LLVM
-/// emits 7.8 for sm_90 by default, 8.7 for sm_120). PTX 8.1 loads on
-/// drivers of CUDA 12.1 and newer.
-fn ptx_isa_flags(arch: &str) -> &'static [&'static str] {
-    if arch == "sm_90" {
-        &["-C", "target-feature=+ptx81"]
-    } else {
-        &[]
+/// The arguments after `--` of the nested `cargo rustc` for `arch` (but the
+/// output file): the kernel crate's codegen settings.
+fn rustc_args(arch: &str) -> Vec<String> {
+    let mut args = vec!["-C".to_string(), format!("target-cpu={arch}")];
+    for (_, feature) in PTX_ISA.iter().filter(|(a, _)| *a == arch) {
+        args.extend(["-C".to_string(), feature.to_string()]);
     }
+    args
 }
 
-fn build_arch(staged: &Path, out: &Path, arch: &str) -> Result<PathBuf, String> {
-    let target_dir = out.join("ptx-target").join(arch);
-    let output = nightly_command("cargo")
-        .current_dir(staged)
-        .args(["rustc", "--release", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core", "--target-dir"])
-        .arg(&target_dir)
-        .args(["--", "-C", &format!("target-cpu={arch}"), "--emit=asm"])
-        .args(ptx_isa_flags(arch))
-        .env("RUSTFLAGS", KERNEL_FLAGS)
-        .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "1")
-        .env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "3")
-        .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
-        .env("CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS", "false")
-        .output()
-        .map_err(|e| format!("running nightly cargo for {arch}: {e}. Run: {FIX_NIGHTLY}"))?;
+/// Builds the kernel crate at `staged` for `arch`, its PTX into `asm`.
+fn build_arch(staged: &Path, target_dir: &Path, arch: &str, asm: &Path) -> Result<(), String> {
+    let mut cmd = nightly_command("cargo");
+    cmd.current_dir(staged).args(CARGO_ARGS).arg("--target-dir").arg(target_dir).arg("--").args(rustc_args(arch));
+    cmd.arg(format!("--emit=asm={}", asm.display())).env("RUSTFLAGS", KERNEL_FLAGS);
+    for (key, value) in PROFILE {
+        cmd.env(key, value);
+    }
+    let output = cmd.output().map_err(|e| format!("running nightly cargo for {arch}: {e}. Run: {FIX_NIGHTLY}"))?;
     if !output.status.success() {
         return Err(format!(
             "building kernels-rs for {arch} failed:\n{}\nIf the toolchain is missing, run: {FIX_NIGHTLY}",
             String::from_utf8_lossy(&output.stderr)
         ));
     }
-    let deps = target_dir.join("nvptx64-nvidia-cuda/release/deps");
-    let mut newest: Option<(std::time::SystemTime, PathBuf)> = None;
-    for entry in fs::read_dir(&deps).map_err(|e| format!("{}: {e}", deps.display()))? {
-        let path = entry.map_err(|e| e.to_string())?.path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name.starts_with("tp_allreduce_kernels") && name.ends_with(".s") {
-            let modified = fs::metadata(&path).and_then(|m| m.modified()).map_err(|e| e.to_string())?;
-            if newest.as_ref().is_none_or(|(t, _)| modified > *t) {
-                newest = Some((modified, path));
-            }
-        }
+    if !asm.is_file() {
+        return Err(format!("no PTX produced for {arch} at {}", asm.display()));
     }
-    let (_, asm) = newest.ok_or_else(|| format!("no PTX produced for {arch} in {}", deps.display()))?;
-    let text = fs::read_to_string(&asm).map_err(|e| format!("reading PTX for {arch}: {e}"))?;
-    let dest = out.join(format!("{arch}.ptx"));
-    fs::write(&dest, add_launch_bounds(&text)).map_err(|e| format!("writing PTX for {arch}: {e}"))?;
-    Ok(dest)
+    Ok(())
 }
 
 /// Register budget per entry, stated here because Rust has no launch-bounds
@@ -285,22 +420,155 @@ fn add_launch_bounds(ptx: &str) -> String {
     out
 }
 
-/// FNV-1a over the kernel crate's sources (paths and contents, sorted).
-fn hash_sources(kernels: &Path) -> String {
+// ---------------------------------------------------------------- sources hash
+
+/// The kernel sources hash (`kernels-rs/ptx/MANIFEST`'s `sources_hash`, the
+/// PTX cache's key): FNV-1a over the normalized Rust sources of
+/// `kernels/src` (paths and texts, sorted by path; see `normalize_rust`),
+/// `kernels/Cargo.toml` without comment and blank lines, and the nested
+/// build's settings. Comment and formatting edits keep it; code edits change
+/// it.
+pub fn kernel_sources_hash(kernels: &Path) -> String {
     let mut files = Vec::new();
     collect_files(&kernels.join("src"), &mut files);
-    files.push(kernels.join("Cargo.toml"));
     files.sort();
+    let mut text = String::from("tp-allreduce kernel sources, hash scheme 2\0");
+    for file in files {
+        let rel = file.strip_prefix(kernels).unwrap_or(&file).to_string_lossy().replace('\\', "/");
+        let source = fs::read_to_string(&file).unwrap_or_else(|e| fail(&format!("reading {}: {e}", file.display())));
+        write!(text, "{rel}\0{}\0", normalize_rust(&source)).unwrap();
+    }
+    let manifest = fs::read_to_string(kernels.join("Cargo.toml")).unwrap_or_default();
+    let manifest: Vec<&str> =
+        manifest.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
+    write!(text, "Cargo.toml\0{}\0", manifest.join("\n")).unwrap();
+    write!(text, "cargo {CARGO_ARGS:?} RUSTFLAGS={KERNEL_FLAGS:?} {PROFILE:?}").unwrap();
+    for arch in DEFAULT_ARCHS.split(',') {
+        write!(text, " {arch}: {:?}", rustc_args(arch)).unwrap();
+    }
+    fnv1a(text.as_bytes())
+}
+
+/// 64-bit FNV-1a as 16 hex digits.
+fn fnv1a(bytes: &[u8]) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for f in files {
-        let rel = f.strip_prefix(kernels).unwrap_or(&f).to_string_lossy().replace('\\', "/");
-        let data = fs::read(&f).unwrap_or_default();
-        for byte in rel.as_bytes().iter().chain([0u8].iter()).chain(data.iter()) {
-            h ^= *byte as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
+    for byte in bytes {
+        h ^= *byte as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     format!("{h:016x}")
+}
+
+/// A Rust source reduced to what the compiler sees: comments (`//`, nested
+/// `/* */`, doc comments too) dropped, string, byte-string, raw-string and
+/// char literals kept verbatim (so `asm!` templates are), and each run of
+/// whitespace (a comment counts as whitespace) made one space where it
+/// separates tokens that would otherwise read differently (two words; two
+/// operators: `& &` is not `&&`; a word and the `#`, `"` or `'` after it:
+/// `r #` is not `r#`; a literal and the word after it) and dropped
+/// elsewhere. Indentation, line breaks and spaces next to brackets, commas,
+/// literals or between a word and an operator do not change the result.
+pub fn normalize_rust(src: &str) -> String {
+    let c: Vec<char> = src.chars().collect();
+    let word = |ch: char| ch.is_alphanumeric() || ch == '_';
+    let mut out = String::with_capacity(src.len());
+    let mut gap = false;
+    let mut i = 0;
+    while i < c.len() {
+        let ch = c[i];
+        let next = c.get(i + 1).copied();
+        if ch.is_whitespace() {
+            gap = true;
+            i += 1;
+            continue;
+        }
+        if ch == '/' && next == Some('/') {
+            while i < c.len() && c[i] != '\n' {
+                i += 1;
+            }
+            gap = true;
+            continue;
+        }
+        if ch == '/' && next == Some('*') {
+            let mut depth = 0;
+            while i < c.len() {
+                if c[i] == '/' && c.get(i + 1) == Some(&'*') {
+                    depth += 1;
+                    i += 2;
+                } else if c[i] == '*' && c.get(i + 1) == Some(&'/') {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+            gap = true;
+            continue;
+        }
+        if gap {
+            gap = false;
+            if let Some(prev) = out.chars().next_back() {
+                let neutral = |x: char| "()[]{},;\"'".contains(x);
+                let space = if word(prev) {
+                    word(ch) || "#\"'".contains(ch)
+                } else if "\"'".contains(prev) && word(ch) {
+                    true
+                } else {
+                    !neutral(prev) && !neutral(ch) && !word(ch)
+                };
+                if space {
+                    out.push(' ');
+                }
+            }
+        }
+        let start = i;
+        if ch == '"' {
+            // A string: up to the unescaped closing quote.
+            i += 1;
+            while i < c.len() && c[i] != '"' {
+                i += if c[i] == '\\' { 2 } else { 1 };
+            }
+            i += 1;
+        } else if ch == '\'' && (next == Some('\\') || c.get(i + 2) == Some(&'\'')) {
+            // A char literal (`'x'`, `'\''`, `'\u{..}'`); else a lifetime.
+            i += if next == Some('\\') { 3 } else { 2 };
+            while i < c.len() && c[i] != '\'' {
+                i += 1;
+            }
+            i += 1;
+        } else if word(ch) {
+            while i < c.len() && word(c[i]) {
+                i += 1;
+            }
+            // A raw string (`r"..."`, `br#"..."#`, `cr"..."`): up to the
+            // quote followed by as many `#` as opened it.
+            let ident: String = c[start..i].iter().collect();
+            if matches!(ident.as_str(), "r" | "br" | "cr") {
+                let hashes = c[i..].iter().take_while(|&&x| x == '#').count();
+                if c.get(i + hashes) == Some(&'"') {
+                    i += hashes + 1;
+                    loop {
+                        if i >= c.len() {
+                            break;
+                        }
+                        if c[i] == '"' && c[i + 1..].iter().take(hashes).filter(|&&x| x == '#').count() == hashes {
+                            i += 1 + hashes;
+                            break;
+                        }
+                        i += 1;
+                    }
+                }
+            }
+        } else {
+            i += 1;
+        }
+        let end = i.min(c.len());
+        out.extend(&c[start..end]);
+    }
+    out
 }
 
 fn collect_files(dir: &Path, files: &mut Vec<PathBuf>) {
@@ -321,6 +589,11 @@ fn write_committed(kernels: &Path, ptx: &BTreeMap<String, PathBuf>, sources_hash
     fs::create_dir_all(&dir).expect("creating kernels-rs/ptx");
     let mut manifest = String::new();
     writeln!(manifest, "# Written by `bash .ci/regen-ptx`; checked by the test suite.").unwrap();
+    writeln!(
+        manifest,
+        "# sources_hash: the kernel sources without comments and formatting, and the build flags (build.rs)."
+    )
+    .unwrap();
     writeln!(manifest, "sources_hash = {sources_hash:?}").unwrap();
     writeln!(manifest, "rustc = {rustc:?}").unwrap();
     writeln!(manifest, "flags = {KERNEL_FLAGS:?}").unwrap();

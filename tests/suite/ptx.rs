@@ -21,6 +21,13 @@ use std::thread;
 use tp_allreduce::kernels;
 use tp_allreduce_cli::inspect::{self, Assembly};
 
+/// `build.rs` itself, for the kernel sources hash it computes
+/// (`kernel_sources_hash`, `normalize_rust`): the tests below check the code
+/// the build runs, not a copy of it.
+#[allow(dead_code)]
+#[path = "../../build.rs"]
+mod build_script;
+
 const REQUIRE_PTXAS: &str = "TP_ALLREDUCE_REQUIRE_PTXAS";
 const REQUIRE_PTX_BUILD: &str = "TP_ALLREDUCE_REQUIRE_PTX_BUILD";
 const REGEN: &str = "run bash .ci/regen-ptx";
@@ -347,6 +354,89 @@ fn committed_ptx_matches_kernel_sources() {
         "committed PTX is stale: {REGEN} (kernels-rs/ptx/MANIFEST sources_hash = {committed}, kernels-rs sources hash = {})",
         kernels::KERNEL_SOURCES_HASH
     );
+}
+
+/// `dir/**` copied to `to` (the kernel crate, to edit a copy of it).
+fn copy_tree(dir: &Path, to: &Path) {
+    fs::create_dir_all(to).expect("creating a folder for the copy");
+    for entry in fs::read_dir(dir).expect("reading the kernel crate") {
+        let path = entry.expect("listing the kernel crate").path();
+        let dest = to.join(path.file_name().expect("a file name"));
+        if path.is_dir() {
+            copy_tree(&path, &dest);
+        } else {
+            fs::copy(&path, &dest).expect("copying a kernel source");
+        }
+    }
+}
+
+/// The kernel sources hash (MANIFEST's `sources_hash`, the PTX cache's key)
+/// ignores comments, doc comments and formatting, so a comment-only edit
+/// neither makes the committed PTX stale nor rebuilds the PTX; an edit of
+/// the code, or of a string literal such as an `asm!` template, changes it.
+#[test]
+fn kernel_sources_hash_ignores_comments_not_code() {
+    let kernels = crate::common::repo().join("kernels-rs");
+    let hash = build_script::kernel_sources_hash;
+    assert_eq!(hash(&kernels), kernels::KERNEL_SOURCES_HASH, "build.rs hashed other sources than these");
+
+    let copy = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kernel-sources-hash");
+    let _ = fs::remove_dir_all(&copy);
+    copy_tree(&kernels.join("src"), &copy.join("src"));
+    fs::copy(kernels.join("Cargo.toml"), copy.join("Cargo.toml")).expect("copying Cargo.toml");
+    assert_eq!(hash(&copy), kernels::KERNEL_SOURCES_HASH);
+    let file = copy.join("src/device/ptx.rs");
+    let original = fs::read_to_string(&file).expect("reading the copy of device/ptx.rs");
+    let hash_with = |text: &str| {
+        fs::write(&file, text).expect("editing the copy");
+        hash(&copy)
+    };
+    let template = "\"fence.acq_rel.sys;\"";
+    assert!(original.contains(template), "device/ptx.rs no longer has `{template}`: pick another literal");
+
+    let commented = format!(
+        "// A new comment.\n/* A block /* nested */ comment. */\n{}\n// trailing",
+        original.replace("#[inline(always)]\n", "/// A new doc comment.\n#[inline(always)] // and a note\n")
+    );
+    assert_eq!(hash_with(&commented), kernels::KERNEL_SOURCES_HASH, "a comment-only edit changed the hash");
+    let reindented = original.replace("\n    ", "\n\t\t").replace(") -> ", ")\n    ->  ");
+    assert_eq!(hash_with(&reindented), kernels::KERNEL_SOURCES_HASH, "a formatting-only edit changed the hash");
+
+    let code = format!("{original}\npub const NEW_CONSTANT: u32 = 1;\n");
+    assert_ne!(hash_with(&code), kernels::KERNEL_SOURCES_HASH, "a code edit kept the hash");
+    let asm = original.replacen(template, "\"fence.acq_rel.sys; \"", 1);
+    assert_ne!(hash_with(&asm), kernels::KERNEL_SOURCES_HASH, "an edit of an asm! template kept the hash");
+    fs::write(&file, &original).expect("restoring the copy");
+    let manifest = fs::read_to_string(copy.join("Cargo.toml")).expect("reading the copy of Cargo.toml");
+    fs::write(copy.join("Cargo.toml"), format!("# A comment.\n{manifest}")).expect("editing the copy");
+    assert_eq!(hash(&copy), kernels::KERNEL_SOURCES_HASH, "a comment in Cargo.toml changed the hash");
+    fs::write(copy.join("Cargo.toml"), manifest.replace("edition = \"2021\"", "edition = \"2024\""))
+        .expect("editing the copy");
+    assert_ne!(hash(&copy), kernels::KERNEL_SOURCES_HASH, "an edit of Cargo.toml kept the hash");
+}
+
+/// What the normalization keeps apart and what it merges, token by token.
+#[test]
+fn kernel_source_normalization_keeps_literals_and_token_boundaries() {
+    let same = |a: &str, b: &str| build_script::normalize_rust(a) == build_script::normalize_rust(b);
+    // Comments of every kind and whitespace between tokens go.
+    assert!(same("fn f(a: u32, b: u32) -> u32 { a + b }", "fn f(a:u32,b:u32)->u32{a+b}"));
+    assert!(same("let x = 1; // one\nlet y = 2;", "let x = 1;\n\n/** doc */ let y = 2;"));
+    assert!(same("/* a /* nested */ comment */ x", "x"));
+    assert!(same("impl<'a> S<'a> { fn f(&'a self) {} }", "impl<'a>S<'a>{fn f(&'a self){}}"));
+    // Literals stay verbatim: strings, raw strings, chars, what looks like a
+    // comment inside them.
+    assert!(!same(r#"asm!("add.u32 {a}, {b};")"#, r#"asm!("add.u32 {a},{b};")"#));
+    assert!(!same(r##"r#"a // b"#"##, r##"r#"a "#"##));
+    assert!(!same(r#"let s = "/* x */";"#, r#"let s = "";"#));
+    assert!(same("let c = '\\''; let d = 2; // x", "let c='\\'';let d=2;"));
+    assert!(!same("let c = '\\''; let d = 2;", "let c = '\\''; let d = 3;"));
+    assert!(same(r#"let c = '"'; let d = 1;"#, r#"let c='"';let d=1;"#));
+    // Where a space separates tokens it stays.
+    assert!(!same("a & &b", "a && b"));
+    assert!(!same("let x = r #y;", "let x = r#y;"));
+    assert!(!same("pub fn f()", "pubfn f()"));
+    assert!(!same("x as u8", "x asu8"));
 }
 
 #[test]
