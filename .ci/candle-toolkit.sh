@@ -27,6 +27,17 @@
 #   .ci/candle-gpu.sh); on a machine without a GPU the stubs let the test
 #   binary start and every CUDA probe fail cleanly ("no CUDA device").
 #
+# * bin/nvcc-cached, the nvcc that --env names (NVCC): nvcc with a result
+#   cache in <repo>/.cache/nvcc. candle-kernels' build script runs once per
+#   distinct build of its build-time dependencies, and those differ between
+#   `--no-default-features --features candle` and `--features candle` (the
+#   tools' proc macros add syn/serde features to the host side, cudaforge
+#   included), so without it candle.sh compiles candle's CUDA kernels twice.
+#   The key covers nvcc's arguments (the output path aside), the toolkit's
+#   pinned versions, the host C++ compiler, the NVCC_* settings and every
+#   CUDA source and header of the crate being built; only compiles of one
+#   .cu file run by a cargo build script are cached.
+#
 # Idempotent: a toolkit already installed at the pinned versions is kept.
 set -euo pipefail
 
@@ -54,7 +65,7 @@ WANT_STAMP="${PINS[*]} stubs-v1"
 print_env() {
     cat <<EOF
 export CUDA_HOME="$PREFIX"
-export NVCC="$PREFIX/bin/nvcc"
+export NVCC="$PREFIX/bin/nvcc-cached"
 export PATH="$PREFIX/bin:\$PATH"
 export CUDARC_CUDA_VERSION="$CUDARC_VERSION"
 export CUDA_COMPUTE_CAP="$COMPUTE_CAP"
@@ -151,7 +162,67 @@ for folder, lib, soname, status in LIBS:
 PY
 }
 
+# write_nvcc_cached: bin/nvcc-cached (see the top), rewritten atomically on
+# every run so that a change reaches toolkits installed before it.
+write_nvcc_cached() {
+    local dest="$PREFIX/bin/nvcc-cached"
+    {
+        echo '#!/usr/bin/env bash'
+        echo '# nvcc with a result cache; written by .ci/candle-toolkit.sh, which explains it.'
+        echo 'set -euo pipefail'
+        printf 'real=%q\n' "$PREFIX/bin/nvcc"
+        printf 'cache="${TP_ALLREDUCE_NVCC_CACHE:-%s}"\n' "$CACHE/nvcc"
+        cat <<'WRAPPER'
+argv=("$@") args=() out="" outdir="" mode="" src=""
+for ((i = 0; i < ${#argv[@]}; i++)); do
+    case "${argv[i]}" in
+        -o) out="${argv[i + 1]:-}"; i=$((i + 1)); continue ;;
+        --output-directory) outdir="${argv[i + 1]:-}"; i=$((i + 1)); continue ;;
+        -c) mode=object ;;
+        --ptx | -ptx) mode=ptx ;;
+        *.cu) src="${argv[i]}" ;;
+    esac
+    args+=("${argv[i]}")
+done
+if [[ "$mode" == ptx && -z "$out" && -n "$outdir" && -n "$src" ]]; then
+    out="$outdir/$(basename "${src%.cu}").ptx"
+fi
+# Not one .cu file compiled by a cargo build script: no caching.
+if [[ -z "${CARGO_MANIFEST_DIR:-}" || -z "$mode" || -z "$src" || -z "$out" ]]; then
+    exec "$real" "$@"
+fi
+key=$(
+    {
+        echo "nvcc-cached v1"
+        cat "$(dirname "$real")/../.installed"
+        printf '%s\n' "$mode" "${args[@]}"
+        env | grep -E '^NVCC_(APPEND_FLAGS|PREPEND_FLAGS|CCBIN)=' | LC_ALL=C sort || true
+        "${NVCC_CCBIN:-c++}" --version 2>/dev/null | head -n 1 || true
+        cd "$CARGO_MANIFEST_DIR" &&
+            find . -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name '*.hpp' -o -name '*.inl' \) |
+            LC_ALL=C sort | xargs -r -d '\n' sha256sum
+    } | sha256sum | cut -c1-32
+)
+entry="$cache/$key"
+if [[ -f "$entry/output" ]]; then
+    cp "$entry/output" "$out"
+    exit 0
+fi
+"$real" "$@"
+mkdir -p "$cache"
+tmp=$(mktemp -d "$cache/.tmp.XXXXXX")
+chmod 755 "$tmp"
+cp "$out" "$tmp/output"
+# A concurrent build may have stored this key already: keep either copy.
+mv -T "$tmp" "$entry" 2>/dev/null || rm -rf "$tmp"
+WRAPPER
+    } >"$dest.tmp"
+    chmod +x "$dest.tmp"
+    mv "$dest.tmp" "$dest"
+}
+
 install
+write_nvcc_cached
 if [[ "${1:-}" == "--env" ]]; then
     print_env
 fi
