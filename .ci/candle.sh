@@ -13,7 +13,12 @@
 #
 # Every cargo command passes --target explicitly: host units (build scripts
 # and their dependencies) are then the same for check and test builds, so
-# candle-kernels' nvcc build (most of this step's time) runs once.
+# candle-kernels' build script runs once per feature set. The two feature
+# sets still differ on the host side (the tools' proc macros), so it runs
+# twice; the toolkit's caching nvcc (NVCC, see candle-toolkit.sh) makes the
+# second run's compiles cache hits: nvcc (most of a cold run's time)
+# compiles each kernel once. The unit tests' log is kept for test.sh's
+# summary (target/candle-unit-test.log, target/candle-test.log).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 started=$SECONDS
@@ -22,7 +27,8 @@ TARGET=$(rustc -vV | sed -n 's/^host: //p')
 ENGINE=(--target "$TARGET" --no-default-features --features candle)
 cargo clippy "${ENGINE[@]}" --lib --tests --examples -- -D warnings
 echo "candle: clippy done after $((SECONDS - started)) s"
-cargo test "${ENGINE[@]}" --lib -- --test-threads=2
+mkdir -p "${CARGO_TARGET_DIR:-target}"
+cargo test "${ENGINE[@]}" --lib -- --test-threads=2 2>&1 | tee "${CARGO_TARGET_DIR:-target}/candle-unit-test.log"
 echo "candle: unit tests done after $((SECONDS - started)) s"
 # The example links the CUDA libraries; here it starts against the stubs
 # and, outside a launcher, says how to start it.
@@ -34,7 +40,6 @@ grep -q "tp-allreduce launch" <<<"$out" || { echo "error: candle_tp did not star
 # The defaults plus candle (our version feature on, which cudarc prefers
 # over the build system's): the suite with the candle GPU tests.
 cargo clippy --target "$TARGET" --features candle --test suite -- -D warnings
-mkdir -p "${CARGO_TARGET_DIR:-target}"
 log="${CARGO_TARGET_DIR:-target}/candle-test.log"
 cargo test --target "$TARGET" --features candle --test suite -- candle --test-threads=2 2>&1 | tee "$log"
 # The candle GPU tests skip without a GPU; say how many did.
