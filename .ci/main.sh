@@ -15,8 +15,11 @@ if python3 -c "import nvidia.nccl" 2>/dev/null; then
   export LD_LIBRARY_PATH="$PWD/.cache/nccl:${LD_LIBRARY_PATH:-}"
 fi
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-32}"
-# Say what happens: the first release build takes a few minutes.
+# Say what happens: the first release build takes a few minutes; then how
+# long the build took.
 echo "main.sh: building tp-allreduce (release; the first build takes a few minutes, cargo's progress follows)" >&2
+built=$SECONDS
 cargo build --release --bin tp-allreduce
+echo "main.sh: built in $((SECONDS - built)) s" >&2
 echo "main.sh: tp-allreduce bench $*" >&2
 exec target/release/tp-allreduce bench "$@"
