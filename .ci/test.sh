@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # The test command (README): installs what the tests need, then runs
-# formatting, lints, the whole test suite, the Python package's tests and,
-# last, the `candle` feature's CI. On a machine without a GPU the GPU tests
+# formatting, lints, the whole test suite, the Python package's tests, the
+# engine harness's CPU part (SGLang's and vLLM's real packages; .ci/engines.sh)
+# and, last, the `candle` feature's CI. On a machine without a GPU the GPU tests
 # print "skipped: no CUDA device" and are counted; on a GPU machine set
 # TP_ALLREDUCE_REQUIRE_GPU=1 to make skips fail.
 #
 #   bash .ci/test.sh                               # everything CI runs
 #   TP_ALLREDUCE_SKIP_CANDLE=1 bash .ci/test.sh    # local: all but the candle step
+#   TP_ALLREDUCE_SKIP_ENGINES=1 bash .ci/test.sh   # local: all but the engines step
+#                                                  # (its base venv is ~5 GB)
 #
 # Each step says when it starts, prints a line every 30 s while it runs and
 # its time when done; the run ends with a table of the steps' times and one
 # summary line: tests passed / failed / skipped for want of a GPU, the Rust
 # tests (every cargo test run, the candle step's included) and the Python
-# tests apart, then the wall and CPU time.
+# tests apart, the engine dry run's checks passed / failed / not run (or
+# why it has no count: skipped, not reached), then the wall and CPU time.
 #
 # Time goes into compiling. So that each crate graph is built as few times
 # as possible: clippy and `cargo doc` share the check build; one test-profile
@@ -87,7 +91,9 @@ step() {
 
 rust_logs=()
 python_log="$TARGET_DIR/pytest.log"
-rm -f "$python_log" "$TARGET_DIR/test.log" "$TARGET_DIR/candle-test.log" "$TARGET_DIR/candle-unit-test.log"
+engines_log="$TARGET_DIR/engines.log"
+engines_state="not reached"
+rm -f "$python_log" "$engines_log" "$TARGET_DIR/test.log" "$TARGET_DIR/candle-test.log" "$TARGET_DIR/candle-unit-test.log"
 summary() {
     local rc=$?
     stop_heartbeat
@@ -108,18 +114,31 @@ summary() {
         p=$(count passed) f=$(count failed) e=$(count error) s=$(count skipped)
         python=("${p:-0}" $((${f:-0} + ${e:-0})) "${s:-0}")
     fi
+    # The engine dry run's count, run_checks' "34 passed, 0 failed, 0 not
+    # run"; without one it did not run to its end: say why, count nothing.
+    local engines="$engines_state"
+    if [[ -f "$engines_log" ]]; then
+        local n
+        n=$(grep -aE '^[0-9]+ passed, [0-9]+ failed, [0-9]+ not run$' "$engines_log" | tail -n 1 || true)
+        if [[ -n "$n" ]]; then
+            engines="${n/ passed/ checks passed}"
+        else
+            engines="FAILED before its checks' count (log: $engines_log)"
+        fi
+    fi
     local total=$((SECONDS - started)) cpu
     cpu=$(cpu_seconds)
-    printf 'SUMMARY %s: Rust tests %d passed, %d failed, %d skipped (no CUDA device) | Python tests %d passed, %d failed, %d skipped (no PyTorch/GPU) | %dm%02ds (CPU %dm%02ds)\n' \
-        "$([[ $rc == 0 ]] && echo ok || echo FAILED)" "${rust[@]}" "${python[@]}" \
+    printf 'SUMMARY %s: Rust tests %d passed, %d failed, %d skipped (no CUDA device) | Python tests %d passed, %d failed, %d skipped (no PyTorch/GPU) | engine dry run %s | %dm%02ds (CPU %dm%02ds)\n' \
+        "$([[ $rc == 0 ]] && echo ok || echo FAILED)" "${rust[@]}" "${python[@]}" "$engines" \
         $((total / 60)) $((total % 60)) $((cpu / 60)) $((cpu % 60))
     exit "$rc"
 }
 trap summary EXIT
 
-# A cold run needs ~7 GB of disk (target/ and .cache/); a full disk fails a
-# build step with "No space left on device", so say up front what is free.
-df -h . | tail -n 1 | awk '{print "disk free here: " $4 " (a cold run needs about 7 GB)"}'
+# A cold run needs ~11 GB of disk (target/ ~4 GB, .cache/ ~6 GB, 5 of them
+# the engines step's base venv); a full disk fails a build step with "No
+# space left on device", so say up front what is free.
+df -h . | tail -n 1 | awk '{print "disk free here: " $4 " (a cold run needs about 11 GB)"}'
 
 step tools bash .ci/tools.sh
 # The PTX checks must really run: ptxas present, PTX rebuilt from source.
@@ -158,6 +177,28 @@ python_tests() {
     .cache/python-venv/bin/python -m pytest python/tests -rs -p no:cacheprovider 2>&1 | tee "$python_log"
 }
 step python python_tests
+
+# The engine harness's CPU part (.ci/engines.sh; python/engine_checks/
+# README.md, "Dry run"): SGLang's and vLLM's real packages, trimmed as for
+# the GPU machine, pip-installed with the wheel just built (its .pth hook,
+# vLLM's entry-point plugin) on torch 2.11, then run-on-gpu.sh --dry-run:
+# the checked path's imports with CUDA stood in, each engine's distributed
+# setup, dispatch and teardown on CPU. ~3 minutes cold on 2 cores (a 5 GB
+# venv from PyPI into .cache/engines), ~1.5 once cached. Locally
+# TP_ALLREDUCE_SKIP_ENGINES=1 leaves it out; CI always runs it.
+if [[ "${TP_ALLREDUCE_SKIP_ENGINES:-}" == 1 && "${CI:-}" != true ]]; then
+    echo "==> [engines] SKIPPED (TP_ALLREDUCE_SKIP_ENGINES=1): CI runs it; locally: bash .ci/engines.sh"
+    engines_state="skipped (TP_ALLREDUCE_SKIP_ENGINES=1)"
+    timings+=("$(printf '%-7s %-22s %s' engines - "skipped (TP_ALLREDUCE_SKIP_ENGINES=1)")")
+else
+    if [[ "${TP_ALLREDUCE_SKIP_ENGINES:-}" == 1 ]]; then
+        echo "==> [engines] TP_ALLREDUCE_SKIP_ENGINES=1 ignored: CI=true runs every step"
+    fi
+    run_engines() {
+        bash .ci/engines.sh .cache/python-wheel 2>&1 | tee "$engines_log"
+    }
+    step engines run_engines
+fi
 
 # The cargo feature `candle` (docs/CANDLE.md): the CUDA toolkit from PyPI
 # wheels, lints and tests in the engine's feature combination. The slowest
