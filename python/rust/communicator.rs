@@ -371,6 +371,18 @@ impl PyCommunicator {
         guard.clone().ok_or_else(|| invalid(py, "the communicator is closed"))
     }
 
+    /// Runs `f` on the live communicator without the GIL, its context
+    /// current for the call (the caller's restored after).
+    fn on_device<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Inner) -> Result<R, Error> + Send) -> PyResult<R> {
+        let inner = self.live(py)?;
+        py.detach(move || {
+            let _restore = CurrentContext::save();
+            device::bind(&inner.ctx)?;
+            f(&inner)
+        })
+        .py(py)
+    }
+
     fn join(
         py: Python<'_>,
         prepared: Prepared,
@@ -538,11 +550,8 @@ impl PyCommunicator {
         unfused: bool,
     ) -> PyResult<()> {
         let dtype = dtype_from_code(py, dtype)?;
-        let inner = self.live(py)?;
         let opts = FusedOptions { weight_offset, unfused, ..FusedOptions::default() };
-        py.detach(move || {
-            let _restore = CurrentContext::save();
-            device::bind(&inner.ctx)?;
+        self.on_device(py, move |inner| {
             let stream = stream_ptr as usize as sys::CUstream;
             // SAFETY: the raw API's contract (as `all_reduce`); the library
             // checks the pointers' extents, alignment and overlaps.
@@ -561,7 +570,6 @@ impl PyCommunicator {
                 )
             }
         })
-        .py(py)
     }
 
     /// Allreduce (sum) of `input_ptr` (`rows x hidden`) added into
@@ -580,16 +588,12 @@ impl PyCommunicator {
         stream_ptr: u64,
     ) -> PyResult<()> {
         let dtype = dtype_from_code(py, dtype)?;
-        let inner = self.live(py)?;
-        py.detach(move || {
-            let _restore = CurrentContext::save();
-            device::bind(&inner.ctx)?;
+        self.on_device(py, move |inner| {
             let stream = stream_ptr as usize as sys::CUstream;
             let opts = FusedOptions::default();
             // SAFETY: as `all_reduce_add_rms_norm`.
             unsafe { inner.comm.all_reduce_add_raw(input_ptr, residual_ptr, rows, hidden, dtype, &opts, stream) }
         })
-        .py(py)
     }
 
     /// All-gather of `count` elements a rank from `send_ptr` into
@@ -606,14 +610,10 @@ impl PyCommunicator {
         stream_ptr: u64,
     ) -> PyResult<()> {
         let dtype = check_call_args(py, send_ptr, recv_ptr, count, dtype)?;
-        let inner = self.live(py)?;
-        py.detach(move || {
-            let _restore = CurrentContext::save();
-            device::bind(&inner.ctx)?;
+        self.on_device(py, move |inner| {
             // SAFETY: as `all_reduce`; the library checks both ranges.
             unsafe { inner.comm.all_gather_raw(send_ptr, recv_ptr, count, dtype, stream_ptr as usize as sys::CUstream) }
         })
-        .py(py)
     }
 
     /// Reduce-scatter (sum): `send_ptr` holds `world_size x count`
@@ -630,16 +630,12 @@ impl PyCommunicator {
         stream_ptr: u64,
     ) -> PyResult<()> {
         let dtype = check_call_args(py, send_ptr, recv_ptr, count, dtype)?;
-        let inner = self.live(py)?;
-        py.detach(move || {
-            let _restore = CurrentContext::save();
-            device::bind(&inner.ctx)?;
+        self.on_device(py, move |inner| {
             // SAFETY: as `all_gather`.
             unsafe {
                 inner.comm.reduce_scatter_raw(send_ptr, recv_ptr, count, dtype, stream_ptr as usize as sys::CUstream)
             }
         })
-        .py(py)
     }
 
     /// What a fused call of `rows x hidden` would do:
@@ -685,13 +681,7 @@ impl PyCommunicator {
     /// staging copy (collective; keep it allocated until
     /// `deregister_buffers` or `close` on every rank).
     fn register_buffer(&self, py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<()> {
-        let inner = self.live(py)?;
-        py.detach(move || {
-            let _restore = CurrentContext::save();
-            device::bind(&inner.ctx)?;
-            inner.comm.register_buffer(ptr, nbytes)
-        })
-        .py(py)
+        self.on_device(py, move |inner| inner.comm.register_buffer(ptr, nbytes))
     }
 
     /// Waits for `stream_ptr` (or the communicator's own stream when
