@@ -203,11 +203,14 @@ or on no link (launch, device memory); the others, per algorithm chosen above:
         }
         seen.push(ch.algorithm);
         let deps = dependencies(&model, view, ch.algorithm, ch.transport, bytes, &opts);
-        let borrowed: Vec<String> = deps
+        let mut borrowed: Vec<String> = deps
             .iter()
             .filter(|r| !measured_here(view, r.basis))
             .map(|r| format!("{} ({})", r.name, r.basis.label()))
             .collect();
+        if ch.algorithm.phases_overlap() {
+            borrowed.push("its phases priced as overlapping (assumed from the kernel's structure)".into());
+        }
         let listed = if borrowed.is_empty() { "none".to_string() } else { borrowed.join(", ") };
         s.push_str(&wrap(&format!("  {}: {listed}", ch.algorithm), 118, "      "));
     }

@@ -83,6 +83,7 @@ pub(super) fn push_collective_cost(shape: &CostShape) -> CostRecipe {
     let polls = super::cost::access_groups(shape.world.saturating_sub(1), POLL_GROUP);
     let n = shape.world as f64;
     CostRecipe {
+        overlapped: false,
         phases: vec![PhaseSpec::staggered_writes(FlowSet::AllPairs, 1.0).with_access_rounds((polls - 1.0).max(0.0))],
         local_passes: 3.0 * (n - 1.0) + 2.0,
     }

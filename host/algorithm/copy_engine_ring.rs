@@ -119,6 +119,7 @@ impl AlgorithmHost for CopyEngineRing {
     fn cost(&self, shape: &CostShape) -> CostRecipe {
         let n = shape.world as f64;
         CostRecipe {
+            overlapped: false,
             phases: vec![PhaseSpec {
                 flows: FlowSet::RingNeighbours,
                 share: 2.0 * (n - 1.0) / n,

@@ -154,4 +154,9 @@ pub struct CostRecipe {
     /// Device-memory traffic in multiples of the message size (receive
     /// buffers, reductions, output, re-arming).
     pub local_passes: f64,
+    /// The phases run side by side (groups of blocks, one per phase), not
+    /// one after the other: each still pays its hops and access rounds (the
+    /// first pack passes every phase), but their bytes share the links at
+    /// once, priced as one phase that carries every phase's flows.
+    pub overlapped: bool,
 }

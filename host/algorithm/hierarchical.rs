@@ -44,13 +44,8 @@ impl AlgorithmHost for Hierarchical {
     }
 
     fn requirement(&self, caps: &Capabilities, _bytes: Option<usize>) -> Result<(), String> {
-        match caps.islands {
-            Some(i) if i.splits() && i.world() == caps.world => Ok(()),
-            Some(i) => Err(format!("hierarchical: islands {i} do not split {} ranks into two or more", caps.world)),
-            None => Err("hierarchical needs islands (none derived from the topology or configured)".into()),
-        }
+        islands_requirement(self.kernel(), caps)
     }
-
 
     fn launch_capacity_packs(&self, g: &Geometry) -> u64 {
         g.layout.hierarchical_share_packs * g.layout.island_shares as u64
@@ -79,21 +74,39 @@ impl AlgorithmHost for Hierarchical {
     }
 
     fn cost(&self, shape: &CostShape) -> CostRecipe {
-        let (shares, largest, islands) = match shape.islands {
-            Some(i) => (i.shares() as f64, i.shares() as f64, i.count() as f64),
-            None => (shape.world as f64, shape.world as f64, 1.0),
-        };
-        let share = 1.0 / shares;
-        let rounds = island_push_rounds(&shape.islands.unwrap_or_else(|| IslandSplit::whole(shape.world)));
-        CostRecipe {
-            phases: vec![
-                PhaseSpec::staggered_writes(FlowSet::IslandScatter, share).with_access_rounds(rounds.scatter),
-                PhaseSpec::staggered_writes(FlowSet::CrossOwners, share).with_access_rounds(rounds.cross),
-                PhaseSpec::staggered_writes(FlowSet::IslandGather, share).with_access_rounds(rounds.gather),
-            ],
-            // Input once; reads and resets of the reduce-scatter, cross and
-            // all-gather slots; the partial written and read back; output.
-            local_passes: 3.0 + (4.0 * (largest - 1.0) + 2.0 * (islands - 1.0)) / shares,
-        }
+        hierarchical_recipe(shape, false)
+    }
+}
+
+/// Hierarchical and PipelinedHierarchical: islands that split the world.
+pub(super) fn islands_requirement(id: AlgorithmId, caps: &Capabilities) -> Result<(), String> {
+    let name = id.name();
+    match caps.islands {
+        Some(i) if i.splits() && i.world() == caps.world => Ok(()),
+        Some(i) => Err(format!("{name}: islands {i} do not split {} ranks into two or more", caps.world)),
+        None => Err(format!("{name} needs islands (none derived from the topology or configured)")),
+    }
+}
+
+/// The phases of Hierarchical, one after the other, or of
+/// PipelinedHierarchical (`overlapped`: side by side, the same hops and
+/// rounds for the first pack).
+pub(super) fn hierarchical_recipe(shape: &CostShape, overlapped: bool) -> CostRecipe {
+    let (shares, largest, islands) = match shape.islands {
+        Some(i) => (i.shares() as f64, i.shares() as f64, i.count() as f64),
+        None => (shape.world as f64, shape.world as f64, 1.0),
+    };
+    let share = 1.0 / shares;
+    let rounds = island_push_rounds(&shape.islands.unwrap_or_else(|| IslandSplit::whole(shape.world)));
+    CostRecipe {
+        phases: vec![
+            PhaseSpec::staggered_writes(FlowSet::IslandScatter, share).with_access_rounds(rounds.scatter),
+            PhaseSpec::staggered_writes(FlowSet::CrossOwners, share).with_access_rounds(rounds.cross),
+            PhaseSpec::staggered_writes(FlowSet::IslandGather, share).with_access_rounds(rounds.gather),
+        ],
+        // Input once; reads and resets of the reduce-scatter, cross and
+        // all-gather slots; the partial written and read back; output.
+        local_passes: 3.0 + (4.0 * (largest - 1.0) + 2.0 * (islands - 1.0)) / shares,
+        overlapped,
     }
 }

@@ -44,13 +44,15 @@ use super::one_shot_push::default_shape;
 use super::{Algorithm, Geometry, ResidentBlocks};
 use crate::algorithm::{CrossRegions, IslandSplit, RankMemory, CROSS_SLOTS_OFFSET};
 use crate::driver::{Kernel, ParamStruct};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Which island push.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum IslandKind {
     TwoShotPush,
     Hierarchical,
+    /// Hierarchical's slots and region, its phases in groups of blocks.
+    PipelinedHierarchical,
 }
 
 impl IslandKind {
@@ -58,6 +60,7 @@ impl IslandKind {
         match self {
             IslandKind::TwoShotPush => Algorithm::TwoShotPush,
             IslandKind::Hierarchical => Algorithm::Hierarchical,
+            IslandKind::PipelinedHierarchical => Algorithm::PipelinedHierarchical,
         }
     }
 
@@ -65,7 +68,13 @@ impl IslandKind {
         match self {
             IslandKind::TwoShotPush => AlgorithmId::TwoShotPush,
             IslandKind::Hierarchical => AlgorithmId::Hierarchical,
+            IslandKind::PipelinedHierarchical => AlgorithmId::PipelinedHierarchical,
         }
+    }
+
+    /// Hierarchical's receive region and islands (not one island of every rank).
+    fn hierarchical(self) -> bool {
+        self != IslandKind::TwoShotPush
     }
 }
 
@@ -91,14 +100,11 @@ pub(crate) fn island_push_template(
             offset: l.two_shot_push_offset,
             cap: l.two_shot_push_share_packs,
         },
-        IslandKind::Hierarchical => {
+        IslandKind::Hierarchical | IslandKind::PipelinedHierarchical => {
             Slots { mem, split, cross, offset: l.hierarchical_offset, cap: l.hierarchical_share_packs }
         }
     };
-    let half = match kind {
-        IslandKind::TwoShotPush => l.two_shot_push_half_bytes,
-        IslandKind::Hierarchical => l.hierarchical_half_bytes,
-    };
+    let half = if kind.hierarchical() { l.hierarchical_half_bytes } else { l.two_shot_push_half_bytes };
     let split = at.split;
     let (g, j) = (split.island_of(rank), split.index_of(rank) as u32);
     let members = split.size(g) as u32;
@@ -222,6 +228,16 @@ pub(crate) fn share_shape(packs: u64, shares: u64, resident: &ResidentBlocks) ->
     default_shape(div_ceil(packs, shares.max(1)), resident)
 }
 
+/// The default launch shape of a PipelinedHierarchical launch: three groups
+/// of blocks (sends; partial and final sums; all-gather), each the size
+/// [`share_shape`] gives one launch, within the resident cap (fewer than
+/// three blocks run every phase in every block).
+pub(crate) fn grouped_share_shape(packs: u64, shares: u64, resident: &ResidentBlocks) -> (u32, u32) {
+    let (blocks, threads) = share_shape(packs, shares, resident);
+    let cap = resident.cap(threads).max(1);
+    (blocks.saturating_mul(3).min(cap), threads)
+}
+
 /// Dependent memory round trips of an island push launch beyond one poll
 /// per hop, per phase, for its slowest member (see
 /// [`PhaseSpec::access_rounds`](super::PhaseSpec::access_rounds)).
@@ -336,23 +352,25 @@ pub fn fused_entry(id: AlgorithmId, dtype: DType) -> String {
     format!("fused_{}_{}", id.kernel_prefix(), dtype.name())
 }
 
-/// The island push's side of one rank (TwoShotPush or Hierarchical).
+/// The island push's side of one rank (TwoShotPush, Hierarchical or
+/// PipelinedHierarchical).
 struct IslandPushRank {
     kind: IslandKind,
     template: IslandPushParams,
     geometry: Geometry,
     kernels: ByDtype<Kernel>,
-    fused: ByDtype<Kernel>,
+    /// The fused kernels (PipelinedHierarchical, for large messages, has none).
+    fused: Option<ByDtype<Kernel>>,
     /// `Config::fused_island_kernels`.
     fused_on: bool,
 }
 
-/// `kind`'s side of the rank described by `rank`; `None` for Hierarchical
-/// without islands.
+/// `kind`'s side of the rank described by `rank`; `None` for the
+/// hierarchical kinds without islands.
 pub(crate) fn prepare(kind: IslandKind, rank: &RankSetup<'_>) -> Result<Option<Box<dyn RankAlgorithm>>> {
     let split = match kind {
         IslandKind::TwoShotPush => IslandSplit::whole(rank.world),
-        IslandKind::Hierarchical => match rank.islands {
+        IslandKind::Hierarchical | IslandKind::PipelinedHierarchical => match rank.islands {
             Some(split) => split,
             None => return Ok(None),
         },
@@ -369,7 +387,10 @@ pub(crate) fn prepare(kind: IslandKind, rank: &RankSetup<'_>) -> Result<Option<B
         template,
         geometry: rank.geometry,
         kernels: ByDtype::kernels(rank.module, |d| entry_name(kind.id(), d))?,
-        fused: ByDtype::kernels(rank.module, |d| fused_entry(kind.id(), d))?,
+        fused: match kind {
+            IslandKind::PipelinedHierarchical => None,
+            _ => Some(ByDtype::kernels(rank.module, |d| fused_entry(kind.id(), d))?),
+        },
         fused_on: rank.fused_island_kernels,
     })))
 }
@@ -393,21 +414,25 @@ impl IslandPushRank {
 impl RankAlgorithm for IslandPushRank {
     fn run(&self, call: &Call, issue: &mut Issue<'_>) -> Result<()> {
         let g = &self.geometry;
-        let (capacity, shares) = match self.kind {
-            IslandKind::TwoShotPush => (g.layout.two_shot_push_share_packs * g.world as u64, g.world as u64),
-            IslandKind::Hierarchical => (
-                g.layout.hierarchical_share_packs * g.layout.island_shares as u64,
-                g.layout.island_shares.max(1) as u64,
-            ),
+        let (capacity, shares) = if self.kind.hierarchical() {
+            (g.layout.hierarchical_share_packs * g.layout.island_shares as u64, g.layout.island_shares.max(1) as u64)
+        } else {
+            (g.layout.two_shot_push_share_packs * g.world as u64, g.world as u64)
         };
-        let default_shape = |packs| share_shape(packs, shares, &g.sentinel_resident);
+        let default_shape = |packs| match self.kind {
+            IslandKind::PipelinedHierarchical => grouped_share_shape(packs, shares, &g.sentinel_resident),
+            _ => share_shape(packs, shares, &g.sentinel_resident),
+        };
         let params = |input, output, count| self.params(input, output, count);
         let kernel = self.kernels.get(call.dtype);
         run_sentinel(self.kind.id(), kernel, g, capacity, call, default_shape, params, issue)
     }
 
     fn fused_path(&self, shape: &EpilogueShape) -> Option<FusedPath> {
-        Some(fused_path(self.kind, shape, Some(self.capacity()), self.fused_on))
+        Some(match self.fused {
+            Some(_) => fused_path(self.kind, shape, Some(self.capacity()), self.fused_on),
+            None => FusedPath::Unfused(format!("{} has no fused kernel", self.kind.algorithm())),
+        })
     }
 
     /// Launches of `rows_per_launch` whole rows, cut into shares of whole
@@ -415,7 +440,10 @@ impl RankAlgorithm for IslandPushRank {
     /// Hierarchical keeps the island partials of its owned rows in
     /// `normed` (or `input` without RMSNorm) between its phases B and C.
     fn run_fused(&self, _call: &Call, e: &EpilogueCall, rows_per_launch: u64, issue: &mut Issue<'_>) -> Result<()> {
-        let kernel = self.fused.get(e.shape.dtype);
+        let Some(fused) = &self.fused else {
+            return Err(Error::invalid(format!("{} has no fused kernel", self.kind.algorithm())));
+        };
+        let kernel = fused.get(e.shape.dtype);
         let hidden = e.shape.hidden as u64;
         let threads = e.threads(e.shape.row_packs().unwrap_or(0));
         let cap = self.geometry.pull_max_blocks;

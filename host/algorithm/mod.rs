@@ -313,10 +313,11 @@ mod tests {
             assert_eq!(r.is_ok(), !p2p_only, "{a}: {r:?}");
         }
         assert!(availability(Algorithm::OneShotPull, &caps(Transport::PeerToPeer, None), None).is_ok());
-        // Per-pair transport (P2P inside islands only): hierarchical alone.
+        // Per-pair transport (P2P inside islands only): the hierarchical ones alone.
         let per_pair = caps(Transport::PerPair, Some(4));
         for a in Algorithm::OURS {
-            assert_eq!(availability(a, &per_pair, None).is_ok(), a == Algorithm::Hierarchical, "{a}");
+            let hierarchical = matches!(a, Algorithm::Hierarchical | Algorithm::PipelinedHierarchical);
+            assert_eq!(availability(a, &per_pair, None).is_ok(), hierarchical, "{a}");
         }
         assert!(availability(Algorithm::Nccl, &per_pair, None).is_ok());
     }

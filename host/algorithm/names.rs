@@ -59,8 +59,13 @@ impl Algorithm {
     /// channels): what `Config::batch_invariant` leaves out. One-shot and
     /// two-shot push and pull sum every element in rank order with one
     /// rounding, whatever the size, so they agree bit for bit.
-    pub const BATCH_VARIANT: [Algorithm; 4] =
-        [Algorithm::Ring, Algorithm::Hierarchical, Algorithm::CopyEngineRing, Algorithm::Nccl];
+    pub const BATCH_VARIANT: [Algorithm; 5] = [
+        Algorithm::Ring,
+        Algorithm::Hierarchical,
+        Algorithm::PipelinedHierarchical,
+        Algorithm::CopyEngineRing,
+        Algorithm::Nccl,
+    ];
 
     /// The allreduce algorithms of ours: what the selection chooses among,
     /// what `Comm::set_algorithm` forces.
@@ -91,6 +96,14 @@ impl Algorithm {
     /// model prices it (else the separate kernel after the allreduce).
     pub fn fuses_epilogue_by_default(self) -> bool {
         crate::algorithm::host(self).is_some_and(|h| h.fuses_epilogue_by_default())
+    }
+
+    /// Whether the cost model prices its phases as running side by side
+    /// (`CostRecipe::overlapped`): an assumption about how the hardware
+    /// overlaps them that no parameter measures.
+    pub fn phases_overlap(self) -> bool {
+        crate::algorithm::host(self)
+            .is_some_and(|h| h.cost(&crate::algorithm::CostShape { world: 2, islands: None }).overlapped)
     }
 
     /// Upper bound on roundings to the element type between the exact sum

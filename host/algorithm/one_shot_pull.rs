@@ -66,7 +66,7 @@ impl AlgorithmHost for OneShotPull {
     fn cost(&self, _shape: &CostShape) -> CostRecipe {
         // Start barrier, the reads (request + completion), end barrier;
         // local: read the peers' data, write the output.
-        CostRecipe { phases: vec![PhaseSpec::barrier_reads(1.0, 2.0, 1.0)], local_passes: 2.0 }
+        CostRecipe { overlapped: false, phases: vec![PhaseSpec::barrier_reads(1.0, 2.0, 1.0)], local_passes: 2.0 }
     }
 }
 

@@ -78,6 +78,7 @@ impl AlgorithmHost for OneShotPush {
         let n = shape.world as f64;
         let polls = super::cost::access_groups(shape.world.saturating_sub(1), POLL_GROUP);
         CostRecipe {
+            overlapped: false,
             phases: vec![PhaseSpec::staggered_writes(FlowSet::AllPairs, 1.0).with_access_rounds((polls - 1.0).max(0.0))],
             local_passes: 2.0 * (n - 1.0) + 3.0,
         }

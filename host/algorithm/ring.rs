@@ -56,6 +56,7 @@ impl AlgorithmHost for Ring {
     fn cost(&self, shape: &CostShape) -> CostRecipe {
         let n = shape.world as f64;
         CostRecipe {
+            overlapped: false,
             phases: vec![PhaseSpec {
                 flows: FlowSet::RingNeighbours,
                 share: 2.0 * (n - 1.0) / n,

@@ -45,6 +45,7 @@ impl AlgorithmHost for TwoShotPull {
         let slice = 1.0 / shape.world as f64;
         // Start barrier + reads; mid barrier + reads + end barrier.
         CostRecipe {
+            overlapped: false,
             phases: vec![PhaseSpec::barrier_reads(slice, 1.0, 1.0), PhaseSpec::barrier_reads(slice, 2.0, 1.0)],
             local_passes: 3.0,
         }

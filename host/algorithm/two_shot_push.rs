@@ -63,6 +63,7 @@ impl AlgorithmHost for TwoShotPush {
         let share = 1.0 / n;
         let rounds = island_push_rounds(&IslandSplit::whole(shape.world));
         CostRecipe {
+            overlapped: false,
             phases: vec![
                 PhaseSpec::staggered_writes(FlowSet::AllPairs, share).with_access_rounds(rounds.scatter),
                 PhaseSpec::staggered_writes(FlowSet::AllPairs, share).with_access_rounds(rounds.gather),

@@ -82,6 +82,9 @@ macro_rules! for_each_algorithm {
             /// rank d's slot (one-shot push's region and protocol); completion
             /// in the payload.
             ReduceScatterPush = 10, reduce_scatter_push, "reduce-scatter-push", ReduceScatter, Payload;
+            /// Hierarchical with its phases in three groups of blocks that run
+            /// side by side (large messages: the links carry every phase at once).
+            PipelinedHierarchical = 11, pipelined_hierarchical, "pipelined-hierarchical", AllReduce, Payload;
         }
     };
 }

@@ -182,7 +182,9 @@ fn chunked_launches_all_algorithms() {
     ] {
         matrix("chunked_launches_all_algorithms", algorithm, &[(3, None)], 1 << 20, small);
     }
-    matrix("chunked_launches_all_algorithms", Algorithm::Hierarchical, &[(4, Some(2))], 1 << 20, small);
+    for algorithm in [Algorithm::Hierarchical, Algorithm::PipelinedHierarchical] {
+        matrix("chunked_launches_all_algorithms", algorithm, &[(4, Some(2))], 1 << 20, small);
+    }
 }
 
 /// The push algorithms over pinned host memory (the path for GPUs without
@@ -194,7 +196,9 @@ fn host_staged_transport_push_algorithms() {
     for algorithm in [Algorithm::OneShotPush, Algorithm::TwoShotPush, Algorithm::Ring] {
         matrix("host_staged_transport_push_algorithms", algorithm, &[(2, None), (3, None), (8, None)], 1 << 20, staged);
     }
-    matrix("host_staged_transport_push_algorithms", Algorithm::Hierarchical, &[(4, Some(2))], 1 << 20, staged);
+    for algorithm in [Algorithm::Hierarchical, Algorithm::PipelinedHierarchical] {
+        matrix("host_staged_transport_push_algorithms", algorithm, &[(4, Some(2))], 1 << 20, staged);
+    }
 }
 
 /// Pull algorithms reading registered buffers in place (no staging copy).
@@ -348,6 +352,7 @@ fn back_to_back_alternating_algorithms() {
         Algorithm::TwoShotPull,
         Algorithm::Ring,
         Algorithm::Hierarchical,
+        Algorithm::PipelinedHierarchical,
     ];
     let sizes = [1usize, 9, 257, 4_099, 21_504, 65_536, 300_001];
     let mut calls = 0;

@@ -151,13 +151,16 @@ fn per_pair_transport_runs_hierarchical_with_host_staged_cross_slots() {
         let mut comms =
             Comm::from_streams(streams, Config { islands: Some(islands.clone()), ..config() }).expect("init");
         assert_eq!(comms[0].transport(), Transport::PerPair, "{}", comms[0].transport_reason());
-        for a in Algorithm::allreduce_algorithms().filter(|&a| a != Algorithm::Hierarchical) {
+        let hierarchical = [Algorithm::Hierarchical, Algorithm::PipelinedHierarchical];
+        for a in Algorithm::allreduce_algorithms().filter(|a| !hierarchical.contains(a)) {
             assert!(comms[0].set_algorithm(Some(a)).is_err(), "{a} must not run over the per-pair transport");
         }
-        for c in comms.iter_mut() {
-            c.set_algorithm(Some(Algorithm::Hierarchical)).expect("hierarchical runs per pair");
+        for a in hierarchical {
+            for c in comms.iter_mut() {
+                c.set_algorithm(Some(a)).unwrap_or_else(|e| panic!("{a} runs per pair: {e}"));
+            }
+            failures.extend(matrix(&comms, &mut rng, a, 1 << 20, &format!("{a} per-pair {islands:?}")));
         }
-        failures.extend(matrix(&comms, &mut rng, Algorithm::Hierarchical, 1 << 20, &format!("per-pair {islands:?}")));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -177,14 +180,23 @@ fn per_pair_transport_graph_replays() {
     );
 }
 
+/// The island pushes on one GPU: 8 ranks, 1000 replays of one captured
+/// call each (fresh inputs between replays, every result checked).
 #[test]
-fn island_push_and_copy_engine_ring_graphs_replay_1000_times() {
+fn island_push_graphs_replay_1000_times() {
     let _lock = common::gpu_lock();
-    let test = "island_push_and_copy_engine_ring_graphs_replay_1000_times";
+    let test = "island_push_graphs_replay_1000_times";
     crate::gpu_graph::graph_run_locked(test, config(), 8, Some(Algorithm::TwoShotPush), 1000, 10_755);
     let islands = Config { island_size: Some(4), ..config() };
-    crate::gpu_graph::graph_run_locked(test, islands, 8, Some(Algorithm::Hierarchical), 1000, 10_755);
-    // The copy-engine ring needs one rank per GPU.
+    crate::gpu_graph::graph_run_locked(test, islands.clone(), 8, Some(Algorithm::Hierarchical), 1000, 10_755);
+    crate::gpu_graph::graph_run_locked(test, islands, 8, Some(Algorithm::PipelinedHierarchical), 1000, 300_007);
+}
+
+/// The copy-engine ring needs one rank per GPU: two GPUs.
+#[test]
+fn copy_engine_ring_graphs_replay_1000_times() {
+    let _lock = common::gpu_lock();
+    let test = "copy_engine_ring_graphs_replay_1000_times";
     let Some(ctx) = common::gpu(test) else { return };
     let Some(second) = crate::common::second_gpu(test) else { return };
     crate::gpu_graph::graph_run_with_contexts(test, config(), &[ctx, second], Algorithm::CopyEngineRing, 1000, 300_007);

@@ -46,6 +46,7 @@ fn missing_rank_times_out_with_its_name() {
         Algorithm::TwoShotPush,
         Algorithm::Ring,
         Algorithm::Hierarchical,
+        Algorithm::PipelinedHierarchical,
     ] {
         // (The copy-engine ring's waits time out in gpu_pcie_family, over
         // two GPUs: it needs one rank per GPU.)

@@ -102,7 +102,8 @@ fn counter_of(algorithm: Algorithm) -> Option<usize> {
         Algorithm::OneShotPush => Some(0),
         Algorithm::OneShotPull | Algorithm::TwoShotPull => Some(1),
         Algorithm::TwoShotPush => Some(2),
-        Algorithm::Hierarchical => Some(3),
+        // PipelinedHierarchical shares Hierarchical's region and generation.
+        Algorithm::Hierarchical | Algorithm::PipelinedHierarchical => Some(3),
         Algorithm::CopyEngineRing => None,
         _ => Some(4),
     }
@@ -132,7 +133,8 @@ fn protocol_counters_cross_the_u32_wrap_every_algorithm() {
             ));
             continue;
         }
-        let (world, islands) = if algorithm == Algorithm::Hierarchical { (4, Some(2)) } else { (2, None) };
+        let hierarchical = matches!(algorithm, Algorithm::Hierarchical | Algorithm::PipelinedHierarchical);
+        let (world, islands) = if hierarchical { (4, Some(2)) } else { (2, None) };
         let streams = contexts(&ctx, world).iter().map(|c| c.new_stream().expect("stream")).collect();
         let mut comms = Comm::from_streams(streams, Config { island_size: islands, ..config.clone() }).expect("init");
         for c in comms.iter_mut() {

@@ -24,6 +24,7 @@ mod gpu_graph;
 mod gpu_mixed_placement;
 mod gpu_payload_edges;
 mod gpu_pcie_family;
+mod gpu_pipelined;
 mod gpu_streams;
 mod gpu_teardown;
 mod gpu_timeout;

@@ -229,10 +229,11 @@ fn by_value_entries_take_the_parameter_struct_the_host_passes() {
         .into_iter()
         .filter_map(|e| kernels::param_struct(&e).map(|(size, align)| (e, size, align)))
         .collect();
-    // OneShotPush (two variants), TwoShotPush, Hierarchical, the copy-engine
-    // ring's step kernel, AllGatherPush and ReduceScatterPush per dtype, and
-    // the ring's handshake kernel.
-    assert_eq!(by_value.len(), 7 * 3 + 1, "{by_value:?}");
+    // OneShotPush (two variants), TwoShotPush, Hierarchical,
+    // PipelinedHierarchical, the copy-engine ring's step kernel,
+    // AllGatherPush and ReduceScatterPush per dtype, and the ring's
+    // handshake kernel.
+    assert_eq!(by_value.len(), 8 * 3 + 1, "{by_value:?}");
     assert!(kernels::sentinel_entries().iter().all(|e| kernels::param_struct(e).is_some()));
     let mut failures = Vec::new();
     let mut sources: Vec<(String, String)> =

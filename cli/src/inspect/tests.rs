@@ -346,7 +346,10 @@ fn sentinel_kernels_reach_their_first_peer_store_without_a_barrier() {
                 super::sass::first_peer_store(text).unwrap_or_else(|| panic!("{} {name}: no peer store", p.arch));
             eprintln!("{} {name}: {path:?}", p.arch);
             assert_eq!(path.barriers, 0, "{} {name}", p.arch);
-            assert!(path.instructions <= 270, "{} {name}: {path:?}", p.arch);
+            // The pipelined hierarchical first works out which group of
+            // blocks it is in (up to about 50 instructions more, ~25 ns).
+            let bound = if name.starts_with("pipelined_hierarchical") { 330 } else { 270 };
+            assert!(path.instructions <= bound, "{} {name}: {path:?}", p.arch);
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -46,7 +46,7 @@ type Landing = (usize, &'static str, u32, u64);
 
 /// Checks one launch of `packs` packs: every write matches one poll.
 fn check_launch(world: usize, kind: IslandKind, split: IslandSplit, cross: Option<&CrossRegions>, packs: u64) {
-    let mem = memory(world, (kind == IslandKind::Hierarchical).then_some(split));
+    let mem = memory(world, kind.hierarchical().then_some(split));
     let t: Vec<IslandPushParams> = (0..world).map(|r| island_push_template(r, &mem, kind, split, cross, 1)).collect();
     let what = format!("{kind:?} {split} ({world} ranks), {packs} packs");
     let shares = t[0].shares;
@@ -105,9 +105,9 @@ fn check_launch(world: usize, kind: IslandKind, split: IslandSplit, cross: Optio
         }
         // Slots stay inside this rank's half (or its cross region).
         let region = mem.region_bases[r] + mem.scratch_offset;
-        let (start, half) = match kind {
-            IslandKind::TwoShotPush => (mem.layout.two_shot_push_offset, mem.layout.two_shot_push_half_bytes),
-            IslandKind::Hierarchical => (mem.layout.hierarchical_offset, mem.layout.hierarchical_half_bytes),
+        let (start, half) = match kind.hierarchical() {
+            false => (mem.layout.two_shot_push_offset, mem.layout.two_shot_push_half_bytes),
+            true => (mem.layout.hierarchical_offset, mem.layout.hierarchical_half_bytes),
         };
         for e in 0..p.owned as u64 {
             let last = 16 * (e * cap + cap - 1);
@@ -127,9 +127,10 @@ fn check_launch(world: usize, kind: IslandKind, split: IslandSplit, cross: Optio
 }
 
 fn split_of(kind: IslandKind, split: IslandSplit, world: usize) -> IslandSplit {
-    match kind {
-        IslandKind::TwoShotPush => IslandSplit::whole(world),
-        IslandKind::Hierarchical => split,
+    if kind.hierarchical() {
+        split
+    } else {
+        IslandSplit::whole(world)
     }
 }
 
@@ -202,6 +203,33 @@ fn per_pair_cross_slots_live_in_the_host_regions() {
             assert_eq!(p.cross_half_bytes, half);
         }
     }
+}
+
+/// PipelinedHierarchical's kernel uses Hierarchical's slots, region and
+/// generation (the two alternate on a communicator): its parameters are
+/// Hierarchical's, for every island shape, P2P or per pair.
+#[test]
+fn pipelined_hierarchical_parameters_are_hierarchicals() {
+    let mut checked = 0;
+    for (world, split) in shapes() {
+        let mem = memory(world, Some(split));
+        let half = tp_allreduce_kernels::shares::cross_half_bytes(
+            &split.sizes(),
+            split.count(),
+            mem.layout.hierarchical_share_packs,
+        );
+        let cross =
+            CrossRegions { bases: (0..world).map(|r| 0x5000_0000 + r as u64 * 0x100_0000).collect(), half_bytes: half };
+        for cross in [None, Some(&cross)] {
+            for r in 0..world {
+                let plain = island_push_template(r, &mem, IslandKind::Hierarchical, split, cross, 7);
+                let pipelined = island_push_template(r, &mem, IslandKind::PipelinedHierarchical, split, cross, 7);
+                assert_eq!(plain, pipelined, "{split} rank {r}");
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 100, "{checked}");
 }
 
 #[test]

@@ -315,6 +315,8 @@ impl CostModel {
         b: &mut Breakdown,
     ) {
         let p = &self.params;
+        // Overlapped phases: their flows priced together, once, after the loop.
+        let mut together: Option<Phase> = None;
         for spec in &recipe.phases {
             let phase = Phase {
                 flows: flows(spec.flows, net.n, islands, spec.share * s),
@@ -338,7 +340,19 @@ impl CostModel {
                 let sharing = net.further_ranks_sharing() * p.shared_gpu_flag_us;
                 b.latency_us += spec.hops * (p.flag_hop_us + drain + sharing);
             }
+            if recipe.overlapped {
+                match &mut together {
+                    Some(all) => all.flows.extend(phase.flows),
+                    None => together = Some(phase),
+                }
+                continue;
+            }
             let (ideal, actual) = self.data_time(net, &phase);
+            b.wire_us += ideal;
+            b.contention_us += (actual - ideal).max(0.0);
+        }
+        if let Some(all) = together {
+            let (ideal, actual) = self.data_time(net, &all);
             b.wire_us += ideal;
             b.contention_us += (actual - ideal).max(0.0);
         }

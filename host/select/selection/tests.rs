@@ -93,6 +93,7 @@ fn one_shot_pull_is_not_picked_where_it_loses_to_nccl() {
         Algorithm::TwoShotPush,
         Algorithm::Ring,
         Algorithm::Hierarchical,
+        Algorithm::PipelinedHierarchical,
     ];
     let ch = select(&view, 8, DType::Bf16, 43008, true, &c);
     assert_eq!(ch.algorithm, Algorithm::Nccl, "{ch}");
@@ -159,7 +160,12 @@ fn tuning_measurements_replace_predictions() {
     // Measured: ring clearly beats NCCL, hierarchical is slow here.
     let table = TuningTable::from_measurements(
         meta.clone(),
-        vec![m(Algorithm::Ring, 9.0), m(Algorithm::Hierarchical, 40.0), m(Algorithm::Nccl, 20.0)],
+        vec![
+            m(Algorithm::Ring, 9.0),
+            m(Algorithm::Hierarchical, 40.0),
+            m(Algorithm::PipelinedHierarchical, 40.0),
+            m(Algorithm::Nccl, 20.0),
+        ],
     )
     .unwrap();
     let ch = select_with(&CostModel::default(), Some(&table), &view, 8, DType::Bf16, 43008, true, &c);
@@ -173,6 +179,7 @@ fn tuning_measurements_replace_predictions() {
         Algorithm::TwoShotPush,
         Algorithm::Ring,
         Algorithm::Hierarchical,
+        Algorithm::PipelinedHierarchical,
     ];
     let mut ms: Vec<Measurement> = all.iter().map(|&a| m(a, 30.0)).collect();
     ms.push(m(Algorithm::Nccl, 25.0));

@@ -30,6 +30,8 @@ const MPS8_FINAL: &str =
     "measured here: docs/results/h200-x2/final/mps8.json (8 processes on one H200, MPS, no tuning table)";
 const MPS4_FINAL: &str =
     "measured here: docs/results/h200-x2/final/mps4.json (4 processes on 2 H200, 2 per GPU, MPS, islands 2+2)";
+const IN_PROCESS4_ISLANDS: &str =
+    "measured here: docs/results/h200-1gpu/pipelined/islands22.json (4 ranks on one H200, one process, islands 2+2)";
 const PUSH_FINAL: &str = "measured here: docs/results/h200-x2/final/new.json (default launch shapes)";
 const IN_PROCESS8: &str =
     "measured here: docs/results/h200-1gpu/b8all.json (8 ranks on one H200, one process, 2026-11-29 kernels)";
@@ -76,6 +78,10 @@ const MPS4_TWO_SHOT: CalibrationPoint =
     CalibrationPoint { subject: Subject::Ours(Algorithm::TwoShotPush), role: Role::Reference, ..MPS4_PUSH };
 const MPS4_HIERARCHICAL: CalibrationPoint =
     CalibrationPoint { subject: Subject::Ours(Algorithm::Hierarchical), ..MPS4_TWO_SHOT };
+const ONE_GPU4_HIERARCHICAL: CalibrationPoint =
+    CalibrationPoint { ranks_per_gpu: 4, source: IN_PROCESS4_ISLANDS, ..MPS4_HIERARCHICAL };
+const ONE_GPU4_PIPELINED: CalibrationPoint =
+    CalibrationPoint { subject: Subject::Ours(Algorithm::PipelinedHierarchical), ..ONE_GPU4_HIERARCHICAL };
 
 /// The published 4-GPU comparison (stock NCCL).
 const SWITCH4_NCCL: CalibrationPoint =
@@ -94,7 +100,7 @@ const fn flag(algorithm: Algorithm, bytes: usize, target: f64, source: &'static 
 }
 
 /// Every calibration point.
-pub(super) const POINTS: [CalibrationPoint; 78] = [
+pub(super) const POINTS: [CalibrationPoint; 84] = [
     // 2 H200 over NVSwitch: one-shot push, the choice at every size.
     us(H200_PUSH, 4 * KB, 2.24),
     us(H200_PUSH, 16 * KB, 2.38),
@@ -163,6 +169,14 @@ pub(super) const POINTS: [CalibrationPoint; 78] = [
     us(MPS4_HIERARCHICAL, 256 * KB, 8.94),
     us(MPS4_HIERARCHICAL, MB, 11.48),
     us(MPS4_HIERARCHICAL, 8 * MB, 46.65),
+    // 4 ranks on one H200 (one process), islands 2+2: hierarchical and
+    // the pipelined hierarchical in the same bench (reference).
+    us(ONE_GPU4_HIERARCHICAL, 42 * KB, 7.31),
+    us(ONE_GPU4_HIERARCHICAL, MB, 10.66),
+    us(ONE_GPU4_HIERARCHICAL, 8 * MB, 71.74),
+    us(ONE_GPU4_PIPELINED, 42 * KB, 5.97),
+    us(ONE_GPU4_PIPELINED, MB, 13.50),
+    us(ONE_GPU4_PIPELINED, 8 * MB, 86.35),
     // 2 H200: our flag kernels (reference).
     flag(Algorithm::OneShotPull, 4 * KB, 6.34, TUNE_TABLE),
     flag(Algorithm::TwoShotPull, 4 * KB, 10.34, TUNE_TABLE),
