@@ -281,6 +281,75 @@ macro_rules! poll_terms {
 }
 pub(super) use poll_terms;
 
+/// Phase B at owned pack `$i` (`$off`: its byte offset in the
+/// reduce-scatter slots, hidden from LLVM once the own term's load is
+/// issued): the island's partial sum in member order (`$others` slots, own
+/// term `canonical(in[$i])` at member `$j`), canonicalised and stored to the
+/// output; evaluates to it and the hidden offset. `$fail` as in
+/// [`poll_group!`].
+macro_rules! island_partial {
+    ($E:ty, $p:expr, $control:expr, $timeout:expr, $others:expr, $j:expr, $i:expr, $off:expr, $input:expr,
+     $count:expr, $vin:expr, $output:expr, $vout:expr, |$s:ident, $who:ident| $fail:expr) => {{
+        let mine = <$E>::canonicalise($crate::device::island_push::load_message_pack::<$E>($input, $count, $i, $vin));
+        let off = $crate::device::ptx::opaque_u64($off);
+        let mut acc = $crate::device::island_push::NEG_ZERO_ACC;
+        $crate::device::island_push::poll_terms!($E, $control, $timeout, acc, mine, $others, $j, [0, 1, 2, 3],
+        Q => $p.rs_from[Q] + off, $p.rs_abort[Q], $p.rs_peer[Q], |$s, $who| $fail);
+        let v = <$E>::canonicalise(<$E>::round(&acc));
+        $crate::device::island_push::store_message_pack::<$E>($output, $count, $i, $vout, &v);
+        (v, off)
+    }};
+}
+pub(super) use island_partial;
+
+/// Phase B (Hierarchical): the partial `$v` of owned share `$e` at position
+/// `$t` to that share's owner in every other island (its cross slot of
+/// this island, in the half of `$generation`).
+macro_rules! cross_sends {
+    ($p:expr, $generation:expr, $e:expr, $t:expr, $v:expr) => {
+        let cross = $crate::device::ptx::opaque_u64(($generation & 1) as u64 * $p.cross_half_bytes + 16 * $t as u64);
+        $crate::for_each_rank!(O => {
+            if O < $crate::shares::MAX_ISLANDS - 1 && (O as u32) + 1 < $p.islands {
+                $crate::device::ptx::st_relaxed_sys_v4_u32(
+                    ($crate::device::island_push::pick_owned!($p.cross_to[O % ($crate::shares::MAX_ISLANDS - 1)], $e)
+                        + cross) as *mut u32,
+                    $v,
+                );
+            }
+        });
+    };
+}
+pub(super) use cross_sends;
+
+/// Phase C (Hierarchical) at owned share `$e`, position `$t` (pack `$i`):
+/// the final sum of the islands' partials in island order (own partial
+/// read back from the output, where phase B stored it in this thread),
+/// canonicalised, stored to the output and sent to the all-gather slot of
+/// every other member. `$fail` as in [`poll_group!`].
+macro_rules! island_final {
+    ($E:ty, $p:expr, $control:expr, $timeout:expr, $generation:expr, $half:expr, $cap:expr, $others:expr, $e:expr,
+     $t:expr, $i:expr, $count:expr, $output:expr, $vout:expr, |$s:ident, $who:ident| $fail:expr) => {
+        let partial = $crate::device::island_push::load_message_pack::<$E>($output, $count, $i, $vout);
+        let pos = $e as u64 * $cap + $t as u64;
+        let off = $crate::device::ptx::opaque_u64($half + 16 * pos);
+        let cross = $crate::device::ptx::opaque_u64(($generation & 1) as u64 * $p.cross_half_bytes + 16 * pos);
+        let mut acc = $crate::device::island_push::NEG_ZERO_ACC;
+        $crate::device::island_push::poll_terms!($E, $control, $timeout, acc, partial, $p.islands - 1, $p.island, [0, 1],
+        O => $p.cross_from[O % $crate::shares::MAX_ISLANDS] + cross,
+        $crate::device::island_push::pick_owned!($p.cross_abort[O % ($crate::shares::MAX_ISLANDS - 1)], $e),
+        $crate::device::island_push::pick_owned!($p.cross_peer[O % ($crate::shares::MAX_ISLANDS - 1)], $e),
+        |$s, $who| $fail);
+        let f = <$E>::canonicalise(<$E>::round(&acc));
+        $crate::device::island_push::store_message_pack::<$E>($output, $count, $i, $vout, &f);
+        $crate::for_each_rank!(Q => {
+            if (Q as u32) < $others {
+                $crate::device::ptx::st_relaxed_sys_v4_u32(($p.ag_to[Q] + off) as *mut u32, f);
+            }
+        });
+    };
+}
+pub(super) use island_final;
+
 /// Phase D at position `$t` (byte offset `$off`), sends of group
 /// `$group`: the all-gather slots polled back to back, then each waited for
 /// while EMPTY, reset, and handed to `$store` as pack `$i` (u32) of the
@@ -416,24 +485,27 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
             let mut t = first;
             while t < sh && base + t < packs {
                 let i = (base + t) as u64;
-                let mine = E::canonicalise(load_message_pack::<E>(input, count, i, vin));
-                let off = ptx::opaque_u64(half + 16 * (e as u64 * cap + t as u64));
-                let mut acc = NEG_ZERO_ACC;
-                poll_terms!(E, control, timeout, acc, mine, others, j, [0, 1, 2, 3],
-                Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q],
-                |s, peer| {
-                    stall = Some((s, Phase::RsPayload, peer));
-                    break 'kernel;
-                });
-                let v = E::canonicalise(E::round(&acc));
-                store_message_pack::<E>(output, count, i, vout, &v);
+                let (v, off) = island_partial!(
+                    E,
+                    p,
+                    control,
+                    timeout,
+                    others,
+                    j,
+                    i,
+                    half + 16 * (e as u64 * cap + t as u64),
+                    input,
+                    count,
+                    vin,
+                    output,
+                    vout,
+                    |s, peer| {
+                        stall = Some((s, Phase::RsPayload, peer));
+                        break 'kernel;
+                    }
+                );
                 if CROSS {
-                    let cross = ptx::opaque_u64((generation & 1) as u64 * p.cross_half_bytes + 16 * t as u64);
-                    for_each_rank!(O => {
-                        if O < MAX_ISLANDS - 1 && (O as u32) + 1 < p.islands {
-                            ptx::st_relaxed_sys_v4_u32((pick_owned!(p.cross_to[O % (MAX_ISLANDS - 1)], e) + cross) as *mut u32, v);
-                        }
-                    });
+                    cross_sends!(p, generation, e, t, v);
                 } else {
                     for_each_rank!(Q => {
                         if (Q as u32) < others {
@@ -455,26 +527,26 @@ pub(super) unsafe fn island_push<E: Element, const CROSS: bool>(p: IslandPushPar
                 let mut t = first;
                 while t < sh && base + t < packs {
                     let i = (base + t) as u64;
-                    let partial = load_message_pack::<E>(output, count, i, vout);
-                    let pos = e as u64 * cap + t as u64;
-                    let off = ptx::opaque_u64(half + 16 * pos);
-                    let cross = ptx::opaque_u64((generation & 1) as u64 * p.cross_half_bytes + 16 * pos);
-                    let mut acc = NEG_ZERO_ACC;
-                    poll_terms!(E, control, timeout, acc, partial, p.islands - 1, p.island, [0, 1],
-                    O => p.cross_from[O % MAX_ISLANDS] + cross,
-                    pick_owned!(p.cross_abort[O % (MAX_ISLANDS - 1)], e),
-                    pick_owned!(p.cross_peer[O % (MAX_ISLANDS - 1)], e),
-                    |s, peer| {
-                        stall = Some((s, Phase::CrossPayload, peer));
-                        break 'kernel;
-                    });
-                    let f = E::canonicalise(E::round(&acc));
-                    store_message_pack::<E>(output, count, i, vout, &f);
-                    for_each_rank!(Q => {
-                        if (Q as u32) < others {
-                            ptx::st_relaxed_sys_v4_u32((p.ag_to[Q] + off) as *mut u32, f);
+                    island_final!(
+                        E,
+                        p,
+                        control,
+                        timeout,
+                        generation,
+                        half,
+                        cap,
+                        others,
+                        e,
+                        t,
+                        i,
+                        count,
+                        output,
+                        vout,
+                        |s, peer| {
+                            stall = Some((s, Phase::CrossPayload, peer));
+                            break 'kernel;
                         }
-                    });
+                    );
                     t += stride;
                 }
                 e += 1;

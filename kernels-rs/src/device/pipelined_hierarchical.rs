@@ -34,18 +34,15 @@
 //! sends (group 0), so its "last poll" is its last send.
 
 use super::island_push::{
-    first_send_pack, gather_sends, load_message_pack, pick_owned, poll_terms, reduce_scatter_sends,
-    store_message_pack, NEG_ZERO_ACC,
+    cross_sends, first_send_pack, gather_sends, island_final, island_partial, reduce_scatter_sends, store_message_pack,
 };
 use super::pack::{aligned16, Element};
 use super::ptx;
 use super::sentinel::{self, Stall, Trace};
-use crate::for_each_rank;
 use crate::ids::{AlgorithmId, Phase};
 use crate::layout::ErrorRecord;
 use crate::params::{Control, IslandPushParams, RegionId, FLAG_TRACE};
 use crate::partition::div_ceil;
-use crate::shares::MAX_ISLANDS;
 
 /// Block groups of a launch of three or more blocks (A; B and C; D).
 const GROUPS: u32 = 3;
@@ -164,46 +161,20 @@ unsafe fn pipelined_hierarchical<E: Element>(p: IslandPushParams) {
                 let live = e < p.owned;
                 if live {
                     let i = ((j + e * members) * sh + t) as u64;
-                    let mine = E::canonicalise(load_message_pack::<E>(input, count, i, vin));
-                    let off = ptx::opaque_u64(half + 16 * (e as u64 * cap + t as u64));
-                    let mut acc = NEG_ZERO_ACC;
-                    poll_terms!(E, control, timeout, acc, mine, others, j, [0, 1, 2, 3],
-                    Q => p.rs_from[Q] + off, p.rs_abort[Q], p.rs_peer[Q],
+                    let off = half + 16 * (e as u64 * cap + t as u64);
+                    let (v, _) = island_partial!(E, p, control, timeout, others, j, i, off, input, count, vin, output, vout,
                     |s, peer| {
                         stall = Some((s, Phase::RsPayload, peer));
                         break 'kernel;
                     });
-                    let v = E::canonicalise(E::round(&acc));
-                    store_message_pack::<E>(output, count, i, vout, &v);
-                    let cross = ptx::opaque_u64((generation & 1) as u64 * p.cross_half_bytes + 16 * t as u64);
-                    for_each_rank!(O => {
-                        if O < MAX_ISLANDS - 1 && (O as u32) + 1 < p.islands {
-                            ptx::st_relaxed_sys_v4_u32(
-                                (pick_owned!(p.cross_to[O % (MAX_ISLANDS - 1)], e) + cross) as *mut u32, v);
-                        }
-                    });
+                    cross_sends!(p, generation, e, t, v);
                 }
                 if pending {
                     let i = ((j + pe * members) * sh + pt) as u64;
-                    let partial = load_message_pack::<E>(output, count, i, vout);
-                    let pos = pe as u64 * cap + pt as u64;
-                    let off = ptx::opaque_u64(half + 16 * pos);
-                    let cross = ptx::opaque_u64((generation & 1) as u64 * p.cross_half_bytes + 16 * pos);
-                    let mut acc = NEG_ZERO_ACC;
-                    poll_terms!(E, control, timeout, acc, partial, p.islands - 1, p.island, [0, 1],
-                    O => p.cross_from[O % MAX_ISLANDS] + cross,
-                    pick_owned!(p.cross_abort[O % (MAX_ISLANDS - 1)], pe),
-                    pick_owned!(p.cross_peer[O % (MAX_ISLANDS - 1)], pe),
+                    island_final!(E, p, control, timeout, generation, half, cap, others, pe, pt, i, count, output, vout,
                     |s, peer| {
                         stall = Some((s, Phase::CrossPayload, peer));
                         break 'kernel;
-                    });
-                    let f = E::canonicalise(E::round(&acc));
-                    store_message_pack::<E>(output, count, i, vout, &f);
-                    for_each_rank!(Q => {
-                        if (Q as u32) < others {
-                            ptx::st_relaxed_sys_v4_u32((p.ag_to[Q] + off) as *mut u32, f);
-                        }
                     });
                 }
                 if !live {
