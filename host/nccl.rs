@@ -143,9 +143,7 @@ impl NcclComm {
             .map_err(|e| nccl_err("ncclAllReduce", e))
         }
     }
-}
 
-impl NcclComm {
     /// All-gather of `count` elements a rank on `stream`.
     pub fn all_gather(
         &self,

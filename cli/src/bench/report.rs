@@ -94,8 +94,9 @@ pub fn render_table(r: &Report) -> String {
     let collective = r.measurements.first().map_or("allreduce", |m| m.collective.as_str());
     let _ = writeln!(
         out,
-        "{} x {} ({} rank(s) per GPU), {}, {} mode, {} {}s per sample, {} samples{}",
+        "{} ranks on {} x {} ({} per GPU), {}, {} mode, {} {}s per sample, {} samples{}",
         r.world,
+        r.world.div_ceil(r.ranks_per_gpu.max(1)),
         r.gpu_model,
         r.ranks_per_gpu,
         r.measurements.first().map(|m| m.dtype.as_str()).unwrap_or("-"),

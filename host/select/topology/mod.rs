@@ -471,7 +471,8 @@ impl Topology {
                 format!("{} (first {} GPUs)", self.name, devices.len())
             }
         } else {
-            format!("{} ({} ranks on {} devices)", self.name, devices.len(), distinct)
+            let gpus = if distinct == 1 { "1 GPU".to_string() } else { format!("{distinct} GPUs") };
+            format!("{} ({} ranks on {gpus})", self.name, devices.len())
         };
         Ok(Topology { name, gpus, pairs, islands })
     }
