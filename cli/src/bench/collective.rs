@@ -45,10 +45,13 @@ pub trait CommGroup: Sync {
     fn check(&self) -> Result<()> {
         Ok(())
     }
-    /// What runs an `op` of `bytes` (a block for the all-gather and reduce-scatter).
-    fn describe(&self, op: Op, bytes: usize, dtype: DType) -> String;
-    /// Roundings of a partial sum to the element type per output element.
-    fn roundings(&self, op: Op, bytes: usize, dtype: DType) -> usize;
+    /// What runs an `op` of `bytes` (a block for the all-gather and
+    /// reduce-scatter), in a captured graph or eagerly: `auto` may choose
+    /// differently for the two (an eager pull call stages its input).
+    fn describe(&self, op: Op, bytes: usize, dtype: DType, capturing: bool) -> String;
+    /// Roundings of a partial sum to the element type per output element,
+    /// of what [`describe`](Self::describe) names.
+    fn roundings(&self, op: Op, bytes: usize, dtype: DType, capturing: bool) -> usize;
 }
 
 /// Our communicators, one per rank (each on its rank's stream).
@@ -57,11 +60,11 @@ pub struct OurGroup<'a> {
 }
 
 impl OurGroup<'_> {
-    /// What a captured `op` of `bytes` runs.
-    fn algorithm(&self, op: Op, bytes: usize, dtype: DType) -> Algorithm {
+    /// What an `op` of `bytes` runs (captured or eager).
+    fn algorithm(&self, op: Op, bytes: usize, dtype: DType, capturing: bool) -> Algorithm {
         match op {
-            Op::AllReduce => self.comms[0].plan_call(bytes, dtype, true, false).algorithm,
-            _ => self.comms[0].plan_collective(op, bytes, true).algorithm,
+            Op::AllReduce => self.comms[0].plan_call(bytes, dtype, capturing, false).algorithm,
+            _ => self.comms[0].plan_collective(op, bytes, capturing).algorithm,
         }
     }
 }
@@ -82,13 +85,13 @@ impl CommGroup for OurGroup<'_> {
     fn check(&self) -> Result<()> {
         self.comms.iter().try_for_each(|c| c.check())
     }
-    fn describe(&self, op: Op, bytes: usize, dtype: DType) -> String {
-        self.algorithm(op, bytes, dtype).name().to_string()
+    fn describe(&self, op: Op, bytes: usize, dtype: DType, capturing: bool) -> String {
+        self.algorithm(op, bytes, dtype, capturing).name().to_string()
     }
-    fn roundings(&self, op: Op, bytes: usize, dtype: DType) -> usize {
+    fn roundings(&self, op: Op, bytes: usize, dtype: DType, capturing: bool) -> usize {
         match op {
             Op::AllGather => 0,
-            _ => self.algorithm(op, bytes, dtype).max_roundings(self.comms.len()),
+            _ => self.algorithm(op, bytes, dtype, capturing).max_roundings(self.comms.len()),
         }
     }
 }
@@ -123,10 +126,10 @@ impl CommGroup for NcclGroup<'_> {
     fn capturable_per_rank(&self) -> bool {
         self.comms.len() == 1
     }
-    fn describe(&self, _: Op, _: usize, _: DType) -> String {
+    fn describe(&self, _: Op, _: usize, _: DType, _: bool) -> String {
         "nccl".into()
     }
-    fn roundings(&self, op: Op, _: usize, _: DType) -> usize {
+    fn roundings(&self, op: Op, _: usize, _: DType, _: bool) -> usize {
         match op {
             Op::AllGather => 0,
             _ => self.comms.len(),

@@ -9,7 +9,7 @@ use super::ranks::{Buffers, Ranks};
 use super::report::{Report, VerifyPass};
 use super::scenarios::{large_message_efficiency, launch_floor, verify_pass};
 use super::stats::{measurement_of, set_speedups, Measurement, RowKey};
-use super::timing::time_collective;
+use super::timing::{time_collective, timed_mode};
 use super::trace::{summarize, TraceSummary};
 use super::{Mode, Options, Scenarios, Selection};
 use crate::table::human_bytes;
@@ -192,7 +192,9 @@ fn measure_size(
         }
         progress.step(&format!("{} {}", human_bytes(bytes), sel.name()));
         let group = OurGroup { comms };
-        let ran = group.describe(bufs.collective, bytes, dtype);
+        // The algorithm of the timed calls (graph or eager: `auto` may
+        // choose differently for the two).
+        let ran = group.describe(bufs.collective, bytes, dtype, timed_mode(&group, opts) == Mode::Graph);
         let mut samples = time_collective(&group, ranks, bufs, opts)?;
         let key = RowKey { bytes, dtype, selection: &sel.name(), ran: &ran, world, mode: opts.mode };
         rows.push(measurement_of(bufs.collective, key, &mut samples));

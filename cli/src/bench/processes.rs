@@ -88,6 +88,15 @@ impl RankBuffers {
     }
 }
 
+/// What a row's eager call and its graph replays are checked against:
+/// (what ran, its roundings) each; `auto` may choose another algorithm
+/// for an eager call than for a captured one.
+#[derive(Clone, Copy)]
+struct RowChecks<'a> {
+    eager: (&'a str, usize),
+    graph: (&'a str, usize),
+}
+
 /// Verifies, then times one row on this rank; returns per-allreduce
 /// microseconds per sample (the slowest rank's).
 fn time_row(
@@ -95,11 +104,12 @@ fn time_row(
     runner: Runner,
     bufs: &mut RankBuffers,
     opts: &Options,
-    (what, roundings): (&str, usize),
+    checks: RowChecks<'_>,
 ) -> Result<Vec<f64>> {
     bufs.output.fill_bytes(0x7F)?;
     runner.call(comm, &bufs.input, &mut bufs.output)?;
     comm.synchronize()?;
+    let (what, roundings) = checks.eager;
     bufs.verify(comm, roundings, &format!("{what}, eager call"))?;
     let samples = match opts.mode {
         Mode::Graph => {
@@ -109,6 +119,7 @@ fn time_row(
             comm.register_graph_buffers()?;
             graph.upload().map_err(|e| driver_error("cuGraphUpload", e))?;
             let s = timed(comm, opts.warmup, opts.repeats, || launch(&graph))?;
+            let (what, roundings) = checks.graph;
             bufs.verify(comm, roundings, &format!("{what}, after the graph replays"))?;
             // Peers close their mappings of this size's buffers before the
             // buffers are freed (CUDA leaves the other order undefined).
@@ -171,11 +182,18 @@ fn measure_size(
     let mut rows = Vec::new();
     for sel in selections {
         comm.set_algorithm(sel.forced())?;
-        let algorithm = comm.plan_call(bytes, dtype, true, false).algorithm;
+        let eager = comm.plan_call(bytes, dtype, false, false).algorithm;
+        let graph = comm.plan_call(bytes, dtype, true, false).algorithm;
+        // The timed calls' algorithm.
+        let algorithm = if opts.mode == Mode::Graph { graph } else { eager };
         progress.step(&format!("{} {}", human_bytes(bytes), sel.name()));
-        let what = format!("{} {} (ran {algorithm})", human_bytes(bytes), sel.name());
-        let check = (what.as_str(), algorithm.max_roundings(world));
-        let mut samples = time_row(comm, Runner::Ours(comm), &mut bufs, opts, check)?;
+        let what_eager = format!("{} {} (ran {eager})", human_bytes(bytes), sel.name());
+        let what_graph = format!("{} {} (ran {graph})", human_bytes(bytes), sel.name());
+        let checks = RowChecks {
+            eager: (what_eager.as_str(), eager.max_roundings(world)),
+            graph: (what_graph.as_str(), graph.max_roundings(world)),
+        };
+        let mut samples = time_row(comm, Runner::Ours(comm), &mut bufs, opts, checks)?;
         let key = RowKey { bytes, dtype, selection: &sel.name(), ran: algorithm.name(), world, mode: opts.mode };
         rows.push(measurement(key, &mut samples));
         if let Some(records) = comm.take_trace_records()? {
@@ -186,7 +204,9 @@ fn measure_size(
     if let Some(nccl) = comm.nccl().filter(|_| opts.include_nccl) {
         progress.step(&format!("{} nccl", human_bytes(bytes)));
         let what = format!("{} nccl", human_bytes(bytes));
-        let mut samples = time_row(comm, Runner::Nccl(nccl), &mut bufs, opts, (what.as_str(), world))?;
+        let check = (what.as_str(), world);
+        let checks = RowChecks { eager: check, graph: check };
+        let mut samples = time_row(comm, Runner::Nccl(nccl), &mut bufs, opts, checks)?;
         let key = RowKey { bytes, dtype, selection: "nccl", ran: "nccl", world, mode: opts.mode };
         let nccl_row = measurement(key, &mut samples);
         set_speedups(&mut rows, &nccl_row);

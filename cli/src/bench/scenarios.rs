@@ -37,7 +37,9 @@ pub fn verify_pass(c: &dyn CommGroup, ranks: &Ranks, selection: &str) -> Result<
     bufs.poison()?;
     c.issue_all(&mut bufs)?;
     sync_all(c, ranks)?;
-    bufs.verify(c.roundings(tp_allreduce::Collective::AllReduce, VERIFY_PASS_BYTES, dtype), "verify pass")?;
+    let op = tp_allreduce::Collective::AllReduce;
+    let eager = c.describe(op, VERIFY_PASS_BYTES, dtype, false);
+    bufs.verify(c.roundings(op, VERIFY_PASS_BYTES, dtype, false), &format!("verify pass ({eager}, eager call)"))?;
     let graphs = capture_per_rank(ranks, |r, s| {
         for _ in 0..VERIFY_PASS_ALLREDUCES {
             // in -> out (allreduce), out -> in (dependent layer: x/world).
@@ -53,7 +55,7 @@ pub fn verify_pass(c: &dyn CommGroup, ranks: &Ranks, selection: &str) -> Result<
     let (median, p10, p90) = percentiles(&mut samples);
     Ok(VerifyPass {
         selection: selection.into(),
-        algorithm: c.describe(tp_allreduce::Collective::AllReduce, VERIFY_PASS_BYTES, dtype),
+        algorithm: c.describe(op, VERIFY_PASS_BYTES, dtype, true),
         allreduces: VERIFY_PASS_ALLREDUCES,
         bytes: VERIFY_PASS_BYTES,
         median_ms: median,

@@ -80,14 +80,15 @@ pub(crate) fn time_graph_replays(
 /// Verifies, then times `c` on `bufs`; returns per-allreduce microseconds
 /// (one sample per timed repeat).
 pub fn time_collective(c: &dyn CommGroup, ranks: &Ranks, bufs: &mut Buffers, opts: &Options) -> Result<Vec<f64>> {
-    let what = c.describe(bufs.collective, bufs.bytes(), bufs.dtype);
-    let roundings = c.roundings(bufs.collective, bufs.bytes(), bufs.dtype);
+    // The first call is eager: checked against what an eager call runs
+    // (`auto` may choose another algorithm for it than for a graph).
+    let (op, bytes, dtype) = (bufs.collective, bufs.bytes(), bufs.dtype);
+    let eager = (c.describe(op, bytes, dtype, false), c.roundings(op, bytes, dtype, false));
     bufs.poison()?;
     c.issue_all(bufs)?;
     sync_all(c, ranks)?;
-    bufs.verify(roundings, &what)?;
-    let mode = if opts.mode == Mode::Graph && !c.capturable_per_rank() { Mode::Eager } else { opts.mode };
-    match mode {
+    bufs.verify(eager.1, &format!("{} (eager call)", eager.0))?;
+    match timed_mode(c, opts) {
         Mode::Graph => {
             let graphs = capture_per_rank(ranks, |r, _| {
                 (0..opts.iterations).try_for_each(|_| c.run(bufs.collective, r, &bufs.inputs[r], &mut bufs.outputs[r]))
@@ -97,13 +98,25 @@ pub fn time_collective(c: &dyn CommGroup, ranks: &Ranks, bufs: &mut Buffers, opt
                 g.upload().map_err(|e| driver_error("cuGraphUpload", e))?;
             }
             let replays = time_graph_replays(&graphs, ranks, opts.warmup, opts.repeats, || sync_all(c, ranks))?;
-            // The replays ran on the same buffers: check the result again.
-            bufs.verify(roundings, &what)?;
+            // The replays ran on the same buffers: check the result again,
+            // against what the graph runs.
+            let (what, roundings) = (c.describe(op, bytes, dtype, true), c.roundings(op, bytes, dtype, true));
+            bufs.verify(roundings, &format!("{what} (graph replays)"))?;
             // The buffers are freed after this size's rows.
             c.release_buffers()?;
             Ok(replays.into_iter().map(|us| us / opts.iterations as f64).collect())
         }
         Mode::Eager => time_eager(c, ranks, bufs, opts),
+    }
+}
+
+/// The mode `c` is timed in for `opts`: eager where per-rank capture does
+/// not work (NCCL over several GPUs from one thread).
+pub fn timed_mode(c: &dyn CommGroup, opts: &Options) -> Mode {
+    if opts.mode == Mode::Graph && !c.capturable_per_rank() {
+        Mode::Eager
+    } else {
+        opts.mode
     }
 }
 
