@@ -15,7 +15,8 @@
 use std::mem::{align_of, size_of};
 
 use tp_allreduce_kernels::ids::AlgorithmId;
-use tp_allreduce_kernels::params::{GatherScatterParams, OneShotPushParams, FLAG_TRACE};
+use tp_allreduce_kernels::partition::PACK_BYTES;
+use tp_allreduce_kernels::params::{all_gather_launch_packs, GatherScatterParams, OneShotPushParams, FLAG_TRACE};
 
 use super::launch::{entry_name, run_sentinel, ByDtype, Call, Issue, RankAlgorithm, RankSetup};
 use super::one_shot_push::default_shape;
@@ -39,7 +40,7 @@ impl AlgorithmHost for AllGatherPush {
     }
 
     fn launch_capacity_packs(&self, g: &Geometry) -> u64 {
-        g.layout.one_shot_push_max_packs
+        all_gather_launch_packs(g.layout.one_shot_push_max_packs)
     }
 
     fn launch_shape(&self, g: &Geometry, packs: u64) -> (u32, u32) {
@@ -123,7 +124,16 @@ impl RankAlgorithm for PushCollectiveRank {
     /// each launch's parameters say where the blocks of that piece are
     /// (the piece of block 0, the blocks `block_bytes` apart).
     fn run(&self, call: &Call, issue: &mut Issue<'_>) -> Result<()> {
-        let capacity = self.geometry.layout.one_shot_push_max_packs;
+        let slot_packs = self.geometry.layout.one_shot_push_max_packs;
+        // The all-gather's escape words follow a launch's packs in each
+        // receive slot (`all_gather_launch_packs`).
+        let (capacity, escape_offset) = match self.algorithm {
+            AlgorithmId::AllGatherPush => {
+                let packs = all_gather_launch_packs(slot_packs);
+                (packs, packs * PACK_BYTES as u64)
+            }
+            _ => (slot_packs, 0),
+        };
         let block_bytes = (call.count * call.dtype.size_bytes()) as u64;
         let default_shape = |packs| default_shape(packs, &self.geometry.sentinel_resident);
         let params = |input, output, count| {
@@ -131,7 +141,7 @@ impl RankAlgorithm for PushCollectiveRank {
             push.h.input = input;
             push.h.output = output;
             push.h.count = count;
-            GatherScatterParams { push, block_bytes, _pad0: 0 }
+            GatherScatterParams { push, block_bytes, escape_offset }
         };
         let kernel = self.kernels.get(call.dtype);
         run_sentinel(self.algorithm, kernel, &self.geometry, capacity, call, default_shape, params, issue)

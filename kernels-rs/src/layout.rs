@@ -24,6 +24,10 @@ pub const P2P_CHECK_WORDS: usize = 4096;
 /// are canonicalised to the type's quiet NaN first, so no real payload word
 /// is all ones.
 pub const SENTINEL_EMPTY_WORD: u32 = 0xFFFF_FFFF;
+/// AllGather's escape marker: a payload word that travels as this value is
+/// either [`SENTINEL_EMPTY_WORD`] or this value itself, which the pack's
+/// escape word tells apart (`device/all_gather_push.rs`).
+pub const ALL_GATHER_ESCAPE_WORD: u32 = 0xFFFF_FFFE;
 
 /// One rank's peer-visible signal block.
 ///

@@ -163,7 +163,17 @@ pub struct GatherScatterParams {
     /// Bytes from one rank's block (AllGather output) or share
     /// (ReduceScatter input) to the next rank's.
     pub block_bytes: u64,
-    pub _pad0: u64,
+    /// AllGather: bytes from a receive slot's pack 0 to its escape words
+    /// (one u32 per pack, after the launch's packs: see
+    /// [`all_gather_launch_packs`]). ReduceScatter: 0 (unused).
+    pub escape_offset: u64,
+}
+
+/// Packs of one AllGather launch when a receive slot holds `slot_packs`
+/// packs: the packs and, after them, one escape word (4 bytes) per pack
+/// fit in the slot (`20 * n <= 16 * slot_packs`).
+pub const fn all_gather_launch_packs(slot_packs: u64) -> u64 {
+    slot_packs * 4 / 5
 }
 
 const _: () = assert!(core::mem::size_of::<GatherScatterParams>() == core::mem::size_of::<OneShotPushParams>() + 16);

@@ -371,3 +371,140 @@ fn world_of_one_and_bad_arguments() {
     let plan = comms[0].plan_collective(Collective::ReduceScatter, 8 << 20, false);
     assert_eq!(plan.algorithm, Algorithm::ReduceScatterPush, "{plan:?}");
 }
+
+/// Random bytes of `n` 32-bit words where about a fifth of the words are
+/// the all-ones pattern (-1 as i32, the "not arrived" pattern of the
+/// wire), the escape pattern 0xFFFFFFFE (-2) or a word with an all-ones
+/// half (-1 as i16 next to a random half), at random positions; the rest
+/// random bits (NaNs with payloads, denormals, ints).
+fn random_word_bytes(rng: &mut StdRng, n: usize) -> Vec<u8> {
+    use rand::Rng;
+    (0..n)
+        .flat_map(|_| {
+            let w: u32 = match rng.gen_range(0..20) {
+                0 | 1 => u32::MAX,
+                2 => 0xFFFF_FFFE,
+                3 => 0xFFFF_0000 | rng.gen_range(0..=0xFFFFu32),
+                4 => (rng.gen_range(0..=0xFFFFu32) << 16) | 0xFFFF,
+                _ => rng.gen(),
+            };
+            w.to_le_bytes()
+        })
+        .collect()
+}
+
+/// The all-gather is a copy (issue 35 item 1): every bit pattern of every
+/// dtype arrives unchanged, all-ones words (-1 as an int viewed as f32)
+/// and halves included, worlds 2-8, in place and out of place, counts
+/// from one element to several launches, eager and in replayed graphs.
+/// Before, 0xFFFFFFFF arrived as 0x7FC00000 and 0xFFFF as 0x7E00/0x7FC0.
+#[test]
+fn all_gather_copies_every_bit_pattern() {
+    let _lock = common::gpu_lock();
+    let Some(ctx) = common::gpu("all_gather_copies_every_bit_pattern") else { return };
+    let mut rng = common::rng("all_gather_copies_every_bit_pattern");
+    let mut cases = 0;
+    for world in 2..=8 {
+        let comms = group(&ctx, world);
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            let es = dtype.size_bytes();
+            // Elements: one, a tail, a few packs, past one launch's capacity.
+            for count in [1usize, 7, 4099, (3 << 20) / es + 5] {
+                for in_place in [false, true] {
+                    let block = count * es;
+                    let inputs: Vec<Vec<u8>> = (0..world)
+                        .map(|_| {
+                            let mut b = random_word_bytes(&mut rng, block.div_ceil(4));
+                            b.truncate(block);
+                            b
+                        })
+                        .collect();
+                    let want: Vec<u8> = inputs.concat();
+                    let mut outs = Vec::new();
+                    for (r, c) in comms.iter().enumerate() {
+                        let s = c.stream();
+                        let mut host = vec![0xA5u8; world * block];
+                        if in_place {
+                            host[r * block..(r + 1) * block].copy_from_slice(&inputs[r]);
+                        }
+                        let recv = s.clone_htod(&host).unwrap();
+                        let send = s.clone_htod(&inputs[r]).unwrap();
+                        {
+                            let (recv_ptr, _g1) = cudarc::driver::DevicePtr::device_ptr(&recv, &s);
+                            let (send_ptr, _g2) = cudarc::driver::DevicePtr::device_ptr(&send, &s);
+                            let src = if in_place { recv_ptr + (r * block) as u64 } else { send_ptr };
+                            // SAFETY: `recv` holds world x count elements, `src`
+                            // count elements inside a live buffer.
+                            unsafe { c.all_gather_raw(src, recv_ptr, count, dtype, s.cu_stream()) }
+                                .unwrap_or_else(|e| panic!("world {world} {dtype:?} x{count}: rank {r}: {e}"));
+                        }
+                        outs.push((recv, send));
+                    }
+                    for (r, c) in comms.iter().enumerate() {
+                        c.synchronize().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+                        let got = c.stream().clone_dtoh(&outs[r].0).unwrap();
+                        if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+                            let w = i / 4 * 4;
+                            panic!(
+                                "world {world} {dtype:?} x{count} in place {in_place}: rank {r} byte {i} (block {}): \
+                                 word {:02x?} want {:02x?}",
+                                i / block,
+                                &got[w..(w + 4).min(got.len())],
+                                &want[w..(w + 4).min(want.len())]
+                            );
+                        }
+                    }
+                    cases += 1;
+                }
+            }
+        }
+        // Graphs: one all-gather per rank captured, replayed with fresh
+        // bits each time (a bf16 and an f32 view of the same kind of data).
+        for dtype in [DType::Bf16, DType::F32] {
+            let count = 21_504;
+            let block = count * dtype.size_bytes();
+            let mut sends = Vec::new();
+            let mut recvs = Vec::new();
+            let mut graphs = Vec::new();
+            for c in &comms {
+                let s = c.stream();
+                sends.push(s.alloc_zeros::<u8>(block).unwrap());
+                recvs.push(s.alloc_zeros::<u8>(world * block).unwrap());
+            }
+            for (r, c) in comms.iter().enumerate() {
+                let s = c.stream();
+                s.synchronize().unwrap();
+                s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+                {
+                    let (src, _g1) = cudarc::driver::DevicePtr::device_ptr(&sends[r], &s);
+                    let (dst, _g2) = cudarc::driver::DevicePtr::device_ptr(&recvs[r], &s);
+                    // SAFETY: live buffers of `count` and world x `count` elements.
+                    unsafe { c.all_gather_raw(src, dst, count, dtype, s.cu_stream()) }.unwrap();
+                }
+                let g = s
+                    .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+                    .unwrap();
+                graphs.push(g.expect("a graph"));
+            }
+            for replay in 0..20 {
+                let inputs: Vec<Vec<u8>> = (0..world).map(|_| random_word_bytes(&mut rng, block / 4)).collect();
+                for (r, c) in comms.iter().enumerate() {
+                    c.stream().memcpy_htod(&inputs[r], &mut sends[r]).unwrap();
+                }
+                for g in &graphs {
+                    g.launch().unwrap();
+                }
+                let want = inputs.concat();
+                for (r, c) in comms.iter().enumerate() {
+                    c.synchronize().unwrap_or_else(|e| panic!("replay {replay} rank {r}: {e}"));
+                    let got = c.stream().clone_dtoh(&recvs[r]).unwrap();
+                    let i = got.iter().zip(&want).position(|(a, b)| a != b);
+                    assert!(i.is_none(), "world {world} {dtype:?} replay {replay} rank {r}: byte {i:?} differs");
+                }
+                cases += 1;
+            }
+        }
+    }
+    eprintln!("all-gather bit patterns: {cases} cases checked bit for bit");
+    assert_eq!(cases, 7 * (3 * 4 * 2 + 2 * 20));
+}

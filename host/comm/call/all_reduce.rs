@@ -13,6 +13,11 @@ use crate::error::{Error, Result};
 
 impl Comm {
     /// Allreduce (sum) of `send` into `recv` on the communicator's stream.
+    ///
+    /// NaNs: a sum with a NaN term is a NaN, but NaN payload bits are not
+    /// preserved (an element whose bits are all ones travels as the type's
+    /// quiet NaN: the all-ones pattern marks "not arrived" on the wire).
+    /// Every rank gets the same bits.
     pub fn all_reduce<S: DevicePtr<T>, R: DevicePtrMut<T>, T: Element>(
         &self,
         send: &S,

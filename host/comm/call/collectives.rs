@@ -35,6 +35,10 @@ impl Comm {
     /// All-gather of `send` (n elements on every rank) into `recv` (world x
     /// n: rank r's `send` at `[r n, (r + 1) n)`) on the communicator's
     /// stream.
+    ///
+    /// A copy, bit for bit, whatever the bits: NaNs with any payload,
+    /// all-ones words and integers or packed data viewed as `f32`/`f16`/
+    /// `bf16` arrive unchanged (the dtype only sets the element size).
     pub fn all_gather<S: DevicePtr<T>, R: DevicePtrMut<T>, T: Element>(&self, send: &S, recv: &mut R) -> Result<()> {
         let n = send.len();
         if recv.len() != n.saturating_mul(self.world) {
@@ -55,6 +59,10 @@ impl Comm {
     /// Reduce-scatter (sum) of `send` (world x n elements) into `recv` (n:
     /// the sum over ranks of block `rank` of `send`) on the communicator's
     /// stream.
+    ///
+    /// NaNs: a sum with a NaN term is a NaN, but its payload bits are not
+    /// preserved (as for [`Comm::all_reduce`]): move packed data with
+    /// [`Comm::all_gather`], which copies every bit.
     pub fn reduce_scatter<S: DevicePtr<T>, R: DevicePtrMut<T>, T: Element>(
         &self,
         send: &S,

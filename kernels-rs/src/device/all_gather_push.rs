@@ -10,38 +10,57 @@
 //!   rank r's input; blocks `block_bytes` apart, `count` elements each
 //!   launch n on rank r (every thread, grid-stride over packs i):
 //!     entry:  {abort, generation} (one v4 load) + first input pack, together
-//!     push:   v = canonical(in[i]) -> send_to[k] + half + 16 i, k = 0..world-2
+//!     push:   block r of the output <- in[i] (unchanged)
+//!             v = escaped(in[i]) -> send_to[k] + half + 16 i, k = 0..world-2
 //!             (rank r+1, r+2, ...: staggered)          (world-1) x count posted
-//!             block r of the output <- v
 //!     count_block (block barrier; thread 0 counts the block, no wait)
 //!     poll:   one relaxed.sys load per slot of a group, back to back; per
 //!             slot: bounded spin while EMPTY, reset (reset on consume),
-//!             block source(k) of the output <- the pack
+//!             block source(k) of the output <- the pack as it arrived
+//!     rare, only a thread that sent or received ESCAPE words:
+//!       escape words: for each of its packs with an EMPTY or ESCAPE word,
+//!             the mask of its EMPTY words -> send_to[k] + half +
+//!             escape_offset + 4 i
+//!       restore: for each output pack holding ESCAPE words, bounded spin on
+//!             its escape word, reset it, store the restored pack
 //!   finish_generation (the last block stores gen + 1; sm_80/89: right
 //!     after count_block)
 //! ```
 //!
-//! Ordering: as OneShotPush. Slot X (pack i of source p in half h of
-//! receiver r) is written only by p and read and reset only by r. The
-//! lemma holds because every rank's output needs every rank's launch-n
-//! input: if y finished launch n, every x has started n, so finished n-1.
-//! Launches of AllGather, ReduceScatter and OneShotPush (plain and fused)
-//! share the region and its generation: every rank runs the same sequence
-//! of launches, each reads and resets every slot written to it in that
-//! launch, so the halves alternate identically everywhere.
+//! The escape words go out after the poll: no rank waits for one before
+//! its own poll has ended (only the restore step does), and the push and
+//! poll loops keep OneShotPush's registers (64 with 1024-thread blocks,
+//! no spills).
 //!
-//! Bits: every rank stores the same canonical pack for block p (the own
-//! block included), so the outputs agree bitwise; an element whose bits are
-//! all ones (a NaN) arrives as the type's quiet NaN, every other value bit
-//! for bit. In place (the input is block `rank` of the output) is safe: the
-//! thread that writes a pack of the own block is the one that read it.
+//! Ordering: as OneShotPush. Slot X (pack i of source p in half h of
+//! receiver r) and its escape word are written only by p and read and reset
+//! only by r. The lemma holds because every rank's output needs every
+//! rank's launch-n input: if y finished launch n, every x has started n, so
+//! finished n-1. Launches of AllGather, ReduceScatter and OneShotPush (plain
+//! and fused) share the region and its generation: every rank runs the same
+//! sequence of launches, each reads and resets every slot word (escape words
+//! included) written to it in that launch, so between launches every word
+//! of the region is EMPTY and the halves alternate identically everywhere.
+//!
+//! Bits: an all-gather is a copy, so every bit pattern arrives unchanged,
+//! whatever the dtype (the kernel moves 32-bit words; the dtype only
+//! decides the tail). A word equal to EMPTY cannot travel as itself (it
+//! means "not arrived"), so EMPTY and ESCAPE words travel as ESCAPE and the
+//! pack's escape word, a mask of which of its four words were EMPTY (at
+//! most 15, never EMPTY itself), restores them. The escape word is a slot
+//! word of its own with the same EMPTY-until-written protocol, so payload
+//! and escape word need no order between them: the receiver waits for
+//! each. Packs without EMPTY or ESCAPE words (every pack of finite floats)
+//! send no escape word. In place (the input is block `rank` of the output)
+//! is safe: the thread that writes a pack of the own block is the one that
+//! read it.
 
-use super::pack::{aligned16, any_word_empty, Element, ZERO_PACK};
+use super::pack::{aligned16, any_word_empty, Element, Pack, ZERO_PACK};
 use super::ptx;
 use super::sentinel::{self, Trace};
 use crate::for_each_rank;
 use crate::ids::AlgorithmId;
-use crate::layout::{ErrorRecord, MAX_RANKS, SENTINEL_EMPTY_WORD};
+use crate::layout::{ErrorRecord, ALL_GATHER_ESCAPE_WORD, MAX_RANKS, SENTINEL_EMPTY_WORD};
 use crate::params::{one_shot_push_source, Control, GatherScatterParams, RegionId, FLAG_TRACE};
 use crate::partition::div_ceil;
 
@@ -51,6 +70,43 @@ use super::island_push::{load_message_pack, store_message_pack};
 /// kernel fits the sentinel kernels' budget of 64 registers (1024-thread
 /// blocks) without spilling.
 const POLL_GROUP: usize = crate::params::ISLAND_PUSH_GROUP;
+
+/// The pack as it travels and its escape word: EMPTY and ESCAPE words
+/// become ESCAPE; the mask has bit k set where word k was EMPTY. `None`:
+/// no word escaped (no escape word to send).
+#[inline(always)]
+fn escape(pack: Pack) -> (Pack, Option<u32>) {
+    let mut out = pack;
+    let mut escaped = false;
+    let mut mask = 0u32;
+    for (k, word) in out.iter_mut().enumerate() {
+        if *word == SENTINEL_EMPTY_WORD || *word == ALL_GATHER_ESCAPE_WORD {
+            escaped = true;
+            mask |= ((*word == SENTINEL_EMPTY_WORD) as u32) << k;
+            *word = ALL_GATHER_ESCAPE_WORD;
+        }
+    }
+    (out, if escaped { Some(mask) } else { None })
+}
+
+/// Whether a pack as it arrived has escaped words.
+#[inline(always)]
+fn any_escaped(pack: &Pack) -> bool {
+    pack.iter().any(|&w| w == ALL_GATHER_ESCAPE_WORD)
+}
+
+/// The words of an arrived pack as they were sent: ESCAPE words whose bit
+/// in the escape word's `mask` is set were EMPTY.
+#[inline(always)]
+fn unescape(pack: Pack, mask: u32) -> Pack {
+    let mut out = pack;
+    for (k, word) in out.iter_mut().enumerate() {
+        if *word == ALL_GATHER_ESCAPE_WORD && mask & (1 << k) != 0 {
+            *word = SENTINEL_EMPTY_WORD;
+        }
+    }
+    out
+}
 
 #[inline(always)]
 unsafe fn all_gather_push<E: Element>(p: GatherScatterParams) {
@@ -78,11 +134,15 @@ unsafe fn all_gather_push<E: Element>(p: GatherScatterParams) {
 
     // ---- Push: each pack once to every peer (staggered), and into the
     //      own block of the output.
+    let mut any_escaped_pack = false;
     if abort == 0 {
         trace.loaded(generation);
         let mut i = first;
         while i < packs {
-            let v = E::canonicalise(value);
+            // The own block first, as loaded: `value` dies here.
+            store_message_pack::<E>(own_block as *mut u8, count, i, vector_own, &value);
+            let (v, mask) = escape(value);
+            any_escaped_pack |= mask.is_some();
             let off = ptx::opaque_u64(half + 16 * i);
             for_each_rank!(K => {
                 if (K as u32) + 1 < world {
@@ -92,7 +152,6 @@ unsafe fn all_gather_push<E: Element>(p: GatherScatterParams) {
             if i == first {
                 trace.first_store(generation);
             }
-            store_message_pack::<E>(own_block as *mut u8, count, i, vector_own, &v);
             i += stride;
             if i < packs {
                 value = load_message_pack::<E>(input, count, i, vector_in);
@@ -111,6 +170,7 @@ unsafe fn all_gather_push<E: Element>(p: GatherScatterParams) {
 
     // ---- Poll, reset on consume, copy into the source's block.
     let mut stall = None;
+    let mut any_escaped_recv = false;
     let mut i = first;
     'packs: while i < packs {
         let off = ptx::opaque_u64(half + 16 * i);
@@ -140,6 +200,9 @@ unsafe fn all_gather_push<E: Element>(p: GatherScatterParams) {
                             }
                         }
                         ptx::st_global_v4_u32(slot, [SENTINEL_EMPTY_WORD; 4]);
+                        // Escaped words are restored after the loop (one
+                        // bit here keeps the loop's registers).
+                        any_escaped_recv |= any_escaped(&w);
                         let block = output + one_shot_push_source(K as u32, rank) as u64 * block_bytes;
                         store_message_pack::<E>(block as *mut u8, count, i, aligned16(block), &w);
                     }
@@ -153,6 +216,57 @@ unsafe fn all_gather_push<E: Element>(p: GatherScatterParams) {
         const _: () = assert!(4 * POLL_GROUP >= MAX_RANKS, "four poll groups cover every slot");
         trace.polled(generation);
         i += stride;
+    }
+    // Rare: this thread sent packs with ESCAPE words: their escape words,
+    // after the poll (no one waits for them before its own poll ends;
+    // kept out of the push loop, which stays as lean as OneShotPush's).
+    if any_escaped_pack && stall.is_none() {
+        let mut i = first;
+        while i < packs {
+            if let (_, Some(mask)) = escape(load_message_pack::<E>(p.push.h.input as *const u8, count, i, aligned16(p.push.h.input))) {
+                let escape_off = ptx::opaque_u64(half + 4 * i) + p.escape_offset;
+                for_each_rank!(K => {
+                    if (K as u32) + 1 < world {
+                        ptx::st_relaxed_sys_u32((p.push.send_to[K] + escape_off) as *mut u32, mask);
+                    }
+                });
+            }
+            i += stride;
+        }
+    }
+
+    // Rare: packs that arrived with ESCAPE words (they are in the output
+    // as they arrived). Each has an escape word saying which were EMPTY:
+    // those words of the output become EMPTY again (the rest are ESCAPE
+    // already), and the escape word is reset (reset on consume).
+    if any_escaped_recv && stall.is_none() {
+        let mut i = first;
+        'escapes: while i < packs {
+            // Opaque: computed at each use, not held per rank for the loop.
+            let escape_off = ptx::opaque_u64(half + 4 * i) + p.escape_offset;
+            for_each_rank!(K => {
+                if (K as u32) + 1 < world {
+                    let block = ptx::opaque_u64(output + one_shot_push_source(K as u32, rank) as u64 * block_bytes);
+                    let arrived = load_message_pack::<E>(block as *const u8, count, i, aligned16(block));
+                    if any_escaped(&arrived) {
+                        let escape_word = (p.push.recv_from[K] + escape_off) as *mut u32;
+                        let abort_word = p.push.source_abort[K] as *const u32;
+                        match sentinel::wait_word(escape_word, K as u32, abort_word, control, p.push.h.launch_timeout_ns) {
+                            Ok(mask) => {
+                                ptx::st_global_u32(escape_word, SENTINEL_EMPTY_WORD);
+                                let restored = unescape(arrived, mask);
+                                store_message_pack::<E>(block as *mut u8, count, i, aligned16(block), &restored);
+                            }
+                            Err(s) => {
+                                stall = Some(s);
+                                break 'escapes;
+                            }
+                        }
+                    }
+                }
+            });
+            i += stride;
+        }
     }
     if sentinel::FINISH_GENERATION_LATE {
         sentinel::finish_generation(control, RegionId::OneShotPush, generation, block_count, true);

@@ -11,7 +11,7 @@
 use super::pack::{any_word_empty, Pack};
 use super::ptx;
 use crate::ids::{AlgorithmId, DeviceErrorCode, Phase};
-use crate::layout::ErrorRecord;
+use crate::layout::{ErrorRecord, SENTINEL_EMPTY_WORD};
 use crate::params::{one_shot_push_source, Control, RegionId, TraceRecord, TRACE_RECORDS};
 
 /// Spins between two checks of the timer and the abort words.
@@ -175,6 +175,38 @@ pub unsafe fn wait_slot(
                 continue;
             };
             return Err(Stall { code, slot, observed: w[0], waited_ns });
+        }
+    }
+}
+
+/// [`wait_slot`] for one word: spins (bounded, as `wait_slot`) while the
+/// word at `addr` is EMPTY and returns it.
+#[inline(always)]
+pub unsafe fn wait_word(
+    addr: *const u32,
+    slot: u32,
+    source_abort: *const u32,
+    control: *const Control,
+    timeout_ns: u64,
+) -> Result<u32, Stall> {
+    let start = ptx::globaltimer_ns();
+    let mut spins: u32 = 0;
+    loop {
+        let w = ptx::ld_relaxed_sys_u32(addr);
+        if w != SENTINEL_EMPTY_WORD {
+            return Ok(w);
+        }
+        spins = spins.wrapping_add(1);
+        if spins % SPINS_PER_CHECK == 0 {
+            let waited_ns = ptx::globaltimer_ns().wrapping_sub(start);
+            let code = if waited_ns > timeout_ns {
+                DeviceErrorCode::Timeout
+            } else if ptx::ld_relaxed_sys_u32(source_abort) != 0 || ptx::ld_relaxed_gpu_u32(&(*control).abort) != 0 {
+                DeviceErrorCode::PeerAborted
+            } else {
+                continue;
+            };
+            return Err(Stall { code, slot, observed: w, waited_ns });
         }
     }
 }
