@@ -188,6 +188,38 @@ pub(crate) fn device_attribute(ctx: &CudaContext, attr: sys::CUdevice_attribute)
     ctx.attribute(attr).map_err(|e| crate::error::driver("cuDeviceGetAttribute", e))
 }
 
+/// The SMs kernels of `ctx` may run on: the device's, or fewer where the
+/// context is limited (an MPS client with
+/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` or an execution-affinity context:
+/// `cuCtxGetExecAffinity`). Residency caps are computed from it: a cap
+/// taken from the whole device would let a launch's blocks wait for blocks
+/// that never fit. A driver without the query gives the device's count.
+/// (Green contexts are not seen: cudarc 0.19 wraps primary contexts only.)
+pub(crate) fn context_sm_count(ctx: &CudaContext) -> Result<u32> {
+    let device = device_attribute(ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32;
+    bind(ctx)?;
+    // cudarc's dynamic loading panics on a missing symbol (drivers before
+    // CUDA 11.4): treat that as "not limited".
+    let limited = std::panic::catch_unwind(|| {
+        // SAFETY: a zeroed parameter block is a valid out-parameter; the
+        // context is current (bound above).
+        let mut param: sys::CUexecAffinityParam = unsafe { std::mem::zeroed() };
+        let r = unsafe {
+            sys::cuCtxGetExecAffinity(&mut param, sys::CUexecAffinityType::CU_EXEC_AFFINITY_TYPE_SM_COUNT)
+        };
+        // SAFETY: the union's only member, zeroed above and filled by the
+        // driver on success.
+        let sms = unsafe { param.param.smCount.val };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(sms)
+    })
+    .ok()
+    .flatten();
+    Ok(match limited {
+        Some(n) if n > 0 => n.min(device),
+        _ => device,
+    })
+}
+
 /// Waits for all work of the current context (every stream).
 pub fn context_synchronize() -> Result<()> {
     cu!(cuCtxSynchronize())

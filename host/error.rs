@@ -147,8 +147,12 @@ impl fmt::Display for DeviceFailure {
             Some(DeviceErrorCode::Timeout) => write!(
                 f,
                 "timeout: rank {} waited {:.1} ms for rank {} in {} ({}, block {}, epoch {}: expected flag {}, saw {}); \
-                 that rank is not running the same collective (crashed, hung, or issued a different sequence of calls), \
-                 or one of the two ran two calls of this communicator at once (graphs replayed on unordered streams)",
+                 that rank's kernel did not get there. Either it is not running the same collective (crashed, hung, \
+                 or issued a different sequence of calls), or its kernel could not start because other kernels held \
+                 its GPU's SMs: another communicator's collective in flight on the same GPU (from another process, \
+                 or graphs of two communicators replayed concurrently; eager calls of communicators in one process \
+                 take turns), or a kernel running longer than the launch timeout; or one of the two ran two calls of \
+                 this communicator at once (graphs replayed on unordered streams)",
                 self.rank,
                 self.waited_ns as f64 / 1e6,
                 self.peer.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),

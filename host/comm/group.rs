@@ -95,6 +95,10 @@ impl Comm {
             &topology,
             selection.constraints(),
         );
+        // The ranks of one communicator in this process share its local
+        // group: its address names the communicator in the device's turns.
+        let group_identity = setup.local_group.as_ref().map_or(0, |g| Arc::as_ptr(g) as usize);
+        let device_turn = super::call::DeviceTurn::register(&ctx, group_identity, config.launch_timeout)?;
         let watchdog = super::watchdog::Watchdog::start(&ctx, setup.watched_peers.clone(), setup.abort_targets(rank))?;
         log::info!(
             "communicator rank {rank} of {world} on GPU {}: transport {}{} ({}); algorithms from {table_source}; \
@@ -124,6 +128,7 @@ impl Comm {
             registry: Mutex::new(Registry::default()),
             broken: Mutex::new(None),
             order: Mutex::new(Default::default()),
+            device_turn,
             rendezvous: Arc::from(rendezvous),
             nccl,
             selection,

@@ -83,6 +83,8 @@ pub struct Comm {
     registry: Mutex<registry::Registry>,
     broken: Mutex<Option<String>>,
     order: Mutex<call::CallOrder>,
+    /// This rank's turns on its GPU with other communicators' ranks there.
+    device_turn: call::DeviceTurn,
     rendezvous: Arc<dyn crate::rendezvous::Rendezvous>,
     nccl: Option<crate::nccl::NcclComm>,
     selection: crate::select::selection::SelectionTable,

@@ -14,6 +14,7 @@ mod cpu;
 mod gpu_allreduce;
 mod gpu_batch_invariant;
 mod gpu_collectives;
+mod gpu_concurrent;
 mod gpu_context;
 mod gpu_errors;
 mod gpu_foundation;

@@ -22,12 +22,14 @@
 
 mod all_reduce;
 mod collectives;
+mod device_order;
 mod fused_calls;
 mod order;
 mod validate;
 
 pub use collectives::CollectivePlan;
 pub use fused_calls::FusedPlan;
+pub(crate) use device_order::DeviceTurn;
 pub(crate) use order::CallOrder;
 
 use cudarc::driver::sys;

@@ -28,6 +28,8 @@ impl Comm {
     ///   the graph.
     /// * Eager calls and graph replays cannot be ordered here: the caller
     ///   orders them (documented on `Comm::all_reduce_raw`).
+    /// * Eager calls of different communicators on one GPU take turns
+    ///   (`device_order.rs`).
     ///
     /// The order lock is held across `body`, so calls of one communicator
     /// from several threads are serialised on the host too.
@@ -76,7 +78,8 @@ impl Comm {
                         event.wait(stream)?;
                     }
                 }
-                let result = body();
+                // SAFETY: `stream` is live and not capturing (above).
+                let result = unsafe { self.device_turn.eager(stream, body) };
                 // A call on a foreign stream records its end now, while the
                 // stream is certainly alive (the caller's contract for this
                 // call), so that a later call on another stream need not

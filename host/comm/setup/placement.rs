@@ -8,7 +8,7 @@
 
 #![forbid(unsafe_code)]
 
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
 use tp_allreduce_kernels::layout::THREADS_PER_BLOCK;
 
@@ -71,7 +71,8 @@ pub(super) fn agree_placement(
     rdv: &dyn Rendezvous,
     config: &Config,
 ) -> Result<Placement> {
-    let sms = driver::device_attribute(ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+    // The SMs this context may use (an MPS client may have fewer than the GPU).
+    let sms = driver::context_sm_count(ctx)?;
     let mut blocks_per_sm = u32::MAX;
     for name in hot_entries() {
         blocks_per_sm = blocks_per_sm.min(module.max_blocks_per_sm(&name, THREADS_PER_BLOCK)?);
