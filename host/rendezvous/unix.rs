@@ -186,7 +186,8 @@ fn check_listening_dir(dir: &Path, meta: &fs::Metadata, uid: u32) -> Result<()> 
         return refuse(format!("{} belongs to uid {}, and this process runs as uid {uid}", dir.display(), meta.uid()));
     }
     let parent = dir.parent().unwrap_or(dir);
-    let up = fs::metadata(parent).map_err(|e| Error::io(format!("the rendezvous directory's parent {}", parent.display()), e))?;
+    let up = fs::metadata(parent)
+        .map_err(|e| Error::io(format!("the rendezvous directory's parent {}", parent.display()), e))?;
     if up.uid() != uid && up.uid() != 0 {
         return refuse(format!("its parent {} belongs to uid {}, who could move it", parent.display(), up.uid()));
     }
@@ -324,9 +325,11 @@ mod tests {
     /// check their directory's owner the same way.)
     #[test]
     fn bind_refuses_a_parent_others_may_write_to_without_the_sticky_bit() {
-        let base = std::env::temp_dir().join(format!("tpar-test-base-{}", super::super::hex(&super::super::random_bytes::<8>().unwrap())));
+        let base = std::env::temp_dir()
+            .join(format!("tpar-test-base-{}", super::super::hex(&super::super::random_bytes::<8>().unwrap())));
         fs::create_dir(&base).unwrap();
-        for (mode, ok) in [(0o777, false), (0o775, false), (0o757, false), (0o1777, true), (0o755, true), (0o700, true)] {
+        for (mode, ok) in [(0o777, false), (0o775, false), (0o757, false), (0o1777, true), (0o755, true), (0o700, true)]
+        {
             fs::set_permissions(&base, fs::Permissions::from_mode(mode)).unwrap();
             let socket = private_dir_under(&base);
             match bind(&socket) {
