@@ -157,8 +157,9 @@ build_tests() {
 }
 step build build_tests
 # ... and the tests run (unit, integration and doc tests).
-# TPAR_RDV_FUZZ=1: the rendezvous fuzz (minutes; the default `cargo test`
-# skips it visibly) runs here, once, as before it had a knob.
+# TPAR_RDV_FUZZ=1: the rendezvous fuzz (up to 240 s; the default `cargo
+# test` skips it visibly) runs here, once; the candle step's unit-test run
+# skips it.
 run_tests() {
     TPAR_RDV_FUZZ=1 cargo test --workspace -- --test-threads=2 2>&1 | tee "$TARGET_DIR/test.log"
 }

@@ -360,7 +360,8 @@ mod tests {
             c.validate()
         };
         assert!(with(|_| ()).is_ok());
-        let too_big: [(&str, fn(&mut Config)); 4] = [
+        type Change = fn(&mut Config);
+        let too_big: [(&str, Change); 4] = [
             ("max_chunk_bytes", |c| c.max_chunk_bytes = 1 << 40),
             ("max_chunk_bytes", |c| c.max_chunk_bytes = (u32::MAX as usize + 1) * 16),
             ("one_shot_push_max_bytes", |c| c.one_shot_push_max_bytes = 1 << 40),

@@ -412,7 +412,7 @@ fn rights_in_control(buf: &[u8]) -> Vec<RawFd> {
         let level = i32_at(at + offset_of!(libc::cmsghdr, cmsg_level));
         let kind = i32_at(at + offset_of!(libc::cmsghdr, cmsg_type));
         if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {
-            out.extend((at + header..at + len).step_by(4).filter(|i| i + 4 <= at + len).map(|i| i32_at(i)));
+            out.extend((at + header..at + len).step_by(4).filter(|i| i + 4 <= at + len).map(&i32_at));
         }
         at += len.div_ceil(word) * word;
     }

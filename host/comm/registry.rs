@@ -34,7 +34,7 @@ use super::fd_passing::{Deadline, Serving};
 use super::ipc::{self, PeerMapping, StepOffer};
 use super::vmm_buffers;
 use super::Comm;
-use crate::driver::vmm::{self, Backing, ChunkHandle, VmmMapping};
+use crate::driver::vmm::{self, Backing, ChunkHandle};
 use crate::driver::{self, CurrentContext};
 use crate::error::{Error, Result};
 use crate::rendezvous::all_gather_json;

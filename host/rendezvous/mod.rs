@@ -134,14 +134,18 @@
 //! it for rank 0's answer, so that they receive its diagnosis — "ranks [2,
 //! 5] did not join" — rather than only "rank 0 did not answer"). The
 //! timeout therefore also bounds how far apart in time the ranks may reach
-//! the same call. One round carries at most [`MAX_ROUND_BYTES`].
+//! the same call. One round carries at most [`MAX_ROUND_BYTES`], and rank
+//! 0 holds at most that many bytes of received frames at once: a reader
+//! reserves a frame's bytes from its header before reading the payload,
+//! and a frame that does not fit fails its rank.
 //!
 //! # Security
 //!
 //! What admits a rank is the secret in the id: hand the id string to the
 //! ranks the way you would a password (an environment variable, a file of
 //! mode 0600), never on a command line others can read. With Unix sockets,
-//! only processes of the same user can connect (0700 directory, 0600
+//! only processes of the same user can connect (0700 directory of this
+//! user, in a parent others cannot write to without the sticky bit; 0600
 //! socket) and both ends check the other's uid. With TCP anyone who can
 //! reach the port can connect, or bind it before rank 0 does; they cannot
 //! join, nor pass for rank 0, nor read or change what the ranks exchange
@@ -177,8 +181,9 @@
 //!   frames, peers of another user) and `tests/fuzz/` feeds generated,
 //!   mutated and replayed frames to both sides' handshakes, to rank 0 and
 //!   to a member, and checks each outcome against what the protocol above
-//!   promises. The fuzz takes minutes: it runs with `TPAR_RDV_FUZZ=1`
-//!   (CI's `.ci/test.sh` sets it) and otherwise prints a visible skip.
+//!   promises. The fuzz may take minutes (its bound is 240 s): it runs with
+//!   `TPAR_RDV_FUZZ=1` (CI's `.ci/test.sh` sets it) and otherwise prints a
+//!   visible skip.
 
 #![forbid(unsafe_code)]
 

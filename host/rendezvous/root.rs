@@ -593,7 +593,7 @@ impl Root {
         earlier.reverse();
         // The frames this round is done with, given back to `held` however
         // it ends (a deferred one stays held until the next round).
-        let mut done = Done { held: &**held, bytes: 0 };
+        let mut done = Done { held, bytes: 0 };
 
         while missing > 0 {
             let event = match earlier.pop() {

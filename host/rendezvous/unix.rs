@@ -1,7 +1,9 @@
 //! Unix-domain socket endpoint. Access control is the private directory:
 //! `Id::new_unix` creates `<base>/tpar-<16 hex>/` with mode 0700, rank 0
 //! listens on `rdv.sock` inside it with mode 0600, so only the same user can
-//! connect. Both ends also check the other's uid (`SO_PEERCRED`) before the
+//! connect; rank 0 listens only in a directory of its own user whose parent
+//! other users cannot write to (or only with the sticky bit, as the temp
+//! dir). Both ends also check the other's uid (`SO_PEERCRED`) before the
 //! handshake, so a socket reached some other way (a directory opened by
 //! mistake, a rank 0 of another user) is refused too. Rank 0 removes both
 //! when its join phase ends (and on drop).

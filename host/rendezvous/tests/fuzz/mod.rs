@@ -24,7 +24,7 @@
 //! replays the same frames (the threads may interleave differently). The
 //! counts and the time are printed at the end: `TPAR_RDV_FUZZ=1 cargo test
 //! --lib rendezvous::tests::fuzz -- --nocapture` (without `TPAR_RDV_FUZZ=1`
-//! the test prints a skip: it takes minutes).
+//! the test prints a skip: it may take minutes).
 
 #![forbid(unsafe_code)]
 
@@ -51,8 +51,9 @@ use crate::rendezvous::{read_frame, Conn, Endpoint, Id};
 
 /// Environment variable that fixes the seed (to replay a failure).
 const SEED_VAR: &str = "TPAR_RDV_FUZZ_SEED";
-/// Environment variable that runs the fuzz (`1`): it takes minutes, so the
-/// default `cargo test` prints a skip instead; CI sets it.
+/// Environment variable that runs the fuzz (`1`): it may take minutes
+/// (bound: `BUDGET`), so the default `cargo test` prints a skip instead; CI
+/// sets it.
 pub(super) const RUN_VAR: &str = "TPAR_RDV_FUZZ";
 /// The whole test must end within this; past it, something hangs.
 const BUDGET: Duration = Duration::from_secs(240);
@@ -99,7 +100,7 @@ fn hostile_frames_to_rank_0_and_to_a_member_over_both_transports() {
         // Straight to stderr (not captured): .ci/count-skips counts it.
         use std::io::Write;
         let why = format!(
-            "skipped: the rendezvous fuzz takes minutes; {RUN_VAR}=1 runs it \
+            "skipped: the rendezvous fuzz may take minutes; {RUN_VAR}=1 runs it \
              (hostile_frames_to_rank_0_and_to_a_member_over_both_transports)\n"
         );
         let _ = std::io::stderr().write_all(why.as_bytes());
