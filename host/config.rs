@@ -166,6 +166,12 @@ impl Config {
     /// `one_shot_push_max_bytes` default: `8 MiB / (world - 1)`.
     pub const ONE_SHOT_PUSH_AUTO: usize = usize::MAX;
 
+    /// Largest `max_chunk_bytes` and `one_shot_push_max_bytes` (4 GiB): the
+    /// kernels count a launch's 16-byte packs, and packs times ranks, in 32
+    /// bits (and keep them below 2^31); larger sizes would wrap them.
+    pub const MAX_LAUNCH_BYTES: usize = (1 << 31) / tp_allreduce_kernels::layout::MAX_RANKS
+        * tp_allreduce_kernels::layout::PACK_BYTES;
+
     /// `one_shot_push_max_bytes` for a world of `world` ranks: the
     /// configured value, or the default rule for [`Self::ONE_SHOT_PUSH_AUTO`]
     /// (a multiple of 16 bytes).
@@ -217,6 +223,15 @@ impl Config {
             return Err(Error::invalid(
                 "one_shot_push_max_bytes must be a multiple of 16 (or Config::ONE_SHOT_PUSH_AUTO)",
             ));
+        }
+        let one_shot = Some(self.one_shot_push_max_bytes).filter(|&v| v != Self::ONE_SHOT_PUSH_AUTO);
+        for (name, v) in [("max_chunk_bytes", Some(self.max_chunk_bytes)), ("one_shot_push_max_bytes", one_shot)] {
+            if let Some(v) = v.filter(|&v| v > Self::MAX_LAUNCH_BYTES) {
+                return Err(Error::invalid(format!(
+                    "{name} is {v}, over Config::MAX_LAUNCH_BYTES ({}): the kernels count a launch's packs in 32 bits",
+                    Self::MAX_LAUNCH_BYTES
+                )));
+            }
         }
         if let Some(shape) = self.launch_shape {
             env::check_launch_shape(shape).map_err(|why| Error::invalid(format!("launch_shape: {why}")))?;
@@ -328,5 +343,40 @@ impl Config {
     pub(crate) fn wait_bounds_ns(&self) -> (u64, u64) {
         let ns = |d: Duration| d.as_nanos().min(u64::MAX as u128) as u64;
         (ns(self.timeout), ns(self.launch_timeout))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernels count a launch's packs (and packs times peers) in 32
+    /// bits: sizes past [`Config::MAX_LAUNCH_BYTES`] would wrap them.
+    #[test]
+    fn validate_bounds_the_sizes_the_kernels_count_in_32_bits() {
+        let with = |f: fn(&mut Config)| {
+            let mut c = Config::default();
+            f(&mut c);
+            c.validate()
+        };
+        assert!(with(|_| ()).is_ok());
+        type Change = fn(&mut Config);
+        let too_big: [(&str, Change); 4] = [
+            ("max_chunk_bytes", |c| c.max_chunk_bytes = 1 << 40),
+            ("max_chunk_bytes", |c| c.max_chunk_bytes = (u32::MAX as usize + 1) * 16),
+            ("one_shot_push_max_bytes", |c| c.one_shot_push_max_bytes = 1 << 40),
+            ("one_shot_push_max_bytes", |c| c.one_shot_push_max_bytes = usize::MAX - 15),
+        ];
+        for (name, f) in too_big {
+            let err = with(f).expect_err(name);
+            assert!(matches!(err, crate::Error::InvalidUsage(_)) && err.to_string().contains(name), "{err}");
+        }
+        // The largest accepted sizes still keep packs x ranks below 2^31.
+        let packs = (Config::MAX_LAUNCH_BYTES / tp_allreduce_kernels::layout::PACK_BYTES) as u64;
+        assert!(packs * tp_allreduce_kernels::layout::MAX_RANKS as u64 <= 1 << 31);
+        assert!(with(|c| c.max_chunk_bytes = Config::MAX_LAUNCH_BYTES).is_ok());
+        assert!(with(|c| c.one_shot_push_max_bytes = Config::MAX_LAUNCH_BYTES).is_ok());
+        assert!(with(|c| c.max_chunk_bytes = Config::MAX_LAUNCH_BYTES + 16).is_err());
+        assert!(with(|c| c.one_shot_push_max_bytes = Config::ONE_SHOT_PUSH_AUTO).is_ok());
     }
 }

@@ -311,8 +311,8 @@ pub fn encode_id(id: &Id) -> crate::Result<[c_char; ID_PAYLOAD_BYTES]> {
     let text = id.to_string();
     if text.len() >= ID_PAYLOAD_BYTES {
         return Err(crate::Error::invalid(format!(
-            "rendezvous id {text:?} is {} bytes, longer than the {}-byte payload allows; create it under a \
-             shorter $XDG_RUNTIME_DIR or use a TCP id",
+            "the rendezvous id is {} bytes (not shown: it holds a secret), longer than the {}-byte payload \
+             allows; create it under a shorter $XDG_RUNTIME_DIR or use a TCP id",
             text.len(),
             ID_PAYLOAD_BYTES - 1
         )));

@@ -178,6 +178,7 @@ fn ids_fit_the_128_byte_payload() {
     let too_long = unix(&format!("{base_52}e"));
     let err = encode_id(&too_long).unwrap_err().to_string();
     assert!(err.contains("128-byte payload") || err.contains("127-byte payload"), "{err}");
+    assert!(!err.contains(job) && !err.contains(&job[..8]), "the error shows the secret: {err}");
     // One made here (XDG_RUNTIME_DIR or the temp dir of this machine).
     let here = Id::new_unix().unwrap();
     let decoded = encode_id(&here).and_then(|p| decode_id(&p));

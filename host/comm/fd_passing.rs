@@ -356,18 +356,22 @@ fn receive_batch(stream: &UnixStream, deadline: Deadline) -> Result<([u8; HEADER
                 other => break other.map_err(|e| errno_error("receiving file descriptors", e, deadline))?,
             }
         };
+        let truncated = message.flags.contains(MsgFlags::MSG_CTRUNC);
         let mut fds = Vec::new();
-        // With MSG_CTRUNC the control data cannot be walked safely (nix refuses).
-        if let Ok(cmsgs) = message.cmsgs() {
+        // With MSG_CTRUNC nix refuses to walk the control data (below).
+        if let (false, Ok(cmsgs)) = (truncated, message.cmsgs()) {
             for cmsg in cmsgs {
                 if let ControlMessageOwned::ScmRights(raw) = cmsg {
                     fds.extend(adopt_received_fds(&raw));
                 }
             }
         }
-        (message.bytes, fds, message.flags.contains(MsgFlags::MSG_CTRUNC))
+        (message.bytes, fds, truncated)
     };
     if truncated {
+        // The kernel installed in this process the descriptors that fit
+        // before it flagged the truncation: close them.
+        drop(adopt_received_fds(&rights_in_control(&space)));
         return Err(Error::Ipc(
             "file descriptors from a peer arrived truncated: this process may have reached its open-file limit \
              (ulimit -n)"
@@ -381,6 +385,38 @@ fn receive_batch(stream: &UnixStream, deadline: Deadline) -> Result<([u8; HEADER
         (&*stream).read_exact(&mut header[bytes..]).map_err(|e| io_error("receiving file descriptors", e, deadline))?;
     }
     Ok((header, fds))
+}
+
+// `rights_in_control` reads `cmsg_len` as a `usize` at offset 0 (glibc).
+const _: () = assert!(std::mem::offset_of!(libc::cmsghdr, cmsg_level) == std::mem::size_of::<usize>());
+
+/// The descriptors of the `SCM_RIGHTS` messages in a received control
+/// buffer, walked by hand: nix refuses a truncated one (`MSG_CTRUNC`),
+/// where the kernel still installed the descriptors that fit (and set
+/// `cmsg_len` to what it wrote). The buffer starts zeroed, so a header of
+/// length 0 ends it.
+fn rights_in_control(buf: &[u8]) -> Vec<RawFd> {
+    use std::mem::{offset_of, size_of};
+    let header = size_of::<libc::cmsghdr>();
+    let word = size_of::<usize>();
+    let i32_at = |at: usize| buf.get(at..at + 4).map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at + header <= buf.len() {
+        let mut len_bytes = [0u8; size_of::<usize>()];
+        len_bytes.copy_from_slice(&buf[at..at + word]);
+        let len = usize::from_ne_bytes(len_bytes).min(buf.len() - at);
+        if len < header {
+            break;
+        }
+        let level = i32_at(at + offset_of!(libc::cmsghdr, cmsg_level));
+        let kind = i32_at(at + offset_of!(libc::cmsghdr, cmsg_type));
+        if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {
+            out.extend((at + header..at + len).step_by(4).filter(|i| i + 4 <= at + len).map(&i32_at));
+        }
+        at += len.div_ceil(word) * word;
+    }
+    out
 }
 
 fn encode_request(nonce: &[u8; 16], rank: usize) -> [u8; REQUEST_LEN] {

@@ -25,6 +25,8 @@ impl Comm {
     /// Initialises rank `rank` of `world_size` over an existing rendezvous
     /// (the plug for users' own channels). Collective.
     pub fn from_rendezvous(stream: Arc<CudaStream>, rendezvous: Box<dyn Rendezvous>, config: Config) -> Result<Comm> {
+        // Everything below indexes what the rendezvous gathers by rank.
+        let rendezvous: Box<dyn Rendezvous> = Box::new(rendezvous::Counted(rendezvous));
         let rank = rendezvous.rank();
         let world = rendezvous.world_size();
         config.validate()?;

@@ -220,19 +220,21 @@ pub(crate) enum PeerMapping {
     Vmm(#[allow(dead_code)] VmmMapping),
 }
 
-/// Maps a peer's buffer described by `desc` into this rank; returns its
-/// address here. A cuMem buffer of another process needs its owner's runs
-/// mapped first: see [`import_registered`].
-pub(crate) fn import(ctx: &Arc<CudaContext>, desc: &BufferDescriptor) -> Result<(u64, PeerMapping)> {
-    import_registered(ctx, desc, &[])
+/// Maps a peer's buffer of `bytes` bytes described by `desc` into this
+/// rank; returns its address here. A cuMem buffer of another process needs
+/// its owner's runs mapped first: see [`import_registered`].
+pub(crate) fn import(ctx: &Arc<CudaContext>, desc: &BufferDescriptor, bytes: u64) -> Result<(u64, PeerMapping)> {
+    import_registered(ctx, desc, &[], bytes)
 }
 
 /// [`import`], where `runs` holds where this rank mapped each run of the
-/// owner's [`VmmExport`] of the step.
+/// owner's [`VmmExport`] of the step, and its length. An offset the peer
+/// sent that puts the buffer outside what it maps is a protocol error.
 pub(crate) fn import_registered(
     ctx: &Arc<CudaContext>,
     desc: &BufferDescriptor,
-    runs: &[u64],
+    runs: &[(u64, u64)],
+    bytes: u64,
 ) -> Result<(u64, PeerMapping)> {
     match desc {
         BufferDescriptor::Local { addr, vmm_chunks: Some(chunks) } => {
@@ -243,7 +245,7 @@ pub(crate) fn import_registered(
         }
         BufferDescriptor::Local { addr, vmm_chunks: None } => Ok((*addr, enable_access_to(ctx, *addr)?)),
         BufferDescriptor::Remote(CrossProcess::Vmm { run, offset }) => {
-            Ok((address_in_runs(runs, *run, *offset)?, PeerMapping::None))
+            Ok((address_in_runs(runs, *run, *offset, bytes)?, PeerMapping::None))
         }
         BufferDescriptor::Remote(CrossProcess::Ipc { handle, offset }) => {
             let handle: [u8; 64] = handle
@@ -251,7 +253,9 @@ pub(crate) fn import_registered(
                 .try_into()
                 .map_err(|_| Error::Protocol { from: "peer".into(), what: "IPC handle is not 64 bytes".into() })?;
             let mapping = open_ipc_cached(ctx, &handle)?;
-            Ok((mapping.ptr() + offset, PeerMapping::Ipc(mapping)))
+            let (base, len) = driver::allocation_range(mapping.ptr())?;
+            let at = within_mapping(base, len as u64, (mapping.ptr() - base).saturating_add(*offset), bytes)?;
+            Ok((at, PeerMapping::Ipc(mapping)))
         }
         BufferDescriptor::Remote(CrossProcess::Shm { name, bytes }) => {
             let region = SharedHostRegion::open(ctx, name, *bytes as usize)?;
@@ -262,11 +266,25 @@ pub(crate) fn import_registered(
 
 /// Where a peer's cuMem buffer `offset` bytes into run `run` of its export
 /// lies in this rank, given where this rank mapped each run (`runs`).
-fn address_in_runs(runs: &[u64], run: u32, offset: u64) -> Result<u64> {
-    runs.get(run as usize).map(|start| start + offset).ok_or_else(|| Error::Protocol {
+fn address_in_runs(runs: &[(u64, u64)], run: u32, offset: u64, bytes: u64) -> Result<u64> {
+    let &(start, len) = runs.get(run as usize).ok_or_else(|| Error::Protocol {
         from: "peer".into(),
         what: format!("a cuMem buffer in run {run} of an export with {} runs", runs.len()),
-    })
+    })?;
+    within_mapping(start, len, offset, bytes)
+}
+
+/// The address `offset` bytes into a peer's mapping of `len` bytes at
+/// `base`, where a buffer of `bytes` bytes lies: a protocol error unless it
+/// lies wholly inside (offsets and sizes come from the peer).
+fn within_mapping(base: u64, len: u64, offset: u64, bytes: u64) -> Result<u64> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= len && offset < len => Ok(base + offset),
+        _ => Err(Error::Protocol {
+            from: "peer".into(),
+            what: format!("a buffer of {bytes} bytes at offset {offset} of a mapping of {len} bytes"),
+        }),
+    }
 }
 
 /// Whether reading memory at `location` from a context on device
@@ -413,12 +431,30 @@ mod tests {
         );
         assert_eq!(descriptor_for_peer(&offer, false).unwrap(), BufferDescriptor::Remote(vmm.clone()));
         // Rank 2 mapped the owner's two runs at these addresses.
-        let runs = [0x7e00_0000_0000u64, 0x7e00_1000_0000];
-        assert_eq!(address_in_runs(&runs, 1, 0x1234).unwrap(), 0x7e00_1000_1234);
-        let e = address_in_runs(&runs[..1], 1, 0x1234).unwrap_err();
+        let runs = [(0x7e00_0000_0000u64, 2 << 20), (0x7e00_1000_0000, 4 << 20)];
+        assert_eq!(address_in_runs(&runs, 1, 0x1234, 8192).unwrap(), 0x7e00_1000_1234);
+        let e = address_in_runs(&runs[..1], 1, 0x1234, 8192).unwrap_err();
         assert!(matches!(e, Error::Protocol { .. }), "a run the owner did not export: {e}");
         let step = StepOffer { buffers: vec![offer], vmm: None };
         let bytes = serde_json::to_vec(&step).unwrap();
         assert_eq!(serde_json::from_slice::<StepOffer>(&bytes).unwrap(), step);
+    }
+
+    /// Offsets come from peers: one past the end of what it maps (or one
+    /// that wraps the address) is a protocol error, never an address out
+    /// of the mapping nor an overflow.
+    #[test]
+    fn offsets_from_peers_outside_what_they_map_are_refused() {
+        let runs = [(0x7e00_0000_0000u64, 2 << 20)];
+        assert_eq!(address_in_runs(&runs, 0, (2 << 20) - 64, 64).unwrap(), 0x7e00_0000_0000 + (2 << 20) - 64);
+        for (offset, bytes) in [(2 << 20, 0), ((2 << 20) - 64, 65), (u64::MAX, 1), (1, u64::MAX), (u64::MAX, 0)] {
+            let e = address_in_runs(&runs, 0, offset, bytes).unwrap_err();
+            assert!(matches!(e, Error::Protocol { .. }), "offset {offset:#x}, {bytes} bytes: {e}");
+        }
+        assert_eq!(within_mapping(0x1000, 4096, 4000, 96).unwrap(), 0x1000 + 4000);
+        for (offset, bytes) in [(4096, 0), (4000, 97), (u64::MAX, 1)] {
+            let e = within_mapping(0x1000, 4096, offset, bytes).unwrap_err();
+            assert!(matches!(e, Error::Protocol { .. }), "offset {offset:#x}, {bytes} bytes: {e}");
+        }
     }
 }

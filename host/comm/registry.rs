@@ -34,7 +34,7 @@ use super::fd_passing::{Deadline, Serving};
 use super::ipc::{self, PeerMapping, StepOffer};
 use super::vmm_buffers;
 use super::Comm;
-use crate::driver::vmm::{self, Backing, ChunkHandle, VmmMapping};
+use crate::driver::vmm::{self, Backing, ChunkHandle};
 use crate::driver::{self, CurrentContext};
 use crate::error::{Error, Result};
 use crate::rendezvous::all_gather_json;
@@ -451,10 +451,11 @@ impl Comm {
                 )));
             }
             // Where this rank mapped each run of the peer's cuMem chunks.
-            let runs: Vec<u64> = match (chunks, &step.vmm) {
+            let runs: Vec<(u64, u64)> = match (chunks, &step.vmm) {
                 (Some(chunks), Some(export)) => {
                     let mapped = vmm_buffers::map_runs(&self.ctx, &export.runs, chunks?)?;
-                    let starts = mapped.iter().map(VmmMapping::ptr).collect();
+                    let length = |sizes: &Vec<u64>| sizes.iter().fold(0u64, |a, &b| a.saturating_add(b));
+                    let starts = mapped.iter().zip(&export.runs).map(|(m, sizes)| (m.ptr(), length(sizes))).collect();
                     mappings.extend(mapped.into_iter().map(PeerMapping::Vmm));
                     starts
                 }
@@ -465,7 +466,7 @@ impl Comm {
                     offer.addr
                 } else {
                     let desc = ipc::descriptor_for_peer(offer, same_process[p])?;
-                    let (a, mapping) = ipc::import_registered(&self.ctx, &desc, &runs)?;
+                    let (a, mapping) = ipc::import_registered(&self.ctx, &desc, &runs, offer.bytes)?;
                     mappings.push(mapping);
                     a
                 };

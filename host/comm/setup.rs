@@ -433,7 +433,7 @@ fn allocate(
         Transport::PeerToPeer | Transport::PerPair => Region::Device(DeviceMemory::alloc_zeroed(ctx, offsets.total)?),
         Transport::HostStaged if all_local => Region::Pinned(PinnedHostMemory::alloc(ctx, offsets.total)?),
         Transport::HostStaged => {
-            let name = format!("/tpar-{}-{rank}", placement.job);
+            let name = super::shm::region_name(&placement.job, &rank.to_string())?;
             Region::Shared(SharedHostRegion::create(ctx, &name, offsets.total)?)
         }
     };
@@ -512,7 +512,7 @@ fn map_peers(
                 Err(Error::Ipc("opening the peer's region failed (injected by a test hook)".into()))
             }
             RegionOffer::Ready(offer) => {
-                ipc::descriptor_for_peer(offer, same_process[p]).and_then(|desc| ipc::import(ctx, &desc))
+                ipc::descriptor_for_peer(offer, same_process[p]).and_then(|desc| ipc::import(ctx, &desc, offer.bytes))
             }
         };
         match imported {

@@ -3,10 +3,12 @@
 //! unlinks the name as soon as every rank has mapped it, so a crash later
 //! leaves nothing behind in /dev/shm.
 //!
-//! A peer names the object and its size; before mapping it, an opener
-//! checks (`fstat`) that it belongs to this user, is closed to others (the
-//! creator makes it 0600) and holds exactly that many bytes: mapping more
-//! than an object holds and touching the rest raises SIGBUS.
+//! Names carry random bits ([`region_name`]), so no one can create an
+//! object under a name a rank is about to use. A peer names the object and
+//! its size; before mapping it, an opener checks (`fstat`) that it belongs
+//! to this user, is closed to others (the creator makes it 0600) and holds
+//! exactly that many bytes: mapping more than an object holds and touching
+//! the rest raises SIGBUS.
 //!
 //! The `unsafe` here is the libc side only (`shm_open`, `mmap`); the CUDA
 //! registration goes through the driver module ([`HostRegistration`]).
@@ -21,6 +23,15 @@ use cudarc::driver::CudaContext;
 
 use crate::driver::HostRegistration;
 use crate::error::{Error, Result};
+
+/// A fresh name for a region of job `job` (rank 0's id, public): `what`
+/// (the rank, say) and 64 random bits. Another user sees rank 0's object
+/// in /dev/shm; with names made of the job and the rank alone, they could
+/// create the others' first and fail their init (`O_EXCL`). Peers learn a
+/// name only from the authenticated rendezvous.
+pub(crate) fn region_name(job: &str, what: &str) -> Result<String> {
+    Ok(format!("/tpar-{job}-{what}-{}", crate::rendezvous::hex(&crate::rendezvous::random_bytes::<8>()?)))
+}
 
 pub(crate) struct SharedHostRegion {
     name: String,
@@ -243,5 +254,24 @@ mod tests {
         std::fs::set_permissions(name.path(), std::fs::Permissions::from_mode(0o666)).unwrap();
         let err = name.open(4096).err().expect("opened an object of mode 0666");
         assert!(err.to_string().contains("mode is 666"), "{err}");
+    }
+
+    /// Names are not derivable from what other users see: `/tpar-<job>-0`
+    /// shows rank 0's job id and the scheme in /dev/shm, and a name made of
+    /// the job and the rank alone let another user create rank 1's object
+    /// first (`O_EXCL` then fails rank 1's init: a denial of service). Each
+    /// name carries 64 random bits, and peers learn it only through the
+    /// authenticated rendezvous.
+    #[test]
+    fn region_names_are_not_predictable() {
+        let job = "0123456789abcdef";
+        let names: Vec<String> = (0..64).map(|_| region_name(job, "1").unwrap()).collect();
+        let unique: std::collections::HashSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "{names:?}");
+        for name in &names {
+            let suffix = name.strip_prefix("/tpar-0123456789abcdef-1-").unwrap_or_else(|| panic!("{name}"));
+            assert!(suffix.len() == 16 && suffix.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
+            assert!(name.len() < 255 && !name[1..].contains('/'), "{name}");
+        }
     }
 }

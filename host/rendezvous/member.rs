@@ -412,6 +412,7 @@ mod tests {
     use crate::rendezvous::wire::{Abort, AbortCode, Frame};
     use crate::rendezvous::{connect, Id};
     use std::fs;
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn member_gives_up_when_rank_0_never_listens() {
@@ -426,6 +427,45 @@ mod tests {
                 fs::remove_dir(dir).unwrap();
             }
         }
+    }
+
+    /// A process at rank 0's socket path that accepts nothing, its backlog
+    /// full: a member's dial must not block past the member's timeout
+    /// (a blocking connect(2) to a Unix socket waits for room in the
+    /// backlog, without a bound of its own).
+    #[test]
+    fn a_full_backlog_does_not_hold_the_dial_past_the_timeout() {
+        use nix::sys::socket::{self as sock, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+        let id = unix_id();
+        let Endpoint::Unix(path) = id.endpoint.clone() else { unreachable!() };
+        let stream = || sock::socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_NONBLOCK, None).unwrap();
+        let addr = UnixAddr::new(&path).unwrap();
+        let listener = stream();
+        sock::bind(listener.as_raw_fd(), &addr).unwrap();
+        sock::listen(&listener, Backlog::new(0).unwrap()).unwrap();
+        let mut queued = Vec::new();
+        loop {
+            let s = stream();
+            match sock::connect(s.as_raw_fd(), &addr) {
+                Ok(()) => queued.push(s),
+                Err(nix::errno::Errno::EAGAIN) => break,
+                Err(e) => panic!("filling the backlog: {e}"),
+            }
+            assert!(queued.len() < 64, "the backlog never filled");
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let member_id = id.clone();
+        thread::spawn(move || {
+            let started = Instant::now();
+            let result = connect(&member_id, 1, 2, Duration::from_millis(300)).err();
+            let _ = tx.send((result, started.elapsed()));
+        });
+        let (err, took) = rx.recv_timeout(Duration::from_secs(5)).expect("the dial blocked past its timeout");
+        let err = err.expect("joined a listener that accepts nothing");
+        assert!(matches!(err, Error::RendezvousTimeout { .. }), "{err}");
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        drop((listener, queued));
+        id.remove_files();
     }
 
     /// A rank 0 played by the test on a TCP port it holds: `play` handles

@@ -11,8 +11,9 @@
 //!   environment variable, your launcher. It is a one-line ASCII string
 //!   (`tpar2:unix:<socket path>:<secret hex>`, `tpar2:tcp:<addr>:<secret
 //!   hex>`) that carries a random 128-bit secret, so treat it like a
-//!   password; `to_string()` and `parse()` round-trip it, serde uses the
-//!   same form, and `{:?}` leaves the secret out.
+//!   password; `to_string()` and `parse()` round-trip it (`parse()`
+//!   ignores whitespace around it, such as an env file's newline), serde
+//!   uses the same form, and `{:?}` and every error leave the secret out.
 //! * [`connect`] — joins rank `rank` of `world_size` through an `Id` over a
 //!   Unix socket or TCP, with the protocol below.
 //! * [`in_process_group`] — ranks that are threads of one process.
@@ -133,14 +134,18 @@
 //! it for rank 0's answer, so that they receive its diagnosis — "ranks [2,
 //! 5] did not join" — rather than only "rank 0 did not answer"). The
 //! timeout therefore also bounds how far apart in time the ranks may reach
-//! the same call. One round carries at most [`MAX_ROUND_BYTES`].
+//! the same call. One round carries at most [`MAX_ROUND_BYTES`], and rank
+//! 0 holds at most that many bytes of received frames at once: a reader
+//! reserves a frame's bytes from its header before reading the payload,
+//! and a frame that does not fit fails its rank.
 //!
 //! # Security
 //!
 //! What admits a rank is the secret in the id: hand the id string to the
 //! ranks the way you would a password (an environment variable, a file of
 //! mode 0600), never on a command line others can read. With Unix sockets,
-//! only processes of the same user can connect (0700 directory, 0600
+//! only processes of the same user can connect (0700 directory of this
+//! user, in a parent others cannot write to without the sticky bit; 0600
 //! socket) and both ends check the other's uid. With TCP anyone who can
 //! reach the port can connect, or bind it before rank 0 does; they cannot
 //! join, nor pass for rank 0, nor read or change what the ranks exchange
@@ -170,12 +175,15 @@
 //! * `in_process.rs` — [`in_process_group`], no sockets.
 //! * `json.rs` — all-gathers of JSON-encoded records (init, registration).
 //! * Tests: each file tests its own code; `tests.rs` runs the whole
-//!   protocol over both transports, with helpers in `testing.rs`;
-//!   `attacks.rs` attacks it as an attacker would (a squatter on rank 0's
-//!   port, floods, a relay that records, replays and alters frames, peers
-//!   of another user); `fuzz/` feeds generated, mutated and replayed frames
-//!   to both sides' handshakes, to rank 0 and to a member, and checks each
-//!   outcome against what the protocol above promises.
+//!   protocol over both transports, with helpers in `testing.rs`; beside
+//!   it, `tests/attacks.rs` attacks it as an attacker would (a squatter on
+//!   rank 0's port, floods, a relay that records, replays and alters
+//!   frames, peers of another user) and `tests/fuzz/` feeds generated,
+//!   mutated and replayed frames to both sides' handshakes, to rank 0 and
+//!   to a member, and checks each outcome against what the protocol above
+//!   promises. The fuzz may take minutes (its bound is 240 s): it runs with
+//!   `TPAR_RDV_FUZZ=1` (CI's `.ci/test.sh` sets it) and otherwise prints a
+//!   visible skip.
 
 #![forbid(unsafe_code)]
 
@@ -188,10 +196,6 @@ mod tcp;
 mod unix;
 mod wire;
 
-#[cfg(test)]
-mod attacks;
-#[cfg(test)]
-mod fuzz;
 #[cfg(test)]
 mod testing;
 #[cfg(test)]
@@ -227,6 +231,39 @@ pub trait Rendezvous: Send + Sync {
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()> {
         self.all_gather(&[]).map(|_| ())
+    }
+}
+
+/// `rdv.all_gather(mine)`, checked to hold one part per rank: a user's
+/// [`Rendezvous`] that returns another count is a protocol error here,
+/// not an index out of bounds further on.
+pub(crate) fn all_gather_counted(rdv: &dyn Rendezvous, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let all = rdv.all_gather(mine)?;
+    if all.len() != rdv.world_size() {
+        return Err(Error::Protocol {
+            from: "the rendezvous".into(),
+            what: format!("all_gather returned {} part(s) for a world of {} ranks", all.len(), rdv.world_size()),
+        });
+    }
+    Ok(all)
+}
+
+/// A user's [`Rendezvous`] whose every `all_gather` is checked to hold one
+/// part per rank (what the communicator's setup indexes by rank).
+pub(crate) struct Counted(pub Box<dyn Rendezvous>);
+
+impl Rendezvous for Counted {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        all_gather_counted(&*self.0, mine)
+    }
+    fn barrier(&self) -> Result<()> {
+        self.0.barrier()
     }
 }
 
@@ -343,9 +380,13 @@ impl FromStr for Id {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Id> {
+        // Ids come from environment files and secrets, which often end in
+        // a newline: whitespace around the id is not part of it.
+        let s = s.trim_matches(|c: char| c.is_ascii_whitespace());
+        // The string holds the secret and errors end up in logs: say what
+        // is wrong, never what the string says (not even a part of it).
         let bad = |why: &str| {
-            let shown: String = s.chars().take(120).collect();
-            Error::invalid(format!("invalid rendezvous id {shown:?}: {why}"))
+            Error::invalid(format!("invalid rendezvous id ({} bytes, not shown: it holds a secret): {why}", s.len()))
         };
         if s.len() > MAX_ID_LEN {
             return Err(bad(&format!("longer than {MAX_ID_LEN} bytes")));
@@ -370,7 +411,7 @@ impl FromStr for Id {
                 Endpoint::Unix(path)
             }
             "tcp" => Endpoint::Tcp(place.parse().map_err(|_| bad("the address must be IP:port, [IPv6]:port"))?),
-            other => return Err(bad(&format!("unknown transport {other:?} (expected unix or tcp)"))),
+            _ => return Err(bad("unknown transport (expected unix or tcp)")),
         };
         Ok(Id::with_secret(endpoint, secret))
     }
@@ -696,7 +737,7 @@ mod api_tests {
             (format!("tpar2:unix:relative/tpar-0123456789abcdef/rdv.sock:{key}"), "absolute"),
             (format!("tpar2:unix:/tmp/other/rdv.sock:{key}"), "tpar-"),
             (format!("tpar2:unix:/etc/passwd:{key}"), "rdv.sock"),
-            (format!("tpar2:unix:{sock}:{key}\n"), "one line"),
+            (format!("tpar2:unix:{sock}\n:{key}"), "one line"),
             (format!("tpar2:unix:/tmp/a b/x:{key}"), "one line"),
             (format!("tpar2:unix:/tmp/é/x:{key}"), "one line"),
             (format!("tpar2:tcp:127.0.0.1:5:{key}{}", "0".repeat(300)), "longer than"),
@@ -708,6 +749,53 @@ mod api_tests {
         }
         assert!(format!("tpar2:unix:{sock}:{key}").parse::<Id>().is_ok());
         assert!(serde_json::from_str::<Id>("\"tpar2:tcp:x\"").is_err());
+    }
+
+    /// Ids come from environment files and secrets, which often end in a
+    /// newline, and errors land in logs: a near-miss id is accepted when
+    /// only surrounding whitespace is off, and an error never shows the
+    /// secret (nor a piece of it) in its Display or Debug form.
+    #[test]
+    fn near_miss_ids_never_echo_the_secret() {
+        let key = "00112233445566778899aabbccddeeff";
+        let sock = "/tmp/tpar-0123456789abcdef/rdv.sock";
+        for good in [format!("tpar2:tcp:127.0.0.1:5:{key}"), format!("tpar2:unix:{sock}:{key}")] {
+            let want = good.parse::<Id>().unwrap();
+            let near_misses = [
+                format!("{good}\n"),
+                format!("{good}\r\n"),
+                format!("{good}\r"),
+                format!("{good} "),
+                format!(" {good}"),
+                format!("\t{good}\n"),
+                good.replace(key, &key.to_uppercase()),
+                format!("{good}0"),
+                format!("{good}\n{good}"),
+                format!("{good}:{key}"),
+                format!("{good}{}", " ".repeat(300)),
+                format!("{}{good}", "0".repeat(300)),
+                good.replacen("tpar2", "tpar3", 1),
+                good.replacen(':', ";", 2),
+            ];
+            for s in near_misses {
+                let err = match s.parse::<Id>() {
+                    Ok(id) => {
+                        assert_eq!(id, want, "{s:?}");
+                        continue;
+                    }
+                    Err(e) => e,
+                };
+                assert!(matches!(err, Error::InvalidUsage(_)), "{s:?}: {err}");
+                for shown in [err.to_string(), format!("{err:?}")] {
+                    for piece in [&key[..8], &key[8..16], &key[16..24], &key[24..]] {
+                        assert!(
+                            !shown.contains(piece) && !shown.contains(&piece.to_uppercase()),
+                            "{s:?}: the error shows the secret: {shown}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// A wildcard address exposes the port to every network of the host:

@@ -17,7 +17,7 @@ use super::auth::{self, Nonce, Opener, Role, Sealer, Transcript};
 use super::wire::{self, Abort, AbortCode, Checked, Frame, Greeting, Kind, WireError};
 use super::{
     abort_for, lock, ms, own_uid, read_frame, sealed, send_abort, send_plain_abort, unusable, write_frame, Conn, Link,
-    Listen, Rendezvous, MAX_ROUND_BYTES,
+    Listen, Rendezvous, Timed, MAX_ROUND_BYTES,
 };
 use crate::error::{Error, Result};
 
@@ -51,8 +51,35 @@ struct RootInner {
     /// round: it belongs to the next round (where a frame is a violation and
     /// end of stream means the rank left).
     deferred: Vec<Option<Event>>,
+    /// Payload bytes of the frames read and not yet done with.
+    held: Arc<Held>,
     readers: Vec<JoinHandle<()>>,
     broken: Option<String>,
+}
+
+/// Payload bytes of the frames rank 0's readers have read (or are reading)
+/// and rank 0 is not done with: at most [`MAX_ROUND_BYTES`], what one
+/// round of every other rank carries. A reader reserves a frame's bytes
+/// from its header, before it reads the payload; rank 0 gives them back
+/// when a round is collected (a good rank sends the next round only after
+/// that round's RESULT). A frame that does not fit fails its rank, which
+/// only a rank over the round limit, or sending more than it should, does.
+#[derive(Default)]
+struct Held(std::sync::atomic::AtomicUsize);
+
+impl Held {
+    fn reserve(&self, len: usize) -> std::result::Result<(), WireError> {
+        self.0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(len).filter(|&total| total <= MAX_ROUND_BYTES)
+            })
+            .map(drop)
+            .map_err(|held| WireError::RoundTooLong { len, held, max: MAX_ROUND_BYTES })
+    }
+
+    fn release(&self, len: usize) {
+        let _ = self.0.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| Some(held.saturating_sub(len)));
+    }
 }
 
 enum Event {
@@ -150,14 +177,16 @@ impl Root {
             }
         }
 
-        // Bounded, so a flooding rank cannot grow rank 0's memory without end.
+        // Bounded in frames, and `held` bounds their bytes: a flooding rank
+        // cannot grow rank 0's memory past one round.
         let (tx, rx) = mpsc::sync_channel(2 * link.world + 2);
+        let held = Arc::new(Held::default());
         let mut readers = Vec::with_capacity(peers.len());
         for (i, open) in openers.into_iter().enumerate() {
-            let (conn, tx, rank) = (peers[i].conn.clone(), tx.clone(), i + 1);
+            let (conn, tx, rank, held) = (peers[i].conn.clone(), tx.clone(), i + 1, held.clone());
             let spawned = thread::Builder::new()
                 .name(format!("tpar-rdv-{rank}"))
-                .spawn(move || read_loop(rank, &*conn, open, tx));
+                .spawn(move || read_loop(rank, &*conn, open, tx, &held));
             match spawned {
                 Ok(h) => readers.push(h),
                 Err(e) => {
@@ -176,6 +205,7 @@ impl Root {
                 peers,
                 events: Some(rx),
                 deferred: (0..link.world).map(|_| None).collect(),
+                held,
                 readers,
                 broken: None,
             }),
@@ -483,15 +513,24 @@ pub(super) fn handshake(
 /// Rank 0's reader for rank `rank`: forwards frames whose seal opens until
 /// the connection fails, closes or carries a frame that does not open,
 /// then forwards that and stops.
-fn read_loop(rank: usize, conn: &dyn Conn, mut open: Opener, tx: mpsc::SyncSender<Event>) {
+fn read_loop(rank: usize, conn: &dyn Conn, mut open: Opener, tx: mpsc::SyncSender<Event>, held: &Held) {
     if let Err(e) = conn.set_read_timeout(None) {
         let _ = tx.send(Event::Failed { rank, error: WireError::Io(e) });
         return;
     }
     loop {
-        let event = match read_frame(conn, None, wire::MAX_PAYLOAD).and_then(|f| f.open(&mut open).map(|()| f)) {
+        let mut reserved = 0;
+        let read = wire::read_frame_reserving(&mut Timed { conn, deadline: None }, wire::MAX_PAYLOAD, |len| {
+            held.reserve(len)?;
+            reserved = len;
+            Ok(())
+        });
+        let event = match read.and_then(|f| f.open(&mut open).map(|()| f)) {
             Ok(frame) => Event::Frame { rank, frame },
-            Err(error) => Event::Failed { rank, error },
+            Err(error) => {
+                held.release(reserved);
+                Event::Failed { rank, error }
+            }
         };
         let last = matches!(event, Event::Failed { .. });
         if tx.send(event).is_err() || last {
@@ -548,10 +587,13 @@ impl Root {
         let mut parts: Vec<Option<Vec<u8>>> = vec![None; world];
         parts[0] = Some(mine.to_vec());
         let mut missing = world - 1;
-        let RootInner { events, deferred, .. } = inner;
+        let RootInner { events, deferred, held, .. } = inner;
         let events = events.as_ref().ok_or_else(|| unusable("closed"))?;
         let mut earlier: Vec<Event> = deferred.iter_mut().filter_map(Option::take).collect();
         earlier.reverse();
+        // The frames this round is done with, given back to `held` however
+        // it ends (a deferred one stays held until the next round).
+        let mut done = Done { held, bytes: 0 };
 
         while missing > 0 {
             let event = match earlier.pop() {
@@ -577,13 +619,36 @@ impl Root {
             if parts[rank].is_some() {
                 if deferred[rank].is_none() {
                     deferred[rank] = Some(event);
+                } else {
+                    done.add(&event);
                 }
                 continue;
             }
+            done.add(&event);
             parts[rank] = Some(contribution(&job, round, event)?);
             missing -= 1;
         }
         Ok(parts.into_iter().map(Option::unwrap_or_default).collect())
+    }
+}
+
+/// Frames a round is done with: their bytes go back to `held` on drop.
+struct Done<'a> {
+    held: &'a Held,
+    bytes: usize,
+}
+
+impl Done<'_> {
+    fn add(&mut self, event: &Event) {
+        if let Event::Frame { frame, .. } = event {
+            self.bytes += frame.payload.len();
+        }
+    }
+}
+
+impl Drop for Done<'_> {
+    fn drop(&mut self) {
+        self.held.release(self.bytes);
     }
 }
 
@@ -598,6 +663,9 @@ fn contribution(job: &[u8; 16], round: u32, event: Event) -> Result<Vec<u8>> {
                 "rank {rank} closed its connection before round {round} ({error}: its process exited, \
                  crashed or dropped its rendezvous)"
             )))
+        }
+        Event::Failed { error: error @ WireError::RoundTooLong { .. }, .. } => {
+            return Err(Error::invalid(format!("round {round} of all_gather: rank {rank} sent {error}")))
         }
         Event::Failed { error, .. } => {
             return Err(Error::Protocol { from: format!("rank {rank}"), what: format!("round {round}: {error}") })
@@ -938,5 +1006,46 @@ mod tests {
                 });
             }
         }
+    }
+
+    /// Rank 0 bounds what it holds of one round, not one frame: members
+    /// that hold the secret and send frame after frame (here before rank 0
+    /// even calls `all_gather`) get no more than `MAX_ROUND_BYTES` of them
+    /// read in all; the rest stays unread (their writes stall). Each frame
+    /// is far below the frame limit. (Rank 0 used to hold its channel's
+    /// 2 x world + 2 frames and one per reader: 10 such frames here.)
+    #[test]
+    fn rank_0_holds_at_most_one_round_of_frames() {
+        const FRAME: usize = 6 << 20;
+        const FRAMES: usize = 8;
+        let id = &unix_id();
+        let (release, released) = mpsc::channel::<()>();
+        let written: Vec<usize> = thread::scope(|s| {
+            let root = s.spawn(move || {
+                let rdv = connect(id, 0, 3, LONG).unwrap();
+                let _ = released.recv();
+                rdv.all_gather(b"zero").err()
+            });
+            let written = on_ranks(1..3, |rank| {
+                let mut me = member_handshake(raw_dial(id), id, rank as u32, 3).unwrap();
+                let welcome = me.recv().unwrap();
+                assert_eq!(welcome.header.kind, Kind::Welcome);
+                let payload = vec![rank as u8; FRAME];
+                (0..FRAMES)
+                    .take_while(|_| {
+                        let frame = me.frame(Kind::Gather, 1, &payload);
+                        write_frame(&*me.conn, Instant::now() + Duration::from_millis(1500), &frame).is_ok()
+                    })
+                    .count()
+            });
+            release.send(()).unwrap();
+            let _ = root.join().unwrap();
+            written
+        });
+        let read = written.iter().sum::<usize>() * FRAME;
+        // What rank 0 may hold, plus a frame per connection that the socket
+        // buffers (far smaller) may have taken in part.
+        let bound = MAX_ROUND_BYTES + 2 * FRAME;
+        assert!(read <= bound, "rank 0 took in {read} bytes of frames ({written:?} frames of {FRAME}), bound {bound}");
     }
 }

@@ -3,6 +3,9 @@
 
 #![forbid(unsafe_code)]
 
+mod attacks;
+mod fuzz;
+
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -414,4 +417,21 @@ fn members_wait_for_a_slow_rank_0_while_its_directory_exists() {
     });
     connect(&id, 1, 2, Duration::from_secs(30)).expect("rank 1 joins a late rank 0");
     root.join().unwrap().expect("rank 0 joins");
+}
+
+/// The attack and fuzz tests sit in `tests/` beside this file, and CI runs
+/// the fuzz, which the default `cargo test` leaves out: `.ci/test.sh` sets
+/// its knob for the test step.
+#[test]
+fn the_attack_and_fuzz_tests_sit_apart_and_ci_runs_the_fuzz() {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("host/rendezvous");
+    for (moved, from) in [("tests/attacks.rs", "attacks.rs"), ("tests/fuzz/mod.rs", "fuzz/mod.rs")] {
+        assert!(here.join(moved).is_file() && !here.join(from).exists(), "{moved}");
+    }
+    let ci = fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/test.sh")).unwrap();
+    let knob = format!("{}=1", fuzz::RUN_VAR);
+    assert!(
+        ci.lines().any(|l| !l.trim_start().starts_with('#') && l.contains(&knob)),
+        ".ci/test.sh does not set {knob}"
+    );
 }

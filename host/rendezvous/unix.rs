@@ -1,7 +1,9 @@
 //! Unix-domain socket endpoint. Access control is the private directory:
 //! `Id::new_unix` creates `<base>/tpar-<16 hex>/` with mode 0700, rank 0
 //! listens on `rdv.sock` inside it with mode 0600, so only the same user can
-//! connect. Both ends also check the other's uid (`SO_PEERCRED`) before the
+//! connect; rank 0 listens only in a directory of its own user whose parent
+//! other users cannot write to (or only with the sticky bit, as the temp
+//! dir). Both ends also check the other's uid (`SO_PEERCRED`) before the
 //! handshake, so a socket reached some other way (a directory opened by
 //! mistake, a rank 0 of another user) is refused too. Rank 0 removes both
 //! when its join phase ends (and on drop).
@@ -129,15 +131,7 @@ pub(crate) fn bind(socket: &Path) -> Result<Listening> {
             e,
         )
     })?;
-    // The directory is the access control: a real directory, closed to others.
-    if !meta.is_dir() || meta.mode() & 0o077 != 0 {
-        return Err(Error::Rendezvous(format!(
-            "{} is not a private directory (type {:?}, mode {:o}); refusing to listen there",
-            dir.display(),
-            meta.file_type(),
-            meta.mode() & 0o7777
-        )));
-    }
+    check_listening_dir(dir, &meta, nix::unistd::geteuid().as_raw())?;
     // Bind under a temporary name, set the mode, then publish the socket
     // under its real name with link(2): no rank ever sees it before it is
     // 0600, and link (unlike rename) never replaces an existing socket.
@@ -176,6 +170,39 @@ pub(crate) fn bind(socket: &Path) -> Result<Listening> {
     Ok(listening)
 }
 
+/// The directory is the access control: a real directory of user `uid`,
+/// closed to others (as a descriptor socket's must be), in a parent that no
+/// other user can rename it in or out of (theirs, root's or `uid`'s, and
+/// writable by others only with the sticky bit, as the temp dir is).
+fn check_listening_dir(dir: &Path, meta: &fs::Metadata, uid: u32) -> Result<()> {
+    let refuse = |why: String| Err(Error::Rendezvous(format!("{why}; refusing to listen in {}", dir.display())));
+    if !meta.is_dir() || meta.mode() & 0o077 != 0 {
+        return refuse(format!(
+            "{} is not a private directory (type {:?}, mode {:o})",
+            dir.display(),
+            meta.file_type(),
+            meta.mode() & 0o7777
+        ));
+    }
+    if meta.uid() != uid {
+        return refuse(format!("{} belongs to uid {}, and this process runs as uid {uid}", dir.display(), meta.uid()));
+    }
+    let parent = dir.parent().unwrap_or(dir);
+    let up = fs::metadata(parent)
+        .map_err(|e| Error::io(format!("the rendezvous directory's parent {}", parent.display()), e))?;
+    if up.uid() != uid && up.uid() != 0 {
+        return refuse(format!("its parent {} belongs to uid {}, who could move it", parent.display(), up.uid()));
+    }
+    if up.mode() & 0o022 != 0 && up.mode() & 0o1000 == 0 {
+        return refuse(format!(
+            "its parent {} (mode {:o}) is writable by other users without the sticky bit: they could move it",
+            parent.display(),
+            up.mode() & 0o7777
+        ));
+    }
+    Ok(())
+}
+
 /// Removes a socket file left by a rank 0 that crashed between bind and
 /// publish; anything that is not a socket is left alone (bind then fails).
 fn remove_stale_socket(path: &Path) {
@@ -205,9 +232,18 @@ impl Drop for Listening {
 }
 
 /// One attempt to reach rank 0; `NotFound`/`ConnectionRefused` mean it is
-/// not listening yet.
+/// not listening yet, `WouldBlock` that its backlog is full. Never waits: a
+/// blocking connect(2) to a Unix socket whose backlog is full waits for
+/// room without a bound of its own, past the caller's timeout.
 pub(crate) fn connect(socket: &Path) -> io::Result<Arc<dyn Conn>> {
-    Ok(Arc::new(UnixStream::connect(socket)?))
+    use nix::sys::socket::{self as sock, AddressFamily, SockFlag, SockType, UnixAddr};
+    let flags = SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC;
+    let fd = sock::socket(AddressFamily::Unix, SockType::Stream, flags, None)?;
+    // A Unix-socket connect completes at once or fails (EAGAIN: no room).
+    sock::connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &UnixAddr::new(socket)?)?;
+    let stream = UnixStream::from(fd);
+    stream.set_nonblocking(false)?;
+    Ok(Arc::new(stream))
 }
 
 impl Conn for UnixStream {
@@ -275,5 +311,62 @@ mod tests {
         assert!(err.to_string().contains("another rank 0"), "{err}");
         drop(first);
         assert!(!socket.parent().unwrap().exists());
+    }
+
+    /// A private directory (`tpar-<16 hex>`, mode 0700) under `base`.
+    fn private_dir_under(base: &Path) -> PathBuf {
+        let dir = base.join(format!("{DIR_PREFIX}{}", super::super::hex(&super::super::random_bytes::<8>().unwrap())));
+        fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+        dir.join(SOCKET_NAME)
+    }
+
+    /// Rank 0 listens only in a directory of its own user, inside a parent
+    /// that others cannot rename it in or out of: one they may write to
+    /// needs the sticky bit (as the temp dir has). (The descriptor sockets
+    /// check their directory's owner the same way.)
+    #[test]
+    fn bind_refuses_a_parent_others_may_write_to_without_the_sticky_bit() {
+        let base = std::env::temp_dir()
+            .join(format!("tpar-test-base-{}", super::super::hex(&super::super::random_bytes::<8>().unwrap())));
+        fs::create_dir(&base).unwrap();
+        for (mode, ok) in [(0o777, false), (0o775, false), (0o757, false), (0o1777, true), (0o755, true), (0o700, true)]
+        {
+            fs::set_permissions(&base, fs::Permissions::from_mode(mode)).unwrap();
+            let socket = private_dir_under(&base);
+            match bind(&socket) {
+                Ok(listening) => {
+                    assert!(ok, "bound under a parent of mode {mode:o}");
+                    drop(listening);
+                }
+                Err(e) => {
+                    assert!(!ok, "mode {mode:o}: {e}");
+                    assert!(e.to_string().contains("sticky"), "mode {mode:o}: {e}");
+                    fs::remove_dir(socket.parent().unwrap()).unwrap();
+                }
+            }
+        }
+        fs::remove_dir(&base).unwrap();
+    }
+
+    /// A private directory that belongs to another user is not this rank
+    /// 0's (root can enter it, and would otherwise listen there).
+    #[test]
+    fn bind_refuses_a_directory_of_another_user() {
+        const OTHER_UID: u32 = 65534;
+        let socket = create_private_dir().unwrap();
+        let dir = socket.parent().unwrap().to_path_buf();
+        if let Err(e) = std::os::unix::fs::chown(&dir, Some(OTHER_UID), None) {
+            fs::remove_dir(&dir).unwrap();
+            use std::io::Write;
+            let why = format!("skipped: cannot chown a directory to uid {OTHER_UID} ({e}; needs root) (bind_refuses_a_directory_of_another_user)\n");
+            let _ = std::io::stderr().write_all(why.as_bytes());
+            return;
+        }
+        // Dropping a listener removes the directory; else remove it here.
+        let err = bind(&socket).err();
+        let _ = fs::remove_dir(&dir);
+        let err = err.expect("bound in a directory of another user");
+        assert!(err.to_string().contains(&format!("belongs to uid {OTHER_UID}")), "{err}");
     }
 }

@@ -174,6 +174,13 @@ pub(crate) enum WireError {
         len: usize,
         max: usize,
     },
+    /// A frame that would take what rank 0 holds of one round's frames past
+    /// the round limit.
+    RoundTooLong {
+        len: usize,
+        held: usize,
+        max: usize,
+    },
     /// A plain frame where the session expects a sealed one.
     NotSealed(Kind),
     /// A sealed frame whose tag is not the next of this connection.
@@ -210,6 +217,11 @@ impl fmt::Display for WireError {
             WireError::BadKind(k) => write!(f, "unknown frame kind {k}"),
             WireError::BadFlags(b) => write!(f, "unknown frame flags {b:#04x}"),
             WireError::TooLong { len, max } => write!(f, "frame length {len} exceeds the limit of {max} bytes"),
+            WireError::RoundTooLong { len, held, max } => write!(
+                f,
+                "a frame of {len} bytes on top of the {held} bytes held of this round is over the rendezvous limit \
+                 of {max} bytes per round"
+            ),
             WireError::NotSealed(k) => write!(
                 f,
                 "{} frame without a tag, where every frame after the handshake is sealed (written by a process \
@@ -328,6 +340,17 @@ fn fill(r: &mut impl Read, buf: &mut [u8]) -> Result<usize, WireError> {
 /// Reads one frame whose payload is at most `max_payload` bytes (and its
 /// tag, if sealed; the tag is checked by the receiver's session).
 pub(crate) fn read_frame(r: &mut impl Read, max_payload: usize) -> Result<Frame, WireError> {
+    read_frame_reserving(r, max_payload, |_| Ok(()))
+}
+
+/// [`read_frame`], where `reserve(len)` is asked, once the header is read
+/// and before any of the payload is, whether `len` payload bytes may be
+/// held; its error is the frame's.
+pub(crate) fn read_frame_reserving(
+    r: &mut impl Read,
+    max_payload: usize,
+    reserve: impl FnOnce(usize) -> Result<(), WireError>,
+) -> Result<Frame, WireError> {
     let mut head = [0u8; HEADER_LEN];
     match fill(r, &mut head)? {
         0 => return Err(WireError::Closed),
@@ -336,6 +359,7 @@ pub(crate) fn read_frame(r: &mut impl Read, max_payload: usize) -> Result<Frame,
     }
     let header = decode_header(&head, max_payload)?;
     let want = header.len as usize;
+    reserve(want)?;
     let mut payload = Vec::with_capacity(want.min(READ_STEP));
     while payload.len() < want {
         let start = payload.len();

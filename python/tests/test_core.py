@@ -74,6 +74,20 @@ def test_bad_id_strings_raise_invalid_usage_with_a_reason(text, words):
     assert isinstance(info.value, ValueError)
 
 
+def test_id_errors_never_show_the_secret():
+    # Ids come from env files (often with a trailing newline) and errors
+    # land in logs and tracebacks: whitespace around an id is ignored, and
+    # no error shows the secret or a piece of it.
+    secret = "0123456789abcdef" * 2
+    good = "tpar2:tcp:127.0.0.1:29500:" + secret
+    assert Id.parse(good + "\n") == Id.parse(good) == Id.parse(" " + good + "\r\n")
+    for bad in [good + "0", good.replace(secret, secret.upper()), good + "\n" + good, "tpar2:" + secret + ":x:y"]:
+        with pytest.raises(errors.InvalidUsage) as info:
+            Id.parse(bad)
+        for text in (str(info.value), repr(info.value)):
+            assert secret[:8] not in text and secret[8:16] not in text, text
+
+
 def test_new_tcp_rejects_a_bad_address():
     with pytest.raises(errors.InvalidUsage, match="IP:port"):
         Id.new_tcp("localhost")

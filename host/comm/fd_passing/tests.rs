@@ -338,3 +338,28 @@ fn a_fetcher_refuses_a_server_of_another_user() {
     let e = r.err().unwrap_or_else(|| panic!("fetched {got:?} from a server of uid {OTHER_UID}"));
     assert!(e.to_string().contains("uid"), "{e}");
 }
+
+/// More descriptors in one message than a batch's control buffer holds
+/// (253, the kernel's limit, where a batch holds 250): the kernel installs
+/// the 250 that fit in this process and flags `MSG_CTRUNC`. The receiver
+/// fails, and closes those 250 too: afterwards no copy of the sent socket
+/// is open anywhere, so its peer reads end of stream.
+#[test]
+fn a_truncated_control_message_leaves_no_descriptor_open() {
+    let (sent, watch) = UnixStream::pair().unwrap();
+    let copies: Vec<OwnedFd> = (0..253).map(|_| OwnedFd::from(sent.try_clone().unwrap())).collect();
+    drop(sent);
+    let raw: Vec<RawFd> = copies.iter().map(AsRawFd::as_raw_fd).collect();
+    let (a, b) = UnixStream::pair().unwrap();
+    send_all(&a, &encode_header(250, 253, 0), &raw, seconds(5), "sending 253 descriptors").unwrap();
+    drop(copies);
+    let e = receive_fds(&b, 253, seconds(5), |_| Ok(())).unwrap_err();
+    assert!(e.to_string().contains("truncated"), "{e}");
+    drop((a, b));
+    watch.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let read = (&watch).read(&mut [0u8; 1]);
+    assert!(
+        matches!(read, Ok(0)),
+        "a copy of the sent socket is still open (the receiver leaked the descriptors it got): {read:?}"
+    );
+}

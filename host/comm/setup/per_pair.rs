@@ -24,7 +24,7 @@ use tp_allreduce_kernels::shares::cross_half_bytes;
 use super::super::ipc::{self, PeerMapping, Region};
 use super::super::p2p_check;
 use super::super::p2p_check::TransportProblem;
-use super::super::shm::SharedHostRegion;
+use super::super::shm::{self, SharedHostRegion};
 use super::placement::Placement;
 use crate::algorithm::{CrossRegions, IslandSplit, CROSS_SLOTS_OFFSET};
 use crate::config::Config;
@@ -71,7 +71,7 @@ pub(super) fn map_cross_regions(
     let region = if all_local {
         Region::Pinned(PinnedHostMemory::alloc(ctx, bytes)?)
     } else {
-        Region::Shared(SharedHostRegion::create(ctx, &format!("/tpar-{}-x{rank}", placement.job), bytes)?)
+        Region::Shared(SharedHostRegion::create(ctx, &shm::region_name(&placement.job, &format!("x{rank}"))?, bytes)?)
     };
     driver::memset_d8(region.device_ptr(), 0, CROSS_SLOTS_OFFSET as usize)?;
     driver::memset_d8(region.device_ptr() + CROSS_SLOTS_OFFSET, 0xFF, bytes - CROSS_SLOTS_OFFSET as usize)?;
@@ -84,8 +84,8 @@ pub(super) fn map_cross_regions(
         let imported = offer
             .as_ref()
             .map_err(|why| crate::error::Error::Ipc(format!("offering its cross region failed: {why}")))
-            .and_then(|o| ipc::descriptor_for_peer(o, placement.same_process[p]))
-            .and_then(|desc| ipc::import(ctx, &desc));
+            .and_then(|o| ipc::descriptor_for_peer(o, placement.same_process[p]).map(|desc| (desc, o.bytes)))
+            .and_then(|(desc, bytes)| ipc::import(ctx, &desc, bytes));
         match imported {
             Ok((base, mapping)) => (bases[p], mappings[p]) = (base, mapping),
             Err(e) => problems.push(TransportProblem { rank, peer: p, what: format!("cross region: {e}") }),

@@ -13,9 +13,9 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::testing::{on_ranks, raw_hello, tcp_id, transports, LONG};
-use super::wire::{self, Kind};
-use super::{connect, Endpoint, Id};
+use crate::rendezvous::testing::{on_ranks, raw_hello, tcp_id, transports, LONG};
+use crate::rendezvous::wire::{self, Kind};
+use crate::rendezvous::{connect, Endpoint, Id};
 
 /// Header field offsets the attacker reads (pinned by `wire`'s tests).
 const JOB_AT: usize = 12;
@@ -207,7 +207,7 @@ fn a_member_that_meets_only_a_squatter_fails_naming_authentication() {
 /// a CHALLENGE and is then left unanswered.
 fn flood(id: &Id, stop: &AtomicBool, opened: &AtomicUsize, worker: usize) {
     let job = id.job_id();
-    let mut recorded: Vec<Vec<u8>> = (1..4).map(|rank| super::testing::hello(id, rank, 4).0).collect();
+    let mut recorded: Vec<Vec<u8>> = (1..4).map(|rank| crate::rendezvous::testing::hello(id, rank, 4).0).collect();
     let mut held = std::collections::VecDeque::new();
     let mut n = 0usize;
     while !stop.load(Ordering::Relaxed) {
@@ -394,8 +394,8 @@ fn frames_recorded_in_one_rendezvous_are_refused_in_the_next() {
     assert!(!replay.is_empty());
     let (root, member) = thread::scope(|s| {
         let root = s.spawn(|| connect(&id, 0, 2, LONG).and_then(|r| r.all_gather(b"zero")));
-        let attacker = super::testing::raw_dial(&id);
-        super::write_frame(&*attacker, Instant::now() + LONG, &replay).unwrap();
+        let attacker = crate::rendezvous::testing::raw_dial(&id);
+        crate::rendezvous::write_frame(&*attacker, Instant::now() + LONG, &replay).unwrap();
         thread::sleep(Duration::from_millis(100));
         let member = connect(&id, 1, 2, LONG).and_then(|r| r.all_gather(b"new handle"));
         (root.join().unwrap(), member)
@@ -518,7 +518,7 @@ fn unix_rank_0_refuses_a_member_of_another_user() {
     if !can_switch_user("unix_rank_0_refuses_a_member_of_another_user") {
         return;
     }
-    let id = super::testing::unix_id();
+    let id = crate::rendezvous::testing::unix_id();
     let Endpoint::Unix(socket) = id.endpoint.clone() else { unreachable!() };
     let dir = socket.parent().unwrap().to_path_buf();
     let root = thread::scope(|s| {
@@ -530,7 +530,7 @@ fn unix_rank_0_refuses_a_member_of_another_user() {
         }
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711)).unwrap();
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
-        let out = child_as_other_user("rendezvous::attacks::child_member_of_another_user")
+        let out = child_as_other_user("rendezvous::tests::attacks::child_member_of_another_user")
             .env(CHILD_ID_VAR, id.to_string())
             .output()
             .unwrap();
@@ -565,7 +565,7 @@ fn unix_member_refuses_a_rank_0_of_another_user() {
     if !can_switch_user("unix_member_refuses_a_rank_0_of_another_user") {
         return;
     }
-    let mut child = child_as_other_user("rendezvous::attacks::child_rank_0_of_another_user")
+    let mut child = child_as_other_user("rendezvous::tests::attacks::child_rank_0_of_another_user")
         .env(CHILD_ID_VAR, "1")
         .stdout(std::process::Stdio::piped())
         .spawn()
