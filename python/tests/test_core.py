@@ -4,6 +4,7 @@ errors. Runs anywhere; the tests that need a machine without a CUDA driver
 
 import builtins
 import logging
+import os
 import random
 import threading
 
@@ -148,6 +149,34 @@ def test_communicator_rejects_an_unknown_algorithm():
     try:
         with pytest.raises(errors.InvalidUsage, match="unknown algorithm `fastest`"):
             Communicator(0, 2, made, 0, algorithm="fastest")
+    finally:
+        made.remove_files()
+
+
+def _unix_id_dir(made):
+    # "tpar2:unix:<base>/tpar-<16 hex>/rdv.sock:<secret>"
+    return os.path.dirname(str(made)[len("tpar2:unix:") :].rsplit(":", 1)[0])
+
+
+def test_a_failed_rank_0_removes_its_unix_ids_directory_and_other_ranks_leave_it():
+    made = Id.new_unix()
+    try:
+        directory = _unix_id_dir(made)
+        assert os.path.basename(directory).startswith("tpar-") and os.path.isdir(directory)
+        with pytest.raises(errors.InvalidUsage, match="unknown algorithm"):
+            Communicator(1, 2, made, 0, algorithm="fastest")
+        assert os.path.isdir(directory), "rank 1 removed the directory rank 0 owns"
+        with pytest.raises(errors.InvalidUsage, match="unknown algorithm"):
+            Communicator(0, 2, made, 0, algorithm="fastest")
+        assert not os.path.exists(directory), f"a failed rank 0 left {directory} behind"
+        if not tp_allreduce.driver_available():
+            again = Id.new_unix()
+            try:
+                with pytest.raises(errors.NoDriverError):
+                    Communicator(0, 2, again, 0)
+                assert not os.path.exists(_unix_id_dir(again)), "rank 0 without a driver left its directory"
+            finally:
+                again.remove_files()
     finally:
         made.remove_files()
 
