@@ -6,6 +6,8 @@ import builtins
 import logging
 import os
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -151,6 +153,24 @@ def test_communicator_rejects_an_unknown_algorithm():
             Communicator(0, 2, made, 0, algorithm="fastest")
     finally:
         made.remove_files()
+
+
+def test_the_torch_layer_without_torch_says_to_install_the_torch_extra():
+    # `sys.modules["torch"] = None` makes `import torch` fail as if torch
+    # were not installed, on machines with torch too.
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "try:\n"
+        "    import tp_allreduce.torch\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('NAME', e.name)\n"
+        "    print('MESSAGE', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "NAME torch" in out.stdout, out.stdout + out.stderr
+    assert "`torch` extra" in out.stdout and "[torch]" in out.stdout, out.stdout
 
 
 def _unix_id_dir(made):
