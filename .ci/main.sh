@@ -7,6 +7,12 @@
 #   bash .ci/main.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# Said first and last: without a GPU nothing is measured, and the rest of
+# the output (tools, the build, the plan) is long.
+no_gpu_note="no GPU here: nothing is measured; after the build this prints the cost model's plan for the default topology instead (run this on a machine with NVIDIA GPUs to measure)"
+if ! { command -v nvidia-smi > /dev/null && nvidia-smi -L 2> /dev/null | grep -q '^GPU '; }; then
+  echo "main.sh: $no_gpu_note" >&2
+fi
 bash .ci/tools.sh
 # cudarc loads libnccl.so; NCCL wheels ship libnccl.so.2: link it if found.
 if python3 -c "import nvidia.nccl" 2>/dev/null; then
@@ -22,4 +28,12 @@ built=$SECONDS
 cargo build --release --bin tp-allreduce
 echo "main.sh: built in $((SECONDS - built)) s" >&2
 echo "main.sh: tp-allreduce bench $*" >&2
-exec target/release/tp-allreduce bench "$@"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+target/release/tp-allreduce bench "$@" | tee "$log"
+# The binary decides (it asks the CUDA driver): its plan starts "no CUDA device:".
+if grep -q '^no CUDA device:' "$log"; then
+  echo "main.sh: done: no CUDA device, so the table above is the cost model's plan, not a measurement; run this on a machine with NVIDIA GPUs to measure" >&2
+else
+  echo "main.sh: done: measured on this machine's GPUs (table above)" >&2
+fi

@@ -6,15 +6,15 @@
 #   .dev/tp-allreduce-old   only with OLD_REV=<rev>: the release CLI of that revision, to compare
 #                           against, built from `git archive` in a temporary folder with its own
 #                           target dir (an existing one is kept unless REBUILD_OLD=1)
-#   .peers/flashinfer-pcie  the FlashInfer peer benchmark, copied from PEERS_SRC (a folder
-#                           holding run_peer_bench.py; kept when already there)
+#   .peers/flashinfer-pcie  only with PEERS_SRC=<folder>: a copy of that folder, for
+#                           peer-shared-gpu.py (kept when already there)
 # and checks that .dev and .peers together stay under 60 MiB (the device
 # machine takes at most 64 MiB of carried files).
 #
-#   PEERS_SRC=/path/to/flashinfer-pcie bash benches/gpu/build-dev.sh
-# (PEERS_SRC=none: the CLI and the test binary only, e.g. for benches/gpu/fused.sh)
-# then copy .dev and .peers to the GPU machine and run e.g. `OUT=<dir> bash benches/gpu/vs-peers.sh`
-# from the repository root there.
+#   bash benches/gpu/build-dev.sh
+# then copy .dev to the GPU machine and run e.g. `OUT=<dir> bash benches/gpu/vs-peers.sh`
+# from the repository root there (its FlashInfer step runs FlashInfer's pip
+# package: benches/gpu/flashinfer_peer.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -44,11 +44,8 @@ fi
 strip .dev/tp-allreduce .dev/suite
 [ -x .dev/tp-allreduce-old ] && strip .dev/tp-allreduce-old
 
-if [ "${PEERS_SRC:-}" != none ] && [ ! -f .peers/flashinfer-pcie/run_peer_bench.py ]; then
-  [ -n "${PEERS_SRC:-}" ] && [ -f "$PEERS_SRC/run_peer_bench.py" ] || {
-    echo "set PEERS_SRC to the folder holding run_peer_bench.py (the FlashInfer peer benchmark)" >&2
-    exit 1
-  }
+if [ -n "${PEERS_SRC:-}" ] && [ "$PEERS_SRC" != none ] && [ ! -f .peers/flashinfer-pcie/run_peer_bench.py ]; then
+  [ -f "$PEERS_SRC/run_peer_bench.py" ] || { echo "PEERS_SRC=$PEERS_SRC holds no run_peer_bench.py" >&2; exit 1; }
   cp -r "$PEERS_SRC" .peers/flashinfer-pcie && chmod -R u+w .peers/flashinfer-pcie
 fi
 rm -rf .peers/flashinfer-pcie/__pycache__

@@ -17,7 +17,7 @@
 # $OUT/summary.txt, $OUT/log.txt and $OUT/fused.tar.gz (every log and
 # results.json).
 #
-# Build here first:  PEERS_SRC=none bash benches/gpu/build-dev.sh
+# Build here first:  bash benches/gpu/build-dev.sh
 # (.dev/tp-allreduce and .dev/suite), then on the GPU machine, from the
 # repository root:  OUT=<dir> bash benches/gpu/fused.sh
 set -uo pipefail
@@ -35,7 +35,7 @@ export TP_ALLREDUCE_TUNING_FILE=$W/no-tuning-table.toml
 
 nvidia-smi --query-gpu=index,name,driver_version --format=csv > "$W/gpus.txt" 2>&1
 nvidia-smi topo -m > "$W/topo.txt" 2>&1
-for f in "$B" "$SUITE"; do [ -x "$f" ] || echo "missing: $f (run PEERS_SRC=none bash benches/gpu/build-dev.sh)" | tee -a "$LOG"; done
+for f in "$B" "$SUITE"; do [ -x "$f" ] || echo "missing: $f (run bash benches/gpu/build-dev.sh)" | tee -a "$LOG"; done
 
 # 1. Correctness first (TESTS=0 skips it when benches/gpu/gpu-suite.sh runs them).
 T="env TP_ALLREDUCE_REQUIRE_GPU=1 TP_ALLREDUCE_REQUIRE_GPUS=2 $SUITE --test-threads=1"

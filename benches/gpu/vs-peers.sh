@@ -2,7 +2,8 @@
 # Our allreduce against its peers, as one command on a 2-GPU machine (run
 # the GPU suites first, benches/gpu/gpu-suite.sh, for correctness):
 #   1. ours (new) vs NCCL, one process per GPU, graph replay, with --trace;
-#   2. the FlashInfer PCIe-IPC peer, torch symm_mem and NCCL (same GPUs);
+#   2. FlashInfer's PCIe-IPC allreduce (its pip package, flashinfer-python:
+#      benches/gpu/flashinfer_peer.py says what to install) and NCCL, same GPUs;
 #   3. `tune --shapes full`, then the tuned table with the verify pass;
 #   4. 8 ranks on GPU 0 (MPS);
 #   5. the fused epilogue (3 x 7168 bf16) and its verify pass;
@@ -10,15 +11,15 @@
 #      copy-engine ring vs one-shot push and NCCL over NVLink;
 #   7. the Python package's GPU tests and decode step (.dev/wheels).
 # Every step is bounded; what does not fit the budget is skipped and says so.
-# Build here first (PEERS_SRC=<folder of run_peer_bench.py> bash benches/gpu/build-dev.sh),
-# then on the GPU machine, from the repository root:
+# Build here first (bash benches/gpu/build-dev.sh), then on the GPU machine,
+# from the repository root:
 #   OUT=<dir> bash benches/gpu/vs-peers.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-results/vs-peers}
 BUDGET=${BUDGET:-540}
 SIZES=${SIZES:-4K,16K,42K,64K,256K,1M,8M}
-NEW=.dev/tp-allreduce PEER=.peers/flashinfer-pcie/run_peer_bench.py
+NEW=.dev/tp-allreduce PEER=benches/gpu/flashinfer_peer.py
 mkdir -p "$OUT"
 W=$(mktemp -d /tmp/vs-peers.XXXXXX)
 source benches/gpu/steps.sh
@@ -28,8 +29,12 @@ nvidia-smi --query-gpu=index,name,driver_version --format=csv > "$W/gpus.txt" 2>
 B="bench --processes --gpus 0,1 --repeats 10"
 step new 60 "$NEW" $B --sizes "$SIZES" --no-verify-pass --algorithms auto,one-shot-push,two-shot-push,nccl \
   --trace --out "$W/new"
-step peer 100 python3 "$PEER" --backends nccl,symm_1shot,fi_seed,fi_best --total-timeout 95 \
-  --json "$W/peer/peer_bench.json"
+if python3 -c "import flashinfer.comm" > "$W/flashinfer-import.log" 2>&1; then
+  step peer 100 python3 "$PEER" --sizes "$SIZES" --backends nccl,fi_seed,fi_best --json "$W/peer/peer_bench.json"
+else
+  echo "=== peer: skipped: \`import flashinfer.comm\` failed ($(tail -n 1 "$W/flashinfer-import.log")); install flashinfer-python==0.7.2.post1 (see $PEER)" | tee -a "$LOG"
+  echo "peer skipped 0" >> "$W/steps.txt"
+fi
 step tune 60 "$NEW" tune --gpus 0,1 --sizes "$SIZES" --shapes full --out "$W/tuning.toml" --report "$W/sweep.json"
 [ -f "$W/tuning.toml" ] && step tuned 60 env TP_ALLREDUCE_TUNING_FILE="$W/tuning.toml" "$NEW" $B --sizes "$SIZES" \
   --algorithms auto,nccl --out "$W/tuned"
@@ -75,14 +80,14 @@ fi = {(r["backend"], r["size_bytes"]): r.get("median_us") for r in peer.get("res
 sizes = sorted({b for (b, _) in list(new) + list(tuned)})
 print("median us per allreduce, bf16, 2 GPUs, graph replay (slowest rank)")
 print(f"{'size':>6} {'tuned':>7} {'auto':>7} {'1-push':>7} {'2-push':>7} {'nccl':>7} {'fi_seed':>8} {'fi_best':>8} "
-      f"{'symm':>7} {'x fi':>6} {'x nccl':>7}")
+      f"{'x fi':>6} {'x nccl':>7}")
 for b in sizes:
     best = min([v for v in (fi.get(("fi_seed", b)), fi.get(("fi_best", b))) if v] or [float("nan")])
     t = tuned.get((b, "auto"))
     nccl = tuned.get((b, "nccl")) or new.get((b, "nccl"))
     print(f"{label(b):>6} {f(t):>7} {f(new.get((b, 'auto'))):>7} {f(new.get((b, 'one-shot-push'))):>7} "
           f"{f(new.get((b, 'two-shot-push'))):>7} {f(nccl):>7} {f(fi.get(('fi_seed', b))):>8} "
-          f"{f(fi.get(('fi_best', b))):>8} {f(fi.get(('symm_1shot', b))):>7} "
+          f"{f(fi.get(('fi_best', b))):>8} "
           f"{f(t / best if t and best == best else None):>6} {f(nccl / t if t and nccl else None):>7}")
 for name in ("tuned", "fused"):
     for v in (load(f"{name}/results.json") or {}).get("verify_pass", []):

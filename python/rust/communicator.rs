@@ -390,8 +390,28 @@ impl PyCommunicator {
         ordinal: usize,
         capture_copy_bytes: usize,
     ) -> PyResult<PyCommunicator> {
-        let inner = py.detach(move || Inner::join(prepared, rank, world, id, capture_copy_bytes)).py(py)?;
-        Ok(PyCommunicator { inner: Mutex::new(Some(Arc::new(inner))), rank, world, ordinal })
+        let owned = (rank == 0).then(|| id.clone());
+        let inner = py.detach(move || Inner::join(prepared, rank, world, id, capture_copy_bytes)).py(py);
+        match inner {
+            Ok(inner) => Ok(PyCommunicator { inner: Mutex::new(Some(Arc::new(inner))), rank, world, ordinal }),
+            Err(e) => {
+                if let Some(id) = owned {
+                    remove_id_files_of_rank_0(rank, &id);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Rank 0 owns a Unix id's private directory (`Id.new_unix` created it and
+/// rank 0's rendezvous removes it once every rank joined): when rank 0's
+/// construction fails, nobody else would remove it, so it goes now (a
+/// no-op for TCP ids and when the rendezvous already removed it). The
+/// other ranks then fail to reach rank 0, as they would anyway.
+fn remove_id_files_of_rank_0(rank: usize, id: &Id) {
+    if rank == 0 {
+        id.remove_files();
     }
 }
 
@@ -419,9 +439,15 @@ impl PyCommunicator {
         batch_invariant: bool,
     ) -> PyResult<PyCommunicator> {
         let id = parse_id(py, id)?;
-        let algorithm = parse_algorithm(py, algorithm)?;
-        let prepared = py.detach(move || Prepared::new(device, algorithm, batch_invariant)).py(py)?;
-        PyCommunicator::join(py, prepared, (rank, world_size, id), device, capture_copy_bytes)
+        let prepared = parse_algorithm(py, algorithm)
+            .and_then(|algorithm| py.detach(move || Prepared::new(device, algorithm, batch_invariant)).py(py));
+        match prepared {
+            Ok(prepared) => PyCommunicator::join(py, prepared, (rank, world_size, id), device, capture_copy_bytes),
+            Err(e) => {
+                remove_id_files_of_rank_0(rank, &id);
+                Err(e)
+            }
+        }
     }
 
     #[getter]

@@ -4,7 +4,10 @@ errors. Runs anywhere; the tests that need a machine without a CUDA driver
 
 import builtins
 import logging
+import os
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -162,6 +165,52 @@ def test_communicator_rejects_an_unknown_algorithm():
     try:
         with pytest.raises(errors.InvalidUsage, match="unknown algorithm `fastest`"):
             Communicator(0, 2, made, 0, algorithm="fastest")
+    finally:
+        made.remove_files()
+
+
+def test_the_torch_layer_without_torch_says_to_install_the_torch_extra():
+    # `sys.modules["torch"] = None` makes `import torch` fail as if torch
+    # were not installed, on machines with torch too.
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "try:\n"
+        "    import tp_allreduce.torch\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('NAME', e.name)\n"
+        "    print('MESSAGE', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "NAME torch" in out.stdout, out.stdout + out.stderr
+    assert "`torch` extra" in out.stdout and "[torch]" in out.stdout, out.stdout
+
+
+def _unix_id_dir(made):
+    # "tpar2:unix:<base>/tpar-<16 hex>/rdv.sock:<secret>"
+    return os.path.dirname(str(made)[len("tpar2:unix:") :].rsplit(":", 1)[0])
+
+
+def test_a_failed_rank_0_removes_its_unix_ids_directory_and_other_ranks_leave_it():
+    made = Id.new_unix()
+    try:
+        directory = _unix_id_dir(made)
+        assert os.path.basename(directory).startswith("tpar-") and os.path.isdir(directory)
+        with pytest.raises(errors.InvalidUsage, match="unknown algorithm"):
+            Communicator(1, 2, made, 0, algorithm="fastest")
+        assert os.path.isdir(directory), "rank 1 removed the directory rank 0 owns"
+        with pytest.raises(errors.InvalidUsage, match="unknown algorithm"):
+            Communicator(0, 2, made, 0, algorithm="fastest")
+        assert not os.path.exists(directory), f"a failed rank 0 left {directory} behind"
+        if not tp_allreduce.driver_available():
+            again = Id.new_unix()
+            try:
+                with pytest.raises(errors.NoDriverError):
+                    Communicator(0, 2, again, 0)
+                assert not os.path.exists(_unix_id_dir(again)), "rank 0 without a driver left its directory"
+            finally:
+                again.remove_files()
     finally:
         made.remove_files()
 

@@ -25,8 +25,18 @@ registered at creation (``capture_copy_bytes``; see ``tp_allreduce._core``).
 
 import contextlib
 
-import torch
-import torch.distributed as dist
+try:
+    import torch
+    import torch.distributed as dist
+except ModuleNotFoundError as missing:
+    if missing.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "tp_allreduce.torch needs PyTorch, which is not installed: install the package with its `torch` extra "
+        "(`pip install './python[torch]'` from a checkout, `pip install 'tp_allreduce-<version>.whl[torch]'` "
+        "from a wheel) or install torch; the raw API (`import tp_allreduce`) needs no PyTorch",
+        name="torch",
+    ) from missing
 
 from . import _core, dtypes
 from .errors import InvalidUsage, RendezvousError

@@ -203,3 +203,16 @@ fn bench_checks_each_call_against_the_algorithm_that_ran() {
         eprintln!("bench {case:?}: ok");
     }
 }
+
+#[test]
+fn the_main_script_says_first_and_last_when_nothing_is_measured() {
+    let script = std::fs::read_to_string(crate::common::repo().join(".ci/main.sh")).unwrap();
+    let first = script.find("echo \"main.sh: $no_gpu_note\"").expect("the no-GPU note said up front");
+    let tools = script.find("bash .ci/tools.sh").expect("the tools step");
+    assert!(first < tools, "the no-GPU note must come before the tools' and the build's output");
+    let bench = script.find("tp-allreduce bench \"$@\"").expect("the bench");
+    let plan_line = script.rfind("main.sh: done: no CUDA device").expect("a closing line without a GPU");
+    let measured_line = script.rfind("main.sh: done: measured").expect("a closing line with GPUs");
+    assert!(bench < plan_line && bench < measured_line, "the closing lines come after the bench");
+    assert!(!script.contains("exec target/release/tp-allreduce"), "an exec'd bench leaves no room for a closing line");
+}

@@ -11,6 +11,7 @@ mod common;
 mod candle;
 mod cli;
 mod cpu;
+mod doc_paths;
 mod gpu_allreduce;
 mod gpu_batch_invariant;
 mod gpu_collectives;

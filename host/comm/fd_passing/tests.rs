@@ -299,11 +299,15 @@ fn child_server_of_another_user() {
     if std::env::var(CHILD_VAR).is_err() {
         return;
     }
+    // Before the address goes out: the parent kills this process as soon as
+    // its fetch is refused, and a kill between a temporary file's creation
+    // and its unlinking would leave the file behind.
+    let files = temp_files(2);
     let server = FdServer::bind().unwrap();
     let address = server.address();
     println!("ADDRESS {} {}", address.path, hex(&address.nonce));
     std::io::stdout().flush().unwrap();
-    let r = server.serve(temp_files(2), &[1], seconds(3)).unwrap().finish();
+    let r = server.serve(files, &[1], seconds(3)).unwrap().finish();
     println!("child server: {r:?}");
 }
 
@@ -335,6 +339,14 @@ fn a_fetcher_refuses_a_server_of_another_user() {
     let _ = child.wait();
     // The killed child's socket and directory.
     let _ = std::fs::remove_dir_all(Path::new(&address.path).parent().unwrap());
+    let prefix = format!("tpar-fd-test-{}-", child.id());
+    let left: Vec<String> = std::fs::read_dir("/tmp")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
+    assert!(left.is_empty(), "the killed child left its temporary files in /tmp: {left:?}");
     let e = r.err().unwrap_or_else(|| panic!("fetched {got:?} from a server of uid {OTHER_UID}"));
     assert!(e.to_string().contains("uid"), "{e}");
 }
