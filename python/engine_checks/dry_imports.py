@@ -66,11 +66,29 @@ def run(rec, engine, mode):
 
     if engine == "sglang":
 
-        def patches():
-            raise_if(check.patches_installed())
-            return "dispatch_custom_allreduce, flashinfer_allreduce_residual_rmsnorm, flashinfer_ar_fusion_applies, GroupCoordinator._all_gather_into_tensor"
+        def plugin():
+            import importlib.metadata as md
 
-        rec.run("pth_hook_patches", patches)
+            from sglang.srt.distributed import parallel_state as ps
+            from sglang.srt.plugins import load_plugins
+            from tp_allreduce.integrations.sglang import hooks_applied
+
+            problems = []
+            ours = [e.value for e in md.entry_points(group="sglang.srt.plugins") if e.name == "tp_allreduce"]
+            if ours != ["_tp_allreduce_boot:sglang_plugin"]:
+                problems.append(f"sglang.srt.plugins entry point tp_allreduce: {ours}")
+            before = {t: how for t, how in hooks_applied().items() if how is not None}
+            if before:
+                problems.append(f"hooked before load_plugins() (the .pth must leave these to SGLang's plugins): {before}")
+            if getattr(ps.GroupCoordinator.__init__, "_tp_allreduce_original", None) is None:
+                problems.append("the .pth's load_plugins trigger is not on GroupCoordinator.__init__")
+            load_plugins()  # as run_scheduler_process does first
+            problems += check.patches_installed()
+            raise_if(problems)
+            return ("entry point sglang.srt.plugins:tp_allreduce; nothing hooked before load_plugins(); after it, "
+                    "4 targets hooked through SGLang's HookRegistry")
+
+        rec.run("plugin_hooks_via_load_plugins", plugin)
         rec.run("server_args_on_cuda", lambda: f"ServerArgs(model_path='dummy', tp_size=2) built: {type(check.server_args(2)).__name__}")
     else:
 

@@ -67,21 +67,13 @@ def body_imports():
 
 
 def patches_installed():
-    """What the .pth hook must have patched in SGLang (a list of problems)."""
-    m = body_imports()
-    from sglang.srt.distributed import parallel_state as ps
+    """What must hook SGLang once its plugins are loaded (a list of
+    problems): the four targets, through SGLang's HookRegistry (SGLang 0.5.23
+    has plugins; the .pth path must not have patched them itself)."""
+    body_imports()
+    from tp_allreduce.integrations.sglang import hooks_applied
 
-    problems = []
-    if getattr(m["car"].dispatch_custom_allreduce, "__module__", "") != "tp_allreduce.integrations.sglang":
-        problems.append(f"dispatch_custom_allreduce is {m['car'].dispatch_custom_allreduce} (the .pth hook did not run)")
-    for what, fn in (
-        ("flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm", m["fusion"].flashinfer_allreduce_residual_rmsnorm),
-        ("add_norm.flashinfer_ar_fusion_applies", m["add_norm"].flashinfer_ar_fusion_applies),
-        ("GroupCoordinator._all_gather_into_tensor", ps.GroupCoordinator._all_gather_into_tensor),
-    ):
-        if getattr(fn, "_tp_allreduce_original", None) is None:
-            problems.append(f"{what} is not tp-allreduce's wrapper")
-    return problems
+    return [f"{target}: hooked by {how}, expected SGLang's HookRegistry (plugin)" for target, how in hooks_applied().items() if how != "plugin"]
 
 
 def server_args(world):
@@ -155,7 +147,8 @@ def dry_body(rec, ps, rank, world):
     def hooks():
         raise_if(patches_installed())
         body_imports()
-        return "the .pth hook patched SGLang's dispatcher, fused entry, its gate and the all-gather call site; the check's imports load"
+        return ("SGLang's load_plugins() (run by the .pth trigger at the first GroupCoordinator) applied tp-allreduce's hooks: "
+                "dispatcher, fused entry, its gate, the all-gather call site; the check's imports load")
 
     rec.run("patches_and_imports", hooks)
 
@@ -170,8 +163,15 @@ def dry_body(rec, ps, rank, world):
             why = ca.disabled_reason or ""
             if not ca.disabled or not all(f"rank {r}:" in why for r in range(world)):
                 problems.append(f"{name}: expected disabled on CPU with every rank's reason, got disabled={ca.disabled} reason={why!r}")
+        from tp_allreduce.integrations import COUNTER_KEYS, counters
+
+        got = counters()
+        if set(got) != set(COUNTER_KEYS) | {"groups"} or any(got.values()):
+            problems.append(f"counters() with every adapter disabled: {got}, expected all 0")
+        if set(getattr(tp.ca_comm, "counters", {})) != set(COUNTER_KEYS):
+            problems.append(f"ca_comm.counters: {getattr(tp.ca_comm, 'counters', None)}")
         raise_if(problems)
-        return f"tp group on {tp.device}, local_rank {tp.local_rank}: {tp.ca_comm.disabled_reason}"
+        return f"tp group on {tp.device}, local_rank {tp.local_rank}: {tp.ca_comm.disabled_reason}; counters() {got}"
 
     rec.run("adapter_built_and_disabled_on_cpu", adapter_on_cpu)
 
@@ -187,6 +187,13 @@ def dry_body(rec, ps, rank, world):
         return "reference, bitwise comparison and mismatch over the world CPU group"
 
     rec.run("reference_helpers", helpers)
+
+    def compiled():
+        from engine_checks.compile_check import fullgraph_meta
+
+        return fullgraph_meta()
+
+    rec.run("torch_compile_fullgraph_meta", compiled)
 
     def eager_and_norm():
         """SGLang's all-reduce and RMSNorm on CPU tensors. The fused entry
@@ -302,6 +309,9 @@ def body(rec, ps, rank, world, shared_gpu):
 
     def eager():
         problems, ours_before, n = [], tp_counter.get("all_reduce"), 0
+        from tp_allreduce.integrations import counters as user_counters
+
+        user_before = user_counters()
         expected_ours = 0
         for dtype in DTYPES:
             for count in eager_sizes(dtype):
@@ -322,8 +332,12 @@ def body(rec, ps, rank, world, shared_gpu):
         ours = tp_counter.get("all_reduce") - ours_before
         if ours != expected_ours or ours == 0:
             problems.append(f"{ours} of {n} calls reached tp-allreduce, expected {expected_ours}")
+        # What a user reads (tp_allreduce.integrations.counters()) says the same.
+        user = {k: v - user_before[k] for k, v in user_counters().items()}
+        if user["ours"] != ours or user["declined"] < n - expected_ours:
+            problems.append(f"counters() moved by {user}; expected ours={ours}, declined >= {n - expected_ours}")
         raise_if(problems)
-        return f"{n} calls, {ours} through tp-allreduce (the rest: SGLang's own path above 8 MiB)"
+        return f"{n} calls, {ours} through tp-allreduce (the rest: SGLang's own path above 8 MiB); counters() {user}"
 
     rec.run("eager_all_reduce", eager)
 

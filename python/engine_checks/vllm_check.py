@@ -44,6 +44,8 @@ def body_imports():
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
     from vllm.platforms import current_platform
     from vllm.platforms.cuda import CudaPlatform
+    from vllm.plugins import load_general_plugins
+    from vllm.ray.ray_env import get_env_vars_to_copy
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     from tp_allreduce.integrations._adapter import SIZE_INDEPENDENT_ALGORITHMS
@@ -57,33 +59,51 @@ def body_imports():
         "current_platform": current_platform,
         "CudaPlatform": CudaPlatform,
         "resolve_obj_by_qualname": resolve_obj_by_qualname,
+        "load_general_plugins": load_general_plugins,
+        "get_env_vars_to_copy": get_env_vars_to_copy,
         "SIZE_INDEPENDENT_ALGORITHMS": SIZE_INDEPENDENT_ALGORITHMS,
     }
 
 
 def platform_problems(mode):
-    """vLLM's platform as resolved from the installed entry points, against
-    the mode: (problems, description)."""
+    """vLLM's platform and plugins from the installed entry points, after
+    ``load_general_plugins()`` (what every vLLM engine and worker process
+    runs), against the mode: (problems, description). tp-allreduce is a
+    general plugin: the platform stays vLLM's CUDA platform in every mode."""
+    import importlib.metadata as md
+    import os
+
     m = body_imports()
+    m["load_general_plugins"]()
     platform = m["current_platform"]
     cls = type(platform)
     cc = m["resolve_obj_by_qualname"](platform.get_device_communicator_cls())
     problems = []
+    ours = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "tp_allreduce"]
+    if ours != ["_tp_allreduce_boot:vllm_plugin"]:
+        problems.append(f"vllm.general_plugins entry point tp_allreduce: {ours}")
+    theirs = [e.value for e in md.entry_points(group="vllm.platform_plugins") if e.value.startswith("tp_allreduce")]
+    if theirs:
+        problems.append(f"tp-allreduce still registers a platform plugin: {theirs}")
     # vllm.platforms.cuda.CudaPlatform names NvmlCudaPlatform (or
     # NonNvmlCudaPlatform): compare classes, not names.
-    if mode == "off" and cls is not m["CudaPlatform"]:
-        problems.append(f"switch off but the platform is {cls.__module__}.{cls.__qualname__}, not vLLM's CudaPlatform ({m['CudaPlatform'].__name__})")
-    if mode != "off":
-        if cls.__name__ != "TpAllreduceCudaPlatform" or cls.__module__ != "tp_allreduce.integrations.vllm.platform":
-            problems.append(f"switch on but the platform is {cls.__module__}.{cls.__qualname__} (entry point not found?)")
-        elif not issubclass(cls, m["CudaPlatform"]):
-            problems.append(f"{cls.__name__} does not derive from vLLM's CudaPlatform")
+    if cls is not m["CudaPlatform"]:
+        problems.append(f"the platform is {cls.__module__}.{cls.__qualname__}, not vLLM's CudaPlatform ({m['CudaPlatform'].__name__})")
     if cc is not m["CudaCommunicator"]:
         problems.append(f"device communicator class {cc} is not vLLM's CudaCommunicator")
     installed = bool(m["CudaCommunicator"].__dict__.get("_tp_allreduce_installed"))
     if installed != (mode != "off"):
         problems.append(f"tp-allreduce installed into CudaCommunicator: {installed}, mode {mode}")
-    return problems, f"{cls.__name__} (a {m['CudaPlatform'].__name__}); device communicator: vLLM's CudaCommunicator, tp-allreduce installed: {installed}"
+    # Ray: vLLM copies to its actors what get_env_vars_to_copy names.
+    copied = m["get_env_vars_to_copy"](destination="check")
+    forwarded = "TP_ALLREDUCE_VLLM" in copied
+    if forwarded != (mode != "off"):
+        problems.append(f"TP_ALLREDUCE_VLLM among the variables vLLM copies to Ray actors: {forwarded}, mode {mode}")
+    return problems, (
+        f"{cls.__name__} (vLLM's own); device communicator: vLLM's CudaCommunicator, tp-allreduce installed: "
+        f"{installed}; forwarded to Ray actors: {forwarded} "
+        f"(VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY={os.environ.get('VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY', '')!r})"
+    )
 
 
 class _Records(logging.Handler):

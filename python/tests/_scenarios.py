@@ -195,6 +195,38 @@ def fused_mismatch(got, ref, dtype, what, scale=1.0):
     return f"{what}: {int(bad.sum())} of {ref.numel()} elements off" if bad.any() else None
 
 
+def check_compiled(comm, seed, rank, world):
+    """torch.compile(fullgraph=True) over a layer calling the four entry
+    points (allreduce, fused epilogue, all-gather, reduce-scatter): the
+    compiled layer's outputs equal the eager layer's, bit for bit (same
+    kernels, same inputs), and the f64 reference of the allreduce."""
+    device = comm.device
+    torch._dynamo.reset()
+
+    def layer(x, residual, weight):
+        y = comm.all_reduce(x)
+        normed, residual = comm.all_reduce_add_rms_norm(y * 0.5, residual, weight, 1e-6)
+        gathered = comm.all_gather(normed)
+        return y, normed, residual, comm.reduce_scatter(gathered + 1.0)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    problems = []
+    for shape in ((world * 2, 4096), (world, 7168)):
+        case = next(_case)
+        x = rank_input(seed, case, rank, shape, torch.bfloat16).to(device)
+        residual = rank_input(seed, case, 1000, shape, torch.bfloat16).to(device)
+        weight = rank_input(seed, case, 1001, shape[-1:], torch.bfloat16).to(device)
+        eager = layer(x.clone(), residual.clone(), weight)
+        got = compiled(x.clone(), residual.clone(), weight)
+        comm.synchronize()
+        for name, e, g in zip(("allreduce", "normed", "residual", "reduce_scatter"), eager, got):
+            if e.shape != g.shape or not torch.equal(e, g):
+                problems.append(f"{shape} {name}: compiled differs from eager")
+        problems.append(mismatch(got[0], reference(seed, case, world, shape, torch.bfloat16), torch.bfloat16, f"{shape} compiled allreduce"))
+    raise_if(problems)
+    return "fullgraph compiled layer == eager layer (4 entry points), allreduce == f64 reference"
+
+
 def check_fused(comm, seed, rank, world):
     """`all_reduce_add_rms_norm` eagerly (out of place and in place) and
     in a captured graph replayed with fresh inputs, against the f64
@@ -417,6 +449,8 @@ def suite(rank, world, result):
         rec.run(f"{algorithm}/eager", lambda comm=comm: check_eager(comm, seed, rank, world))
         rec.run(f"{algorithm}/graph", lambda comm=comm: check_graph(comm, seed, rank, world))
         rec.run(f"{algorithm}/fused", lambda comm=comm: check_fused(comm, seed, rank, world))
+        if algorithm == "auto":
+            rec.run("compiled", lambda comm=comm: check_compiled(comm, seed, rank, world))
         comm.close()
     rec.run("device_unchanged", lambda: check_device_unchanged(rank, world))
     rec.run("sglang_call_sequence", lambda: check_sglang_call_sequence(seed, rank, world))

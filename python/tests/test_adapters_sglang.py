@@ -331,7 +331,7 @@ DISPATCH_PROBE = (
 
 
 def test_import_hook_patches_sglang_when_it_is_imported(fake_sglang):
-    probe = "import tp_allreduce._sglang_hook; " + DISPATCH_PROBE
+    probe = "import tp_allreduce._sglang_hook as h; h.install(); " + DISPATCH_PROBE
     r = run_python(["-c", probe], fake_sglang, env_switch=None)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "tp_allreduce.integrations.sglang.TpAllreduceCustomAllreduce"
@@ -365,3 +365,122 @@ def test_module_launcher_runs_sglang_patched_with_the_switch_set(fake_sglang):
     assert "dispatch -> tp_allreduce.integrations.sglang.TpAllreduceCustomAllreduce" in lines
     assert "argv -> --model-path m --tp 8" in lines
     assert "env -> 1" in lines, "worker processes inherit the switch"
+
+
+# ---------------------------------------------------------------- counters
+def test_counters_tell_each_path_apart():
+    from tp_allreduce.integrations import counters
+
+    before = counters()
+    _, cas = make(2)
+    seed = fresh_seed()
+
+    def body(rank):
+        ca = cas[rank]
+        ok = FakeTensor(rank_values(seed, 0, rank, 8), "bfloat16", f"cuda:{rank}")
+        assert ca.should_custom_ar(ok)
+        ca.custom_all_reduce(ok)
+        assert not ca.should_custom_ar(FakeTensor([1.0], "int32", f"cuda:{rank}"))  # declined: the engine's path
+        weight = FakeTensor([1.0] * 4, "bfloat16", f"cuda:{rank}")
+        residual = FakeTensor([0.0] * 8, "bfloat16", f"cuda:{rank}")
+        assert ca.fused_allreduce_rmsnorm(ok, residual, weight, 1e-6) is not None
+        assert ca.fused_allreduce_rmsnorm(ok, residual, FakeTensor([1.0] * 3, "bfloat16", f"cuda:{rank}"), 1e-6) is None
+        return dict(ca.counters)
+
+    for got in run_ranks(2, body):
+        assert got == {"ours": 1, "declined": 1, "fused": 1, "fused_declined": 1, "all_gather": 0, "reduce_scatter": 0}
+    after = counters()
+    assert after["groups"] - before["groups"] == 2
+    assert {k: after[k] - before[k] for k in ("ours", "declined", "fused", "fused_declined")} == {
+        "ours": 2, "declined": 2, "fused": 2, "fused_declined": 2}
+    for ca in cas:
+        ca.close()
+
+
+# ---------------------------------------------------------------- the .pth never hurts
+BROKEN_PACKAGE = {"tp_allreduce/__init__.py": "raise ImportError('libfoo.so: cannot open shared object file')\n"}
+
+
+def write_tree(root, files):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_a_broken_install_costs_one_warning_line_and_no_traceback(tmp_path):
+    require(pth_installed(), "tp_allreduce_sglang.pth is not in site-packages (package not installed from the wheel)")
+    write_tree(tmp_path, FAKE_SGLANG_FILES)
+    write_tree(tmp_path, BROKEN_PACKAGE)  # shadows the installed package: its import fails as a bad native load does
+    probe = DISPATCH_PROBE + "; import sglang.srt.distributed.device_communicators.custom_all_reduce; print('alive')"
+    r = run_python(["-c", probe], tmp_path, env_switch="1")
+    assert r.returncode == 0 and r.stdout.splitlines() == [
+        "sglang.srt.distributed.device_communicators.custom_all_reduce.CustomAllreduce",
+        "alive",
+    ], r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("WARNING tp-allreduce: TP_ALLREDUCE_SGLANG=1 is set but tp-allreduce could not be loaded")
+    assert "libfoo.so" in lines[0] and "pip install --force-reinstall" in lines[0]
+    assert "Traceback" not in r.stderr
+    off = run_python(["-c", probe], tmp_path, env_switch=None)
+    assert off.returncode == 0 and off.stderr == "", off.stderr
+
+
+def imported_modules(pythonpath, switch, code="pass"):
+    r = run_python(["-X", "importtime", "-c", code], pythonpath, env_switch=switch)
+    assert r.returncode == 0, r.stderr
+    return {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_unrelated_processes_import_nothing_of_the_package(fake_sglang):
+    """Switch off: nothing of ours. On: only the small boot module until
+    SGLang's distributed layer is imported; then the hook."""
+    require(pth_installed(), "tp_allreduce_sglang.pth is not in site-packages (package not installed from the wheel)")
+    ours = lambda mods: {m for m in mods if "tp_allreduce" in m}  # noqa: E731
+    assert ours(imported_modules(fake_sglang, None)) == set()
+    assert ours(imported_modules(fake_sglang, "1")) == {"_tp_allreduce_boot"}
+    used = ours(imported_modules(fake_sglang, "1", DISPATCH_PROBE))
+    assert {"_tp_allreduce_boot", "tp_allreduce._sglang_hook"} <= used
+
+
+PLUGIN_ERA_FILES = dict(
+    FAKE_SGLANG_FILES,
+    **{
+        "sglang/srt/plugins/__init__.py": textwrap.dedent(
+            """
+            calls = []
+            def load_plugins():
+                calls.append(1)
+            """
+        ),
+        "sglang/srt/plugins/hook_registry.py": "class HookRegistry:\n    pass\n",
+        "sglang/srt/distributed/parallel_state.py": textwrap.dedent(
+            """
+            class GroupCoordinator:
+                def __init__(self):
+                    self.built = True
+            """
+        ),
+    },
+)
+
+PLUGIN_ERA_PROBE = (
+    "import sglang.srt.distributed.parallel_state as ps, sglang.srt.plugins as pl;"
+    + DISPATCH_PROBE
+    + "; before = len(pl.calls); ps.GroupCoordinator(); print(before, len(pl.calls))"
+)
+
+
+def test_pth_leaves_plugin_era_sglang_to_its_plugins_and_triggers_them(tmp_path):
+    """SGLang with plugins: the .pth patches none of the hook targets (SGLang's
+    HookRegistry applies them), it only makes the first GroupCoordinator run
+    SGLang's load_plugins() in processes that never call it."""
+    require(pth_installed(), "tp_allreduce_sglang.pth is not in site-packages (package not installed from the wheel)")
+    write_tree(tmp_path, PLUGIN_ERA_FILES)
+    r = run_python(["-c", PLUGIN_ERA_PROBE], tmp_path, env_switch="1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == [
+        "sglang.srt.distributed.device_communicators.custom_all_reduce.CustomAllreduce",
+        "0 1",
+    ], r.stdout

@@ -1,8 +1,12 @@
-"""The vLLM platform plugin without vLLM: the enable switch, the entry
-point, and the classes built on fake vLLM bases."""
+"""The vLLM general plugin without vLLM: the enable switch, the entry
+point, Ray forwarding, and the install into fake vLLM classes."""
 
 import importlib.metadata
 import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from _fakes import FakeGroup, FakeRuntime, run_ranks
@@ -10,35 +14,104 @@ from _gate import require
 from tp_allreduce.integrations import vllm as plugin
 from tp_allreduce.integrations.vllm._classes import (
     TpAllreduceVllmCustomAllreduce,
+    install_platform,
     make_communicator_class,
-    make_platform_class,
 )
 
 
-@pytest.mark.parametrize("value, active", [(None, False), ("", False), ("0", False), ("true", False), ("1", True)])
-def test_register_is_inactive_unless_the_switch_is_1(monkeypatch, value, active):
-    if value is None:
-        monkeypatch.delenv("TP_ALLREDUCE_VLLM", raising=False)
-    else:
-        monkeypatch.setenv("TP_ALLREDUCE_VLLM", value)
-    assert plugin.register() == (plugin.PLATFORM_QUALNAME if active else None)
-
-
-def test_qualified_names_point_at_modules_of_the_package():
-    for qualname in (plugin.PLATFORM_QUALNAME, plugin.COMMUNICATOR_QUALNAME):
-        module, _, name = qualname.rpartition(".")
-        assert importlib.util.find_spec(module) is not None, module  # found, not imported (needs vLLM)
-        assert name in ("TpAllreduceCudaPlatform", "TpAllreduceCudaCommunicator")
-
-
-def test_entry_point_is_registered_in_the_vllm_group():
+def test_entry_point_is_a_general_plugin_and_no_platform_plugin():
     eps = importlib.metadata.entry_points()
-    group = (
-        eps.select(group="vllm.platform_plugins") if hasattr(eps, "select") else eps.get("vllm.platform_plugins", [])
-    )
-    ours = [ep for ep in group if ep.value == "tp_allreduce.integrations.vllm:register"]
+
+    def group(name):
+        return list(eps.select(group=name)) if hasattr(eps, "select") else list(eps.get(name, []))
+
+    ours = [ep for ep in group("vllm.general_plugins") if ep.name == "tp_allreduce"]
     require(bool(ours), "package metadata not installed (running from the source tree)")
-    assert ours[0].load() is plugin.register
+    assert ours[0].value == "_tp_allreduce_boot:vllm_plugin"
+    assert not [ep for ep in group("vllm.platform_plugins") if ep.value.startswith("tp_allreduce")]
+
+
+def test_ray_forwarding_adds_our_prefix_once(monkeypatch):
+    monkeypatch.setenv(plugin.RAY_PREFIXES, "LMCACHE_, OTHER_")
+    plugin.forward_to_ray()
+    plugin.forward_to_ray()
+    assert os.environ[plugin.RAY_PREFIXES] == "LMCACHE_,OTHER_,TP_ALLREDUCE_"
+    monkeypatch.delenv(plugin.RAY_PREFIXES)
+    plugin.forward_to_ray()
+    assert os.environ[plugin.RAY_PREFIXES] == "TP_ALLREDUCE_"
+
+
+FAKE_VLLM = {
+    "vllm/__init__.py": "",
+    "vllm/distributed/__init__.py": "",
+    "vllm/distributed/device_communicators/__init__.py": "",
+    "vllm/distributed/device_communicators/cuda_communicator.py": "class CudaCommunicator:\n    def __init__(self):\n        pass\n",
+    "vllm/platforms/__init__.py": "",
+    "vllm/platforms/cuda.py": textwrap.dedent(
+        """
+        class CudaPlatform:
+            @classmethod
+            def check_and_update_config(cls, vllm_config):
+                vllm_config.seen = True
+        """
+    ),
+}
+
+PROBE = textwrap.dedent(
+    """
+    import os, _tp_allreduce_boot
+    _tp_allreduce_boot.vllm_plugin()  # what vLLM's load_general_plugins() calls
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+    from vllm.platforms.cuda import CudaPlatform
+    print(bool(CudaCommunicator.__dict__.get("_tp_allreduce_installed")),
+          bool(CudaPlatform.__dict__.get("_tp_allreduce_platform")),
+          "TP_ALLREDUCE_" in os.environ.get("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", ""))
+    """
+)
+
+
+@pytest.mark.parametrize("switch, want", [(None, "False False False"), ("0", "False False False"), ("1", "True True True")])
+def test_general_plugin_installs_when_vllm_imports_its_classes(tmp_path, switch, want):
+    for rel, text in FAKE_VLLM.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    require(importlib.util.find_spec("_tp_allreduce_boot") is not None, "the wheel is not installed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TP_ALLREDUCE_", "VLLM_"))}
+    env["PYTHONPATH"] = str(tmp_path)
+    if switch is not None:
+        env["TP_ALLREDUCE_VLLM"] = switch
+    r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == want
+    assert r.stderr == "", "no warning when it works"
+
+
+def test_platform_hook_turns_fusion_off_only_over_flashinfer(monkeypatch):
+    class Pass:
+        fuse_allreduce_rms = True
+
+    class Config:
+        class compilation_config:
+            pass_config = None
+
+    class FakeCudaPlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            vllm_config.seen = cls
+
+    class Child(FakeCudaPlatform):
+        pass
+
+    install_platform(FakeCudaPlatform)
+    install_platform(FakeCudaPlatform)  # idempotent
+    for switch, fused in (("0", True), ("1", False)):
+        monkeypatch.setenv("TP_ALLREDUCE_VLLM_OVER_FLASHINFER", switch)
+        cfg = Config()
+        cfg.compilation_config = type("C", (), {"pass_config": Pass()})()
+        Child.check_and_update_config(cfg)
+        assert cfg.seen is Child, "vLLM's own method ran, bound to the subclass"
+        assert cfg.compilation_config.pass_config.fuse_allreduce_rms is fused
 
 
 class FakeCudaCommunicator:
@@ -108,17 +181,3 @@ def test_groups_without_custom_allreduce_are_left_alone():
 def test_failure_keeps_vllms_own_custom_allreduce():
     for c in build_communicators(2, "tp:0", fail_rank=0):
         assert c.ca_comm is c.vllms_own and isinstance(c.ca_comm, VllmOwnCustomAllreduce) and not c.ca_comm.closed
-
-
-def test_platform_names_the_tp_allreduce_communicator():
-    class FakeCudaPlatform:
-        device_name = "cuda"
-
-        @classmethod
-        def get_device_communicator_cls(cls):
-            return "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator"
-
-    platform = make_platform_class(FakeCudaPlatform, plugin.COMMUNICATOR_QUALNAME, module="m")
-    assert issubclass(platform, FakeCudaPlatform) and platform.device_name == "cuda"
-    assert platform.get_device_communicator_cls() == plugin.COMMUNICATOR_QUALNAME
-    assert (platform.__module__, platform.__qualname__) == ("m", "TpAllreduceCudaPlatform")

@@ -151,6 +151,8 @@ def test_vllm_platform_hooks_we_override_exist():
     interface = classes(tree(z, "vllm/platforms/interface.py"))["Platform"]
     methods = {f.name for f in interface.body if isinstance(f, ast.FunctionDef)}
     assert {"get_device_communicator_cls", "check_and_update_config"} <= methods
+    assert "load_general_plugins" in ast.unparse(tree(z, "vllm/v1/worker/worker_base.py"))
+    assert "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY" in ast.unparse(tree(z, "vllm/ray/ray_env.py"))
     assert "fuse_allreduce_rms" in ast.unparse(tree(z, "vllm/config/vllm.py"))
     plugins = ast.unparse(tree(z, "vllm/plugins/__init__.py"))
     assert "entry_points" in plugins
@@ -164,8 +166,11 @@ def test_installed_wheel_registers_the_vllm_entry_point_and_the_pth():
         dist = importlib.metadata.distribution("tp-allreduce")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("tp-allreduce is not pip-installed here (running from the source tree)")
-    eps = [e for e in dist.entry_points if e.group == "vllm.platform_plugins"]
-    assert [e.value for e in eps] == ["tp_allreduce.integrations.vllm:register"]
+    eps = {(e.group, e.name): e.value for e in dist.entry_points}
+    assert eps == {
+        ("vllm.general_plugins", "tp_allreduce"): "_tp_allreduce_boot:vllm_plugin",
+        ("sglang.srt.plugins", "tp_allreduce"): "_tp_allreduce_boot:sglang_plugin",
+    }
     files = [str(f) for f in dist.files or []]
     assert "tp_allreduce_sglang.pth" in files
     assert any(os.path.exists(os.path.join(d, "tp_allreduce_sglang.pth")) for d in site.getsitepackages())

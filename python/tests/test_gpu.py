@@ -77,6 +77,10 @@ def test_fused_allreduce_rmsnorm_matches_the_f64_reference(run, algorithm):
     assert_checks(run, [f"{algorithm}/init", f"{algorithm}/fused"])
 
 
+def test_torch_compile_fullgraph_equals_eager(run):
+    assert_checks(run, ["auto/init", "compiled"])
+
+
 def test_bad_tensors_raise_clear_errors(run):
     assert_checks(run, ["bad_tensors"])
 
@@ -98,10 +102,13 @@ def test_sglang_group_coordinator():
     assert_checks(_spawn.run(WORLD, "sglang_group_coordinator", COMMON_ENV), ["sglang_group_coordinator"])
 
 
-def test_vllm_platform_resolves():
+def test_vllm_general_plugin_installs_into_cuda_communicator(monkeypatch):
     if not has_module("vllm"):
         not_applicable("vllm is not importable: the plugin is tested with fake vLLM bases instead")
-    from tp_allreduce.integrations.vllm.communicator import TpAllreduceCudaCommunicator
-    from tp_allreduce.integrations.vllm.platform import TpAllreduceCudaPlatform
+    monkeypatch.setenv("TP_ALLREDUCE_VLLM", "1")
+    from tp_allreduce.integrations import vllm as plugin
 
-    assert TpAllreduceCudaPlatform.get_device_communicator_cls().endswith(TpAllreduceCudaCommunicator.__name__)
+    plugin.load_general_plugin()
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+    assert CudaCommunicator.__dict__.get("_tp_allreduce_installed")

@@ -24,6 +24,8 @@ registered at creation (``capture_copy_bytes``; see ``tp_allreduce._core``).
 """
 
 import contextlib
+import itertools
+import weakref
 
 try:
     import torch
@@ -42,6 +44,79 @@ from . import _core, dtypes
 from .errors import InvalidUsage, RendezvousError
 
 __all__ = ["Communicator", "normalize_device", "is_ipc_exportable"]
+
+# ---------------------------------------------------------------- torch.compile
+# Under torch.compile the collectives below (when they allocate their
+# output) go through torch custom ops, ``torch.ops.tp_allreduce.*``, whose
+# fake implementations only describe the output (no native call), so a
+# compiled graph holds them without a graph break; the real implementation
+# is the eager method. Eager calls never pass through the dispatcher.
+# Ops cannot take Python objects: the communicator is named by an integer
+# (``Communicator._op_id``).
+_communicators = {}  # op id -> weakref to a Communicator
+_op_ids = itertools.count(1)
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+HAVE_CUSTOM_OPS = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
+
+
+def _by_id(op_id: int) -> "Communicator":
+    comm = _communicators.get(op_id)
+    comm = comm() if comm is not None else None
+    if comm is None:
+        raise InvalidUsage(f"tp_allreduce op called for communicator {op_id}, which no longer exists")
+    return comm
+
+
+if HAVE_CUSTOM_OPS:
+
+    @torch.library.custom_op("tp_allreduce::all_reduce", mutates_args=())
+    def _op_all_reduce(tensor: torch.Tensor, comm_id: int) -> torch.Tensor:
+        return _by_id(comm_id).all_reduce(tensor)
+
+    @_op_all_reduce.register_fake
+    def _(tensor, comm_id):
+        return torch.empty_like(tensor)
+
+    @torch.library.custom_op("tp_allreduce::all_reduce_add_rms_norm", mutates_args=("residual",))
+    def _op_all_reduce_add_rms_norm(
+        input: torch.Tensor,  # noqa: A002
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        comm_id: int,
+        weight_offset: bool,
+        unfused: bool,
+    ) -> torch.Tensor:
+        out, _ = _by_id(comm_id).all_reduce_add_rms_norm(
+            input, residual, weight, eps, weight_offset=weight_offset, unfused=unfused
+        )
+        return out
+
+    @_op_all_reduce_add_rms_norm.register_fake
+    def _(input, residual, weight, eps, comm_id, weight_offset, unfused):  # noqa: A002
+        return torch.empty_like(input)
+
+    @torch.library.custom_op("tp_allreduce::all_gather", mutates_args=())
+    def _op_all_gather(tensor: torch.Tensor, comm_id: int, world_size: int) -> torch.Tensor:
+        return _by_id(comm_id).all_gather(tensor)
+
+    @_op_all_gather.register_fake
+    def _(tensor, comm_id, world_size):
+        shape = (world_size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() > 0 else (world_size,)
+        return tensor.new_empty(shape)
+
+    @torch.library.custom_op("tp_allreduce::reduce_scatter", mutates_args=())
+    def _op_reduce_scatter(tensor: torch.Tensor, comm_id: int, world_size: int) -> torch.Tensor:
+        return _by_id(comm_id).reduce_scatter(tensor)
+
+    @_op_reduce_scatter.register_fake
+    def _(tensor, comm_id, world_size):
+        return tensor.new_empty((tensor.shape[0] // world_size, *tensor.shape[1:]))
+
+
+def _compiled() -> bool:
+    """True while torch.compile traces (then the custom ops are used)."""
+    return HAVE_CUSTOM_OPS and _is_compiling()
 
 
 def normalize_device(device) -> torch.device:
@@ -91,6 +166,9 @@ class Communicator:
     def __init__(self, core: "_core.Communicator", device: torch.device):
         self._core = core
         self.device = device
+        self._op_id = next(_op_ids)
+        self._op_world = int(core.world_size)  # a plain int: torch.compile reads it while tracing
+        _communicators[self._op_id] = weakref.ref(self)
 
     @classmethod
     def from_group(
@@ -171,6 +249,8 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
         """Sum of ``tensor`` over the ranks, into ``out`` (a new tensor when
         ``None``); returns ``out``."""
+        if out is None and _compiled():
+            return torch.ops.tp_allreduce.all_reduce(tensor, self._op_id)
         code = self._check(tensor, "tensor")
         if out is None:
             out = torch.empty_like(tensor)
@@ -193,6 +273,8 @@ class Communicator:
         at rows ``[r*n, (r+1)*n)`` (``n = tensor.shape[0]``), into ``out`` (a
         new tensor of shape ``(world_size * n, *tensor.shape[1:])`` when
         ``None``); returns ``out``. Graph-capturable; needs no registration."""
+        if out is None and _compiled():
+            return torch.ops.tp_allreduce.all_gather(tensor, self._op_id, self._op_world)
         code = self._check(tensor, "tensor")
         shape = (self.world_size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() > 0 else (self.world_size,)
         if out is None:
@@ -211,6 +293,8 @@ class Communicator:
         ``r`` (``m = tensor.shape[0] / world_size``, which must divide), into
         ``out`` (a new tensor of shape ``(m, *tensor.shape[1:])`` when
         ``None``); returns ``out``. Graph-capturable; needs no registration."""
+        if out is None and _compiled():
+            return torch.ops.tp_allreduce.reduce_scatter(tensor, self._op_id, self._op_world)
         code = self._check(tensor, "tensor")
         if tensor.dim() == 0 or tensor.shape[0] % self.world_size != 0:
             raise InvalidUsage(f"reduce_scatter: dimension 0 of {tuple(tensor.shape)} is not a multiple of {self.world_size}")
@@ -247,6 +331,11 @@ class Communicator:
         Fused into the allreduce kernel where the selection picks one-shot
         push or pull; ``unfused`` forces the allreduce, then the separate
         kernel."""
+        if out is None and _compiled():
+            normed = torch.ops.tp_allreduce.all_reduce_add_rms_norm(
+                input, residual, weight, float(eps), self._op_id, weight_offset, unfused
+            )
+            return normed, residual
         code = self._check(input, "input")
         for t, what in ((residual, "residual"), (weight, "weight")):
             self._check(t, what)

@@ -148,15 +148,48 @@ class TorchRuntime:
         return None
 
 
+# Per path, the calls the engine made of an enabled adapter in this process
+# (``counters()``): "ours" (allreduces tp-allreduce ran), "declined" (the
+# engine asked, tp-allreduce refused: the engine's own path ran), "fused"
+# (fused allreduce + residual + RMSNorm calls tp-allreduce ran),
+# "fused_declined", "all_gather", "reduce_scatter". Counted where the Python
+# call happens: eager calls and calls captured into a CUDA graph (a replay
+# re-runs the captured kernels without Python and is not counted).
+COUNTER_KEYS = ("ours", "declined", "fused", "fused_declined", "all_gather", "reduce_scatter")
+_adapters = []  # weak references to every adapter of this process
+
+
+def counters():
+    """Calls per path summed over this process's enabled adapters (see
+    ``COUNTER_KEYS``), plus ``"groups"``: how many adapters are enabled."""
+    import weakref  # noqa: F401 (the references are made in __init__)
+
+    total = dict.fromkeys(COUNTER_KEYS, 0)
+    total["groups"] = 0
+    for ref in list(_adapters):
+        ca = ref()
+        if ca is None or ca.disabled:
+            continue
+        total["groups"] += 1
+        for k in COUNTER_KEYS:
+            total[k] += ca.counters[k]
+    return total
+
+
 class CustomAllreduceAdapter:
-    """An engine's ``CustomAllreduce`` surface backed by tp-allreduce."""
+    """An engine's ``CustomAllreduce`` surface backed by tp-allreduce.
+    ``counters``: this adapter's calls per path (``COUNTER_KEYS``)."""
 
     engine = "engine"
 
     def __init__(
         self, group, device, max_size=DEFAULT_MAX_SIZE, *, runtime=None, size_independent=False, **_engine_options
     ):
+        import weakref
+
         self._IS_CAPTURING = False
+        self.counters = dict.fromkeys(COUNTER_KEYS, 0)
+        _adapters.append(weakref.ref(self))
         self.size_independent = bool(size_independent)
         # The engines toggle `disabled` in place (piecewise graphs) and
         # restore it from `original_disabled`.
@@ -233,9 +266,16 @@ class CustomAllreduceAdapter:
 
     # ------------------------------------------------------------ calls
     def should_custom_ar(self, inp) -> bool:
-        """Whether ``inp`` goes through tp-allreduce. Below ``max_size``
-        bytes; in size-independent mode every size (the engine's fallback
-        would not be size-independent; the library chunks long messages)."""
+        """Whether ``inp`` goes through tp-allreduce (the engine's gate; a
+        refusal is counted as ``declined``). Below ``max_size`` bytes; in
+        size-independent mode every size (the engine's fallback would not be
+        size-independent; the library chunks long messages)."""
+        ok = self._eligible(inp)
+        if not ok and not self.disabled:
+            self.counters["declined"] += 1
+        return ok
+
+    def _eligible(self, inp) -> bool:
         if self.disabled or self.comm is None:
             return False
         if not self.size_independent and self._runtime.nbytes(inp) >= self.max_size:
@@ -253,8 +293,9 @@ class CustomAllreduceAdapter:
         """Out-of-place sum over the group, or ``None`` when this call is not
         for us. Correct in every phase: eager, warm-up inside ``capture()``
         and inside a graph being captured."""
-        if self.disabled or not self.should_custom_ar(input):
+        if self.disabled or not self._eligible(input):
             return None
+        self.counters["ours"] += 1
         return self.comm.all_reduce(input)
 
     def all_reduce(self, inp, *, out=None, registered=False):
@@ -272,10 +313,12 @@ class CustomAllreduceAdapter:
         us (disabled, too large, other dtypes or shapes): the engine then
         runs its allreduce and RMSNorm itself. The decision depends only on
         shapes and dtypes, so it is the same on every rank."""
-        if self.disabled or not self.should_custom_ar(input):
+        if self.disabled:
             return None
-        if self._runtime.fused_ineligible(input, residual, weight) is not None:
+        if not self._eligible(input) or self._runtime.fused_ineligible(input, residual, weight) is not None:
+            self.counters["fused_declined"] += 1
             return None
+        self.counters["fused"] += 1
         if self.fused_runs_unfused:
             return self.comm.all_reduce_add_rms_norm(input, residual, weight, eps, unfused=True)
         return self.comm.all_reduce_add_rms_norm(input, residual, weight, eps)
@@ -305,6 +348,7 @@ class CustomAllreduceAdapter:
             return None
         if self._runtime.nbytes(inp) * self.world_size > self.max_size and not self.size_independent:
             return None
+        self.counters["all_gather"] += 1
         return self._runtime.rows_view(self.comm.all_gather(inp), inp, self.world_size, 1)
 
     def scatter_rows(self, inp):
@@ -320,6 +364,7 @@ class CustomAllreduceAdapter:
             return None
         if self._runtime.nbytes(inp) > self.max_size:
             return None
+        self.counters["reduce_scatter"] += 1
         return self._runtime.rows_view(self.comm.reduce_scatter(inp), inp, 1, self.world_size)
 
     # ------------------------------------------------------------ graphs
@@ -340,7 +385,7 @@ class CustomAllreduceAdapter:
     def register_graph_buffers(self):
         count = self.comm.register_graph_buffers()
         if self.rank == 0:
-            logger.info("tp-allreduce: registered %d CUDA-graph inputs", count)
+            logger.info("tp-allreduce: registered %d CUDA-graph inputs; calls so far %s", count, self.counters)
         return count
 
     def finalize_p2p(self):

@@ -48,6 +48,7 @@ falls back to its default.
 """
 
 import contextlib
+import functools
 import logging
 import os
 
@@ -133,9 +134,10 @@ class TpAllreduceCustomAllreduce(CustomAllreduceAdapter):
         ``(normed, residual_out)`` with ``residual_out`` a new tensor and the
         caller's ``residual`` left as it was (SGLang's layer boundary relies
         on it: ``flashinfer_preserves_residual``). ``None`` when not for us."""
-        if self.disabled or not self.should_custom_ar(input):
+        if self.disabled:
             return None
-        if self._runtime.fused_ineligible(input, residual, weight) is not None:
+        if not self._eligible(input) or self._runtime.fused_ineligible(input, residual, weight) is not None:
+            self.counters["fused_declined"] += 1
             return None
         return self.fused_allreduce_rmsnorm(input, self._runtime.clone(residual), weight, eps)
 
@@ -160,12 +162,12 @@ def _v2_class(v2):
             return not self.disabled and not self._tpa.disabled
 
         def should_custom_ar(self, inp):
-            if self._ours() and self._tpa.should_custom_ar(inp):
+            if self._ours() and self._tpa._eligible(inp):
                 return True
             return v2.should_custom_ar(self, inp)
 
         def custom_all_reduce(self, input):  # noqa: A002
-            if self._ours() and self._tpa.should_custom_ar(input):
+            if self._ours() and self._tpa._eligible(input):
                 return self._tpa.custom_all_reduce(input)
             return v2.custom_all_reduce(self, input)
 
@@ -199,10 +201,10 @@ def _is_sglang_v2(cls) -> bool:
     return isinstance(cls, type) and cls.__name__ == "CustomAllReduceV2"
 
 
-def dispatch_custom_allreduce(*args, **kwargs):
-    """Replacement for SGLang's dispatcher (any signature): our class, or
-    our subclass of SGLang's V2 where SGLang's dispatcher picks V2."""
-    original = _original_dispatch.get(TARGET_MODULE)
+def around_dispatch(original, *args, **kwargs):
+    """Hook on SGLang's dispatcher (any signature; ``original`` SGLang's or
+    None): our class, or our subclass of SGLang's V2 where SGLang's
+    dispatcher picks V2."""
     if original is not None and (args or kwargs):
         try:
             theirs = original(*args, **kwargs)
@@ -212,6 +214,11 @@ def dispatch_custom_allreduce(*args, **kwargs):
         if _is_sglang_v2(theirs):
             return _v2_class(theirs)
     return TpAllreduceCustomAllreduce
+
+
+def dispatch_custom_allreduce(*args, **kwargs):
+    """Replacement for SGLang's dispatcher where ``patch`` installed it."""
+    return around_dispatch(_original_dispatch.get(TARGET_MODULE), *args, **kwargs)
 
 
 def patch(module) -> bool:
@@ -251,46 +258,58 @@ def _fusion_coordinator(use_attn_tp_group):
     return resolve_fusion_group(use_attn_tp_group=use_attn_tp_group)[2]
 
 
-def _make_fused_entry(original):
-    def flashinfer_allreduce_residual_rmsnorm(
-        input_tensor,
-        residual,
-        weight,
-        eps=1e-6,
-        max_token_num=2048,
-        use_oneshot=None,
-        trigger_completion_at_end=False,
-        fp32_acc=True,
-        use_attn_tp_group=True,
-    ):
-        """SGLang's fused allreduce + residual + RMSNorm entry: tp-allreduce's
-        fused kernel on groups that run tp-allreduce, SGLang's (FlashInfer)
-        otherwise. Same contract: ``(normed, residual_out)`` or
-        ``(None, None)`` when declined (SGLang then reduces and normalises
-        separately)."""
-        if fusion_enabled():
-            try:
-                ca = getattr(_fusion_coordinator(use_attn_tp_group), "ca_comm", None)
-            except Exception:
-                ca = None
-            if _is_ours(ca):
-                out = ca.fused_allreduce_residual_rmsnorm(input_tensor, residual, weight, eps)
-                if out is not None:
-                    return out
-        return original(
-            input_tensor=input_tensor,
-            residual=residual,
-            weight=weight,
-            eps=eps,
-            max_token_num=max_token_num,
-            use_oneshot=use_oneshot,
-            trigger_completion_at_end=trigger_completion_at_end,
-            fp32_acc=fp32_acc,
-            use_attn_tp_group=use_attn_tp_group,
-        )
+FUSED_ENTRY_ARGS = (
+    "input_tensor",
+    "residual",
+    "weight",
+    "eps",
+    "max_token_num",
+    "use_oneshot",
+    "trigger_completion_at_end",
+    "fp32_acc",
+    "use_attn_tp_group",
+)
 
-    flashinfer_allreduce_residual_rmsnorm._tp_allreduce_original = original
-    return flashinfer_allreduce_residual_rmsnorm
+
+def around_fused_entry(original, *args, **kwargs):
+    """Hook on SGLang's fused allreduce + residual + RMSNorm entry
+    (``flashinfer_allreduce_residual_rmsnorm``): tp-allreduce's fused kernel
+    on groups that run tp-allreduce, SGLang's (FlashInfer) otherwise. Same
+    contract: ``(normed, residual_out)`` or ``(None, None)`` when declined
+    (SGLang then reduces and normalises separately)."""
+    if fusion_enabled():
+        a = dict(zip(FUSED_ENTRY_ARGS, args))
+        a.update(kwargs)
+        try:
+            ca = getattr(_fusion_coordinator(a.get("use_attn_tp_group", True)), "ca_comm", None)
+        except Exception:
+            ca = None
+        if _is_ours(ca):
+            out = ca.fused_allreduce_residual_rmsnorm(a["input_tensor"], a["residual"], a["weight"], a.get("eps", 1e-6))
+            if out is not None:
+                return out
+    return original(*args, **kwargs)
+
+
+def around_fusion_gate(original, batch_size):
+    """Hook on the layer boundary's fusion gate (``flashinfer_ar_fusion_applies``)."""
+    return original(batch_size) or ours_fusion_applies(batch_size)
+
+
+def _legacy_wrap(original, hook):
+    """``hook`` around ``original`` as one function (the ``.pth`` path, for
+    SGLang without plugins); ``_tp_allreduce_original`` marks it."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return hook(original, *args, **kwargs)
+
+    wrapper._tp_allreduce_original = original
+    return wrapper
+
+
+def _make_fused_entry(original):
+    return _legacy_wrap(original, around_fused_entry)
 
 
 def patch_fusion(module) -> bool:
@@ -334,11 +353,7 @@ def patch_fusion_gate(module) -> bool:
     if getattr(current, "_tp_allreduce_original", None) is not None:
         return True
 
-    def flashinfer_ar_fusion_applies(batch_size):
-        return current(batch_size) or ours_fusion_applies(batch_size)
-
-    flashinfer_ar_fusion_applies._tp_allreduce_original = current
-    module.flashinfer_ar_fusion_applies = flashinfer_ar_fusion_applies
+    module.flashinfer_ar_fusion_applies = _legacy_wrap(current, around_fusion_gate)
     return True
 
 
@@ -355,23 +370,26 @@ def patch_parallel_state(module) -> bool:
     if getattr(current, "_tp_allreduce_original", None) is not None:
         return True
 
-    def _all_gather_into_tensor(self, output, input):  # noqa: A002 (SGLang's names)
-        ca = self.ca_comm
-        if (
-            _is_ours(ca)
-            and not deterministic()
-            and hasattr(ca, "should_custom_ag")
-            and input.is_contiguous()
-            and output.is_contiguous()
-            and ca.should_custom_ag(input)
-        ):
-            ca.all_gather_unreg(input, out=output, dim=0)
-            return
-        current(self, output, input)
-
-    _all_gather_into_tensor._tp_allreduce_original = current
-    gc._all_gather_into_tensor = _all_gather_into_tensor
+    gc._all_gather_into_tensor = _legacy_wrap(current, around_all_gather)
     return True
+
+
+def around_all_gather(original, self, output, input):  # noqa: A002 (SGLang's names)
+    """Hook on ``GroupCoordinator._all_gather_into_tensor``: groups on
+    tp-allreduce gather through it (SGLang's CUDA path never asks the custom
+    allreduce; its ROCm path does, with the same methods)."""
+    ca = self.ca_comm
+    if (
+        _is_ours(ca)
+        and not deterministic()
+        and hasattr(ca, "should_custom_ag")
+        and input.is_contiguous()
+        and output.is_contiguous()
+        and ca.should_custom_ag(input)
+    ):
+        ca.all_gather_unreg(input, out=output, dim=0)
+        return
+    original(self, output, input)
 
 
 # module name -> patch function; the import hook applies each when SGLang
@@ -382,3 +400,113 @@ PATCHES = {
     ADD_NORM_MODULE: patch_fusion_gate,
     PARALLEL_STATE_MODULE: patch_parallel_state,
 }
+
+
+# ---------------------------------------------------------------- SGLang's plugins
+# SGLang >= 0.5.23: the same hooks registered with SGLang's HookRegistry by
+# the general plugin (entry point group ``sglang.srt.plugins``, name
+# ``tp_allreduce``); SGLang applies them in every process that runs
+# ``load_plugins()`` (launch_server, the engine, each scheduler, the DP
+# controller, the detokenizer), and its ``apply_hooks`` also rebinds the
+# names other modules imported by value before.
+PLUGIN_NAME = "tp_allreduce"
+HOOKS = {
+    TARGET_MODULE + ".dispatch_custom_allreduce": around_dispatch,
+    FUSION_MODULE + ".flashinfer_allreduce_residual_rmsnorm": around_fused_entry,
+    ADD_NORM_MODULE + ".flashinfer_ar_fusion_applies": around_fusion_gate,
+    PARALLEL_STATE_MODULE + ".GroupCoordinator._all_gather_into_tensor": around_all_gather,
+}
+_hooks_registered = False
+
+
+def register_hooks() -> None:
+    """Registers ``HOOKS`` (AROUND) with SGLang's HookRegistry, once per
+    process. Called by the plugin when ``TP_ALLREDUCE_SGLANG=1``."""
+    global _hooks_registered
+    if _hooks_registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in HOOKS.items():
+        HookRegistry.register(target, hook, HookType.AROUND)
+    _hooks_registered = True
+    logger.info("tp-allreduce: SGLang hooks registered (%d targets)", len(HOOKS))
+
+
+def hooks_applied():
+    """Per target of ``HOOKS``: how it is hooked in this process
+    (``"plugin"``: applied by SGLang's HookRegistry; ``"pth"``: patched at
+    import by the .pth path) or ``None``."""
+    import pkgutil
+
+    out = {}
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        registry = HookRegistry
+    except Exception:
+        registry = None
+    for target, hook in HOOKS.items():
+        how = None
+        if registry is not None and target in registry._patched:
+            if any(h is hook for _, h, _ in registry._hooks.get(target, ())):
+                how = "plugin"
+        if how is None:
+            owner, _, attr = target.rpartition(".")
+            try:
+                current = getattr(pkgutil.resolve_name(owner), attr)
+            except Exception:
+                current = None
+            if getattr(current, "_tp_allreduce_original", None) is not None:
+                how = "pth"
+        out[target] = how
+    return out
+
+
+def patch_load_plugins_trigger(module) -> bool:
+    """The ``.pth`` path on SGLang with plugins: wraps
+    ``GroupCoordinator.__init__`` (``module``: SGLang's parallel_state) so
+    that SGLang's ``load_plugins()`` (idempotent) has run before any group
+    builds its custom allreduce. SGLang's servers call it themselves; this
+    reaches the processes that never do (``sglang.bench_one_batch``,
+    scripts and tests that drive ``parallel_state`` directly)."""
+    gc = getattr(module, "GroupCoordinator", None)
+    current = getattr(gc, "__init__", None)
+    if current is None:
+        return False
+    if getattr(current, "_tp_allreduce_original", None) is not None:
+        return True
+
+    def around_init(original, self, *args, **kwargs):
+        try:
+            from sglang.srt.plugins import load_plugins
+
+            load_plugins()
+        except Exception as e:
+            logger.warning("tp-allreduce: SGLang's load_plugins() failed: %s", e)
+        return original(self, *args, **kwargs)
+
+    gc.__init__ = _legacy_wrap(current, around_init)
+    return True
+
+
+def has_plugin_system() -> bool:
+    """Whether the installed SGLang has ``sglang.srt.plugins`` (0.5.23 and
+    newer), found without importing SGLang."""
+    import importlib.util
+    import sys
+
+    if "sglang.srt.plugins.hook_registry" in sys.modules:
+        return True
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except Exception:
+        return False
+    for d in (spec.submodule_search_locations or []) if spec is not None else []:
+        if os.path.exists(os.path.join(d, "srt", "plugins", "hook_registry.py")):
+            return True
+    return False
+
+
+# The .pth path on SGLang with plugins: only the trigger above.
+PLUGIN_ERA_PATCHES = {PARALLEL_STATE_MODULE: patch_load_plugins_trigger}

@@ -211,31 +211,36 @@ def make_communicator_class(base, adapter_cls=TpAllreduceVllmCustomAllreduce, mo
     return install(_name(TpAllreduceCudaCommunicator, module, "TpAllreduceCudaCommunicator"), adapter_cls)
 
 
-def make_platform_class(base, communicator_qualname, module=__name__):
-    """A subclass of vLLM's CUDA platform (``base``) whose device
-    communicator is ``communicator_qualname`` (the plugin's name for vLLM's
-    own ``CudaCommunicator`` with tp-allreduce installed), and which, under
-    ``TP_ALLREDUCE_VLLM_OVER_FLASHINFER=1``, turns off the compile-time
-    AR+RMSNorm fusion pass (FlashInfer's kernel) so those allreduces stay
-    allreduces that reach tp-allreduce."""
+def _turn_off_fusion(vllm_config) -> None:
+    pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config", None)
+    if pass_config is not None and getattr(pass_config, "fuse_allreduce_rms", False):
+        pass_config.fuse_allreduce_rms = False
+        logger.info("tp-allreduce: %s=1 turns off vLLM's AR+RMSNorm fusion pass (FlashInfer)", OVER_FLASHINFER_SWITCH)
 
-    class TpAllreduceCudaPlatform(base):
-        @classmethod
-        def get_device_communicator_cls(cls) -> str:
-            return communicator_qualname
 
-        @classmethod
-        def check_and_update_config(cls, vllm_config) -> None:
-            parent = getattr(super(), "check_and_update_config", None)
-            if parent is not None:
-                parent(vllm_config)
-            if not over_flashinfer():
-                return
-            pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config", None)
-            if pass_config is not None and getattr(pass_config, "fuse_allreduce_rms", False):
-                pass_config.fuse_allreduce_rms = False
-                logger.info(
-                    "tp-allreduce: %s=1 turns off vLLM's AR+RMSNorm fusion pass (FlashInfer)", OVER_FLASHINFER_SWITCH
-                )
+def install_platform(cls):
+    """Wraps ``cls.check_and_update_config`` (vLLM's CUDA platform, a
+    classmethod) in place (idempotent): under
+    ``TP_ALLREDUCE_VLLM_OVER_FLASHINFER=1`` it then turns off the
+    compile-time AR+RMSNorm fusion pass (FlashInfer's kernel) so those
+    allreduces stay allreduces that reach tp-allreduce. Returns ``cls``."""
+    if cls.__dict__.get("_tp_allreduce_platform"):
+        return cls
+    raw = cls.__dict__.get("check_and_update_config")
+    if isinstance(raw, classmethod):
+        original = raw.__func__
+    else:
+        bound = getattr(cls, "check_and_update_config", None)
+        original = getattr(bound, "__func__", None)
 
-    return _name(TpAllreduceCudaPlatform, module, "TpAllreduceCudaPlatform")
+    def check_and_update_config(klass, vllm_config):
+        if original is not None:
+            original(klass, vllm_config)
+        if over_flashinfer():
+            _turn_off_fusion(vllm_config)
+
+    if original is not None:
+        check_and_update_config = functools.wraps(original)(check_and_update_config)
+    cls.check_and_update_config = classmethod(check_and_update_config)
+    cls._tp_allreduce_platform = True
+    return cls
