@@ -158,12 +158,14 @@ impl Comm {
     }
 
     /// The measured table the selection uses, if any.
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
     pub fn measured_table(&self) -> Option<&TuningTable> {
         self.measured.as_ref()
     }
 
     /// The cache key of this communicator's measured table for `dtype`.
-    pub fn measure_cache_key(&self, dtype: DType, mode: AutoMeasure) -> Result<CacheKey> {
+    pub(crate) fn measure_cache_key(&self, dtype: DType, mode: AutoMeasure) -> Result<CacheKey> {
         Ok(CacheKey {
             fingerprint: self.topology.fingerprint(),
             gpu_model: self.topology.gpu_model(),

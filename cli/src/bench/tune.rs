@@ -169,7 +169,9 @@ fn sweep_points(rows: &[ShapeRow], a: Algorithm, bytes: usize, d: DType) -> Vec<
 pub fn tune(opts: &Options, out: Option<PathBuf>, shapes: Shapes) -> Result<TuneOutcome> {
     let started = std::time::Instant::now();
     let ranks = Ranks::new(&opts.gpus, opts.ranks_per_gpu)?;
-    let mut comms = our_group(&ranks, &opts.config)?;
+    // `tune` measures every algorithm itself: no measured `auto` at start.
+    let config = tp_allreduce::Config { auto_measure: Some(tp_allreduce::AutoMeasure::Off), ..opts.config.clone() };
+    let mut comms = our_group(&ranks, &config)?;
     let view = comms[0].topology().clone();
     let transport = comms[0].transport();
     let nccl = nccl_group(&ranks).ok();

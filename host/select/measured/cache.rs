@@ -149,6 +149,15 @@ impl MeasuredCache {
 
     /// Decodes `text` as a table of `key`; `Err` says why it is refused.
     pub fn decode(text: &str, key: &CacheKey) -> std::result::Result<TuningTable, String> {
+        let (found, table) = Self::decode_any(text)?;
+        if &found != key {
+            return Err(format!("measured for another key: {}", found.differences(key).join(", ")));
+        }
+        Ok(table)
+    }
+
+    /// Decodes a whole, valid cache file of any key (`plan --measured`).
+    pub fn decode_any(text: &str) -> std::result::Result<(CacheKey, TuningTable), String> {
         let (sum, body) = text.split_once('\n').ok_or("no checksum line (truncated or not a cache file)")?;
         if sum.trim() != hex(&Sha256::digest(body.as_bytes())) {
             return Err("checksum mismatch (truncated or corrupt)".into());
@@ -157,14 +166,30 @@ impl MeasuredCache {
         if file.format != CACHE_FORMAT {
             return Err(format!("format {} (this build reads {CACHE_FORMAT})", file.format));
         }
-        if &file.key != key {
-            return Err(format!("measured for another key: {}", file.key.differences(key).join(", ")));
-        }
         let table = file.table.checked().map_err(|e| e.to_string())?;
-        if !table.meta.candidates_only || table.meta.world_size != key.world_size {
+        if !table.meta.candidates_only || table.meta.world_size != file.key.world_size {
             return Err("the table inside does not match its key".into());
         }
-        Ok(table)
+        Ok((file.key, table))
+    }
+
+    /// Every cache file of the directory, decoded or with the reason it
+    /// cannot be, sorted by path.
+    pub fn list(&self) -> Vec<(PathBuf, std::result::Result<(CacheKey, TuningTable), String>)> {
+        let Ok(dir) = std::fs::read_dir(&self.dir) else { return Vec::new() };
+        let mut out: Vec<_> = dir
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("measured-") && n.ends_with(".json"))
+            })
+            .map(|p| {
+                let decoded = std::fs::read_to_string(&p).map_err(|e| e.to_string()).and_then(|t| Self::decode_any(&t));
+                (p, decoded)
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
     }
 
     /// Reads the table of `key`. Never an error: a file that cannot be
