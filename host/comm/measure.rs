@@ -44,6 +44,9 @@ struct Decision {
     dtypes: Vec<(String, Option<String>)>,
 }
 
+/// The first bytes of rank 0's message when it has no table to send.
+const NO_TABLE: &str = "no table: ";
+
 /// Values of rank `rank`'s input: one period of [`PERIOD`] small integers
 /// (exactly representable, so every summation order gives the exact f64
 /// sum), repeated. The period is prime, so data moved by a power-of-two
@@ -182,6 +185,30 @@ impl Comm {
         })
     }
 
+    /// Rank 0: the mode and, per dtype, the cached table if one is valid.
+    fn decide(&self, mode: AutoMeasure, dtypes: &[DType]) -> Result<Decision> {
+        let mut decision = Decision { mode, dtypes: Vec::new() };
+        if mode == AutoMeasure::Off {
+            return Ok(decision);
+        }
+        let cache = MeasuredCache::locate(self.config.measure_cache_dir.as_deref());
+        for &d in dtypes {
+            let cached = match &cache {
+                Some(c) => match c.read(&self.measure_cache_key(d, mode)?) {
+                    CacheRead::Hit(t) => Some(t.to_toml_string()?),
+                    CacheRead::Miss => None,
+                    CacheRead::Refused(why) => {
+                        log::warn!("measured auto: cached table refused, measuring again: {why}");
+                        None
+                    }
+                },
+                None => None,
+            };
+            decision.dtypes.push((d.name().to_string(), cached));
+        }
+        Ok(decision)
+    }
+
     fn measured_auto(&mut self, mode: AutoMeasure, dtypes: &[DType]) -> Result<()> {
         let started = Instant::now();
         // Rank 0 decides: mode, dtypes, cached tables.
@@ -189,25 +216,13 @@ impl Comm {
         let tuned = matches!(self.selection_source, SelectionSource::TuneTable(_));
         let mine = if self.rank == 0 {
             let mode = if forced || tuned { AutoMeasure::Off } else { mode };
-            let mut decision = Decision { mode, dtypes: Vec::new() };
-            if mode != AutoMeasure::Off {
-                let cache = MeasuredCache::locate(self.config.measure_cache_dir.as_deref());
-                for &d in dtypes {
-                    let cached = match &cache {
-                        Some(c) => match c.read(&self.measure_cache_key(d, mode)?) {
-                            CacheRead::Hit(t) => Some(t.to_toml_string()?),
-                            CacheRead::Miss => None,
-                            CacheRead::Refused(why) => {
-                                log::warn!("measured auto: cached table refused, measuring again: {why}");
-                                None
-                            }
-                        },
-                        None => None,
-                    };
-                    decision.dtypes.push((d.name().to_string(), cached));
-                }
-            }
-            serde_json::to_vec(&decision).map_err(|e| Error::Config(format!("measured auto: {e}")))?
+            // Never an early return here: the other ranks wait for this
+            // round. A failure to decide is a WARNING and the model.
+            let decision = self.decide(mode, dtypes).unwrap_or_else(|e| {
+                log::warn!("measured auto: cannot decide ({e}); the cost model decides");
+                Decision { mode: AutoMeasure::Off, dtypes: Vec::new() }
+            });
+            serde_json::to_vec(&decision).unwrap_or_default()
         } else {
             Vec::new()
         };
@@ -225,14 +240,13 @@ impl Comm {
                 from: "rank 0".into(),
                 what: format!("measured-auto dtype `{name}`"),
             })?;
-            let table = match cached {
-                Some(text) => TuningTable::from_toml_str(&text, "rank 0's cached measured table")?,
+            match cached {
+                Some(text) => tables.push(TuningTable::from_toml_str(&text, "rank 0's cached measured table")?),
                 None => {
                     measured_any = true;
-                    self.measure_dtype(dtype, decision.mode, &sweep)?
+                    tables.extend(self.measure_dtype(dtype, decision.mode, &sweep)?);
                 }
-            };
-            tables.push(table);
+            }
         }
         let Some(merged) = measured::merge(tables) else { return Ok(()) };
         self.rebuild_selection(merged)?;
@@ -289,7 +303,7 @@ impl Comm {
 
     /// Measures one dtype (every rank), adopts rank 0's table, caches it
     /// (rank 0).
-    fn measure_dtype(&mut self, dtype: DType, mode: AutoMeasure, sweep: &Sweep) -> Result<TuningTable> {
+    fn measure_dtype(&mut self, dtype: DType, mode: AutoMeasure, sweep: &Sweep) -> Result<Option<TuningTable>> {
         let started = Instant::now();
         let key = self.measure_cache_key(dtype, mode)?;
         let timings = match dtype {
@@ -300,19 +314,31 @@ impl Comm {
         // Back to the selection whatever happened.
         self.config.algorithm = None;
         let timings = timings?;
+        // Rank 0 sends its table, or why it has none (every rank then keeps
+        // the model for this dtype): never an early return before the round.
         let mine = if self.rank == 0 {
-            measured::table_from_timings(&key, dtype, &timings)?.to_toml_string()?.into_bytes()
+            match measured::table_from_timings(&key, dtype, &timings).and_then(|t| t.to_toml_string()) {
+                Ok(text) => text.into_bytes(),
+                Err(e) => format!("{NO_TABLE}{e}").into_bytes(),
+            }
         } else {
             Vec::new()
         };
-        let table = measured::adopt_rank0_table(&self.rendezvous.all_gather(&mine)?)?;
+        let gathered = self.rendezvous.all_gather(&mine)?;
+        if let Some(why) = gathered.first().and_then(|b| b.strip_prefix(NO_TABLE.as_bytes())) {
+            if self.rank == 0 {
+                log::warn!("measured auto: {}; the cost model decides for {}", String::from_utf8_lossy(why), dtype.name());
+            }
+            return Ok(None);
+        }
+        let table = measured::adopt_rank0_table(&gathered)?;
         if self.rank == 0 {
             let cache = MeasuredCache::locate(self.config.measure_cache_dir.as_deref());
             if let Some(warning) = measured::cache::store_or_warning(cache.as_ref(), &key, &table) {
                 log::warn!("{warning}");
             }
         }
-        Ok(table)
+        Ok(Some(table))
     }
 
     /// The sweep of one element type: per bucket (while rank 0's budget

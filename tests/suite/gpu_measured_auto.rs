@@ -7,7 +7,7 @@
 //! off (`common::gpu` sets TP_ALLREDUCE_AUTO_MEASURE=off); these tests
 //! turn it on through `Config`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tp_allreduce::{AutoMeasure, Comm, Config, DType, SelectionSource};
@@ -23,11 +23,11 @@ fn cache_dir(test: &str) -> PathBuf {
     d
 }
 
-fn config(dir: &PathBuf, mode: AutoMeasure) -> Config {
+fn config(dir: &Path, mode: AutoMeasure) -> Config {
     Config {
         auto_measure: Some(mode),
         measure_dtypes: vec![DType::Bf16],
-        measure_cache_dir: Some(dir.clone()),
+        measure_cache_dir: Some(dir.to_path_buf()),
         ..Config::default()
     }
 }
@@ -135,9 +135,10 @@ fn measured_auto_replaces_a_corrupt_cached_table_and_off_measures_nothing() {
     let comms = Comm::from_streams(common::streams(&ctx, 2), config(&dir, AutoMeasure::On)).expect("group");
     let first = comms[0].measured_table().expect("measured").clone();
     drop(comms);
-    let file = std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).find(|f| {
-        f.file_name().to_string_lossy().ends_with(".json")
-    });
+    let file = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .find(|f| f.file_name().to_string_lossy().ends_with(".json"));
     let path = file.expect("a cached table").path();
     let text = std::fs::read_to_string(&path).unwrap();
     std::fs::write(&path, &text[..text.len() / 2]).unwrap();

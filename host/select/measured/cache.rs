@@ -102,6 +102,9 @@ struct CacheFile {
     table: TuningTable,
 }
 
+/// A cache file's key and table, or why it cannot be used.
+pub type Decoded = std::result::Result<(CacheKey, TuningTable), String>;
+
 /// What [`MeasuredCache::read`] found.
 #[derive(Clone, Debug, PartialEq)]
 pub enum CacheRead {
@@ -157,7 +160,7 @@ impl MeasuredCache {
     }
 
     /// Decodes a whole, valid cache file of any key (`plan --measured`).
-    pub fn decode_any(text: &str) -> std::result::Result<(CacheKey, TuningTable), String> {
+    pub fn decode_any(text: &str) -> Decoded {
         let (sum, body) = text.split_once('\n').ok_or("no checksum line (truncated or not a cache file)")?;
         if sum.trim() != hex(&Sha256::digest(body.as_bytes())) {
             return Err("checksum mismatch (truncated or corrupt)".into());
@@ -175,7 +178,7 @@ impl MeasuredCache {
 
     /// Every cache file of the directory, decoded or with the reason it
     /// cannot be, sorted by path.
-    pub fn list(&self) -> Vec<(PathBuf, std::result::Result<(CacheKey, TuningTable), String>)> {
+    pub fn list(&self) -> Vec<(PathBuf, Decoded)> {
         let Ok(dir) = std::fs::read_dir(&self.dir) else { return Vec::new() };
         let mut out: Vec<_> = dir
             .filter_map(|e| e.ok())
