@@ -605,6 +605,7 @@ mod tests {
             algorithm,
             transport: Transport::PeerToPeer,
             median_us,
+            shape: None,
             correct: true,
         };
         let table = table_from_timings(&key, DType::Bf16, &[t(Algorithm::OneShotPush, 9.25), t(Algorithm::Nccl, 27.5)])

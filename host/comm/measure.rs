@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use cudarc::driver::sys;
+use cudarc::driver::{sys, DeviceSlice};
 use serde::{Deserialize, Serialize};
 
 use super::Comm;
@@ -20,7 +20,7 @@ use crate::comm::{Element, ReduceOp};
 use crate::driver;
 use crate::error::{driver as driver_error, Error, Result};
 use crate::select::cost_model::CostModel;
-use crate::select::measured::{self, AutoMeasure, CacheKey, CacheRead, MeasuredCache, Sweep, Timing};
+use crate::select::measured::{self, shapes, AutoMeasure, CacheKey, CacheRead, MeasuredCache, Sweep, Timing};
 use crate::select::selection::SelectionTable;
 use crate::select::tuning::TuningTable;
 use crate::DType;
@@ -306,13 +306,15 @@ impl Comm {
     fn measure_dtype(&mut self, dtype: DType, mode: AutoMeasure, sweep: &Sweep) -> Result<Option<TuningTable>> {
         let started = Instant::now();
         let key = self.measure_cache_key(dtype, mode)?;
+        let saved_shape = self.config.launch_shape;
         let timings = match dtype {
             DType::F32 => self.sweep_dtype::<f32>(sweep, started),
             DType::F16 => self.sweep_dtype::<half::f16>(sweep, started),
             DType::Bf16 => self.sweep_dtype::<half::bf16>(sweep, started),
         };
-        // Back to the selection whatever happened.
+        // Back to the selection and the configured shape whatever happened.
         self.config.algorithm = None;
+        self.config.launch_shape = saved_shape;
         let timings = timings?;
         // Rank 0 sends its table, or why it has none (every rank then keeps
         // the model for this dtype): never an early return before the round.
@@ -364,17 +366,63 @@ impl Comm {
                 list.push(Algorithm::Nccl);
             }
             for a in list {
-                let (median_us, correct) = self.time_candidate(a, &input, &mut output, &reference, sweep)?;
+                let (median_us, shape, correct) = self.time_algorithm(a, &input, &mut output, &reference, sweep)?;
                 if !correct && self.rank == 0 {
                     log::warn!(
                         "measured auto: {a} gave a wrong {} allreduce of {bytes} bytes on some rank: not chosen",
                         T::DTYPE.name()
                     );
                 }
-                timings.push(Timing { bytes, algorithm: a, transport: self.setup.transport, median_us, correct });
+                timings.push(Timing { bytes, algorithm: a, transport: self.setup.transport, median_us, shape, correct });
             }
         }
         Ok(timings)
+    }
+
+    /// One algorithm at one size: the default rule's launch, and in a
+    /// `full` sweep of a sentinel algorithm every candidate shape (the
+    /// same list on every rank: the residency caps are the smallest of
+    /// every rank's), a shape winning only when more than 1 % faster.
+    fn time_algorithm<T: Measurable>(
+        &mut self,
+        algorithm: Algorithm,
+        input: &DeviceBuffer<T>,
+        output: &mut DeviceBuffer<T>,
+        reference: &[f32],
+        sweep: &Sweep,
+    ) -> Result<(f64, Option<(u32, u32)>, bool)> {
+        let (default_us, default_ok) = self.time_candidate(algorithm, input, output, reference, sweep)?;
+        let sentinel = algorithm.kernel().is_some_and(|id| id.sentinel());
+        // A configured shape (`Config::launch_shape`) is what calls use: no sweep.
+        let configured = self.config.launch_shape.is_some();
+        if !sentinel || sweep.top_k != usize::MAX || !default_ok || configured {
+            return Ok((default_us, None, default_ok));
+        }
+        let mine: Vec<u8> =
+            shapes::SWEEP_THREADS.iter().flat_map(|&t| self.setup.sentinel_resident.cap(t).to_le_bytes()).collect();
+        let all = self.rendezvous.all_gather(&mine)?;
+        let cap = |threads: u32| -> u32 {
+            let k = shapes::SWEEP_THREADS.iter().position(|&t| t == threads).unwrap_or(usize::MAX);
+            all.iter()
+                .map(|r| r.chunks_exact(4).nth(k).map_or(0, |c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .min()
+                .unwrap_or(0)
+        };
+        let bytes = output.num_bytes();
+        let mut points = Vec::new();
+        for shape in shapes::shape_candidates(bytes, bytes.div_ceil(16) as u64, cap) {
+            self.set_launch_shape(Some(shape))?;
+            let (us, ok) = self.time_candidate(algorithm, input, output, reference, sweep)?;
+            // A shape that gives a wrong result is never picked.
+            if ok {
+                points.push((shape, us));
+            }
+        }
+        self.set_launch_shape(None)?;
+        Ok(match shapes::pick_over_default(Some(default_us), &points) {
+            Some((shape, us)) => (us, shape, true),
+            None => (default_us, None, true),
+        })
     }
 
     /// One candidate: checked eagerly, captured, registered, replayed

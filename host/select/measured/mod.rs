@@ -40,6 +40,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cache;
+pub mod shapes;
 #[cfg(test)]
 mod tests;
 
@@ -170,6 +171,9 @@ pub struct Timing {
     pub algorithm: Algorithm,
     pub transport: Transport,
     pub median_us: f64,
+    /// The launch shape it was measured with, where a `full` sweep found
+    /// one that beats the default rule (sentinel algorithms).
+    pub shape: Option<(u32, u32)>,
     /// The output matched the reference on every rank, before and after
     /// the replays.
     pub correct: bool,
@@ -189,7 +193,7 @@ pub fn table_from_timings(key: &CacheKey, dtype: DType, timings: &[Timing]) -> R
             algorithm: t.algorithm,
             transport: t.transport,
             median_us: t.median_us,
-            shape: None,
+            shape: t.shape,
         })
         .collect();
     if measurements.is_empty() {

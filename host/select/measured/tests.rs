@@ -27,7 +27,7 @@ fn key() -> CacheKey {
 }
 
 fn t(bytes: usize, algorithm: Algorithm, median_us: f64) -> Timing {
-    Timing { bytes, algorithm, transport: Transport::PeerToPeer, median_us, correct: true }
+    Timing { bytes, algorithm, transport: Transport::PeerToPeer, median_us, shape: None, correct: true }
 }
 
 fn table(scale: f64) -> TuningTable {
@@ -285,13 +285,16 @@ fn an_algorithm_measured_auto_did_not_measure_is_not_chosen() {
 }
 
 #[test]
-fn a_wrong_candidate_never_enters_the_table() {
+fn a_wrong_candidate_never_enters_the_table_and_a_swept_shape_does() {
     let mut wrong = t(4096, Algorithm::OneShotPush, 1.0);
     wrong.correct = false;
     let measured = table_from_timings(&key(), DType::Bf16, &[wrong, t(4096, Algorithm::TwoShotPush, 7.0)]).unwrap();
     assert_eq!(measured.entries[0].winner, Algorithm::TwoShotPush);
     assert_eq!(measured.entries[0].results.len(), 1);
     assert!(table_from_timings(&key(), DType::Bf16, &[wrong]).is_err());
+    let shaped = Timing { shape: Some((16, 128)), ..t(4096, Algorithm::OneShotPush, 3.0) };
+    let measured = table_from_timings(&key(), DType::Bf16, &[shaped]).unwrap();
+    assert_eq!(measured.entries[0].shape_of(Algorithm::OneShotPush, Transport::PeerToPeer), Some((16, 128)));
 }
 
 #[test]
