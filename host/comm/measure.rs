@@ -44,6 +44,10 @@ struct Decision {
     dtypes: Vec<(String, Option<String>)>,
 }
 
+/// A median (us), the launch shape that gave it (`None`: the default
+/// rule), and whether every rank's output was right.
+type Measured = (f64, Option<(u32, u32)>, bool);
+
 /// The first bytes of rank 0's message when it has no table to send.
 const NO_TABLE: &str = "no table: ";
 
@@ -390,7 +394,7 @@ impl Comm {
         output: &mut DeviceBuffer<T>,
         reference: &[f32],
         sweep: &Sweep,
-    ) -> Result<(f64, Option<(u32, u32)>, bool)> {
+    ) -> Result<Measured> {
         let (default_us, default_ok) = self.time_candidate(algorithm, input, output, reference, sweep)?;
         let sentinel = algorithm.kernel().is_some_and(|id| id.sentinel());
         // A configured shape (`Config::launch_shape`) is what calls use: no sweep.
