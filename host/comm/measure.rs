@@ -216,7 +216,8 @@ impl Comm {
     fn measured_auto(&mut self, mode: AutoMeasure, dtypes: &[DType]) -> Result<()> {
         let started = Instant::now();
         // Rank 0 decides: mode, dtypes, cached tables.
-        let forced = self.config.algorithm.is_some() || crate::env::algorithm()?.is_some();
+        // (A malformed variable failed construction before; never `?` here.)
+        let forced = self.config.algorithm.is_some() || crate::env::algorithm().ok().flatten().is_some();
         let tuned = matches!(self.selection_source, SelectionSource::TuneTable(_));
         let mine = if self.rank == 0 {
             let mode = if forced || tuned { AutoMeasure::Off } else { mode };
@@ -309,7 +310,6 @@ impl Comm {
     /// (rank 0).
     fn measure_dtype(&mut self, dtype: DType, mode: AutoMeasure, sweep: &Sweep) -> Result<Option<TuningTable>> {
         let started = Instant::now();
-        let key = self.measure_cache_key(dtype, mode)?;
         let saved_shape = self.config.launch_shape;
         let timings = match dtype {
             DType::F32 => self.sweep_dtype::<f32>(sweep, started),
@@ -322,13 +322,18 @@ impl Comm {
         let timings = timings?;
         // Rank 0 sends its table, or why it has none (every rank then keeps
         // the model for this dtype): never an early return before the round.
-        let mine = if self.rank == 0 {
-            match measured::table_from_timings(&key, dtype, &timings).and_then(|t| t.to_toml_string()) {
+        let key = if self.rank == 0 { Some(self.measure_cache_key(dtype, mode)) } else { None };
+        let mine = match &key {
+            Some(key) => match key
+                .as_ref()
+                .map_err(|e| Error::Config(e.to_string()))
+                .and_then(|key| measured::table_from_timings(key, dtype, &timings))
+                .and_then(|t| t.to_toml_string())
+            {
                 Ok(text) => text.into_bytes(),
                 Err(e) => format!("{NO_TABLE}{e}").into_bytes(),
-            }
-        } else {
-            Vec::new()
+            },
+            None => Vec::new(),
         };
         let gathered = self.rendezvous.all_gather(&mine)?;
         if let Some(why) = gathered.first().and_then(|b| b.strip_prefix(NO_TABLE.as_bytes())) {
@@ -338,9 +343,9 @@ impl Comm {
             return Ok(None);
         }
         let table = measured::adopt_rank0_table(&gathered)?;
-        if self.rank == 0 {
+        if let Some(Ok(key)) = &key {
             let cache = MeasuredCache::locate(self.config.measure_cache_dir.as_deref());
-            if let Some(warning) = measured::cache::store_or_warning(cache.as_ref(), &key, &table) {
+            if let Some(warning) = measured::cache::store_or_warning(cache.as_ref(), key, &table) {
                 log::warn!("{warning}");
             }
         }
