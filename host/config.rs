@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::env;
+pub use crate::select::measured::AutoMeasure;
 
 /// Which transport to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -128,6 +129,19 @@ pub struct Config {
     /// Create an NCCL communicator as fallback when NCCL is available and
     /// the ranks are on distinct GPUs.
     pub nccl_fallback: bool,
+    /// Measured `auto` at communicator start (`select::measured`): `Off`
+    /// (the cost model, or a `tune` table), `On` (a bounded sweep, cached
+    /// per machine, driver, build, world, islands and dtype), `Full`.
+    /// `None` (the default): `TP_ALLREDUCE_AUTO_MEASURE`, else `On`. Rank
+    /// 0's value decides for every rank.
+    pub auto_measure: Option<AutoMeasure>,
+    /// The dtypes measured at start (`TP_ALLREDUCE_MEASURE_DTYPES`); other
+    /// dtypes use the model unless `Comm::measure_selection` measures them.
+    /// Rank 0's value decides for every rank.
+    pub measure_dtypes: Vec<crate::DType>,
+    /// Where measured tables are cached; `None`: `TP_ALLREDUCE_CACHE_DIR`,
+    /// else `$XDG_CACHE_HOME/tp-allreduce`, else `~/.cache/tp-allreduce`.
+    pub measure_cache_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -158,11 +172,23 @@ impl Default for Config {
             max_registered_buffers: 8192,
             check_p2p: true,
             nccl_fallback: true,
+            auto_measure: None,
+            measure_dtypes: vec![crate::DType::Bf16],
+            measure_cache_dir: None,
         }
     }
 }
 
 impl Config {
+    /// The measured-`auto` mode in force: [`Config::auto_measure`], else
+    /// `TP_ALLREDUCE_AUTO_MEASURE`, else on.
+    pub fn auto_measure_mode(&self) -> crate::Result<AutoMeasure> {
+        match self.auto_measure {
+            Some(m) => Ok(m),
+            None => Ok(env::auto_measure()?.unwrap_or_default()),
+        }
+    }
+
     /// `one_shot_push_max_bytes` default: `8 MiB / (world - 1)`.
     pub const ONE_SHOT_PUSH_AUTO: usize = usize::MAX;
 
@@ -321,6 +347,12 @@ impl Config {
         }
         if let Some(on) = env::trace()? {
             c.trace = on;
+        }
+        if let Some(mode) = env::auto_measure()? {
+            c.auto_measure = Some(mode);
+        }
+        if let Some(dtypes) = env::measure_dtypes()? {
+            c.measure_dtypes = dtypes;
         }
         c.validate()?;
         Ok(c)

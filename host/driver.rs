@@ -345,6 +345,14 @@ pub fn capture(
     graph.ok_or_else(|| Error::InvalidUsage("empty capture".into()))
 }
 
+/// `cuDriverGetVersion`: the CUDA version of the installed driver
+/// (13000 = 13.0).
+pub fn driver_version() -> Result<i32> {
+    let mut version = 0i32;
+    cu!(cuDriverGetVersion(&mut version))?;
+    Ok(version)
+}
+
 /// Waits for all work queued on a raw stream handle.
 ///
 /// # Safety

@@ -9,6 +9,9 @@
 //! | `TP_ALLREDUCE_ALGORITHM` | force an algorithm for every call: `one-shot-pull`, `two-shot-pull`, `one-shot-push`, `two-shot-push`, `ring`, `hierarchical`, `copy-engine-ring`, `nccl`; `auto` = the selection | `auto` |
 //! | `TP_ALLREDUCE_TOPOLOGY` | model with this embedded topology instead of discovering the machine (communicators and `plan`) | discovery |
 //! | `TP_ALLREDUCE_TUNING_FILE` | tuning table to load (TOML, see `select::tuning`) | `$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml` |
+//! | `TP_ALLREDUCE_AUTO_MEASURE` | measured `auto` at communicator start: `off` (the cost model, or a `tune` table), `on` (bounded sweep, cached), `full` (every algorithm at every `tune` size) | `on` |
+//! | `TP_ALLREDUCE_MEASURE_DTYPES` | dtypes measured at communicator start, by `,` (`bf16,f16`) | `bf16` |
+//! | `TP_ALLREDUCE_CACHE_DIR` | where measured tables are cached | `$XDG_CACHE_HOME/tp-allreduce`, else `~/.cache/tp-allreduce` |
 //! | `TP_ALLREDUCE_TRANSPORT` | force the transport: `p2p`, `host-staged` or `per-pair` (P2P inside islands, host-staged across) | auto (P2P if every pair passes the check) |
 //! | `TP_ALLREDUCE_TIMEOUT_MS` | bound of a device-side wait on a peer that already started the call, in ms | `5000` |
 //! | `TP_ALLREDUCE_LAUNCH_TIMEOUT_MS` | bound of a device-side wait on a peer that has not shown the call yet, in ms | `60000` (at least the timeout) |
@@ -55,6 +58,9 @@ pub const ALGORITHM: &str = "TP_ALLREDUCE_ALGORITHM";
 pub const TOPOLOGY: &str = "TP_ALLREDUCE_TOPOLOGY";
 pub const TUNING_FILE: &str = "TP_ALLREDUCE_TUNING_FILE";
 pub const TRANSPORT: &str = "TP_ALLREDUCE_TRANSPORT";
+pub const AUTO_MEASURE: &str = "TP_ALLREDUCE_AUTO_MEASURE";
+pub const MEASURE_DTYPES: &str = "TP_ALLREDUCE_MEASURE_DTYPES";
+pub const CACHE_DIR: &str = "TP_ALLREDUCE_CACHE_DIR";
 pub const TIMEOUT_MS: &str = "TP_ALLREDUCE_TIMEOUT_MS";
 pub const LAUNCH_TIMEOUT_MS: &str = "TP_ALLREDUCE_LAUNCH_TIMEOUT_MS";
 pub const ISLAND_SIZE: &str = "TP_ALLREDUCE_ISLAND_SIZE";
@@ -90,6 +96,17 @@ pub const VARS: &[EnvVar] = &[
         name: TUNING_FILE,
         meaning: "tuning table to load (TOML)",
         default: "$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml",
+    },
+    EnvVar {
+        name: AUTO_MEASURE,
+        meaning: "measured auto at communicator start: off (model or tune table), on (bounded sweep, cached), full",
+        default: "on",
+    },
+    EnvVar { name: MEASURE_DTYPES, meaning: "dtypes measured at communicator start, by `,`", default: "bf16" },
+    EnvVar {
+        name: CACHE_DIR,
+        meaning: "where measured tables are cached",
+        default: "$XDG_CACHE_HOME/tp-allreduce, else ~/.cache/tp-allreduce",
     },
     EnvVar { name: TRANSPORT, meaning: "force the transport: p2p, host-staged or per-pair", default: "auto" },
     EnvVar {
@@ -321,6 +338,48 @@ pub fn tuning_file(fingerprint: &str, world: usize) -> Option<PathBuf> {
     let base =
         var("XDG_CACHE_HOME").map(PathBuf::from).or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
     Some(base.join("tp-allreduce").join(format!("tuning-{fingerprint}-w{world}.toml")))
+}
+
+/// `TP_ALLREDUCE_AUTO_MEASURE`, if set.
+pub fn auto_measure() -> Result<Option<crate::select::measured::AutoMeasure>> {
+    var(AUTO_MEASURE)
+        .map(|v| v.parse().map_err(|why| Error::invalid(format!("{AUTO_MEASURE}: {why}"))))
+        .transpose()
+}
+
+/// `TP_ALLREDUCE_MEASURE_DTYPES`, if set.
+pub fn measure_dtypes() -> Result<Option<Vec<tp_allreduce_kernels::ids::DType>>> {
+    var(MEASURE_DTYPES).map(|v| parse_dtypes(&v).map_err(|why| Error::invalid(format!("{MEASURE_DTYPES}: {why}")))).transpose()
+}
+
+/// Parses `bf16,f16` (no duplicates, at least one).
+pub fn parse_dtypes(text: &str) -> std::result::Result<Vec<tp_allreduce_kernels::ids::DType>, String> {
+    use tp_allreduce_kernels::ids::DType;
+    let mut out = Vec::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let d = DType::ALL
+            .into_iter()
+            .find(|d| d.name() == part.to_ascii_lowercase())
+            .ok_or_else(|| format!("`{part}` is not a dtype (f32, f16, bf16)"))?;
+        if !out.contains(&d) {
+            out.push(d);
+        }
+    }
+    if out.is_empty() {
+        return Err(format!("`{text}`: no dtype"));
+    }
+    Ok(out)
+}
+
+/// The measured tables' directory: `TP_ALLREDUCE_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/tp-allreduce`, else `~/.cache/tp-allreduce`.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(p) = var(CACHE_DIR).filter(|p| !p.trim().is_empty()) {
+        return Some(PathBuf::from(p));
+    }
+    let base =
+        var("XDG_CACHE_HOME").map(PathBuf::from).or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("tp-allreduce"))
 }
 
 /// Whether `(blocks, threads)` is a launch shape a sentinel kernel accepts

@@ -86,8 +86,8 @@ pub mod kernels {
 
 pub use algorithm::{Algorithm, Transport};
 pub use buffer::DeviceBuffer;
-pub use comm::{CallPlan, CollectivePlan, Comm, Element, FusedOptions, FusedPlan, ReduceOp};
-pub use config::{Config, TransportPreference};
+pub use comm::{CallPlan, CollectivePlan, Comm, Element, FusedOptions, FusedPlan, ReduceOp, SelectionSource};
+pub use config::{AutoMeasure, Config, TransportPreference};
 pub use error::{DeviceFailure, Error, Result};
 pub use rank_env::RankEnv;
 pub use tp_allreduce_kernels::ids::{Collective, DType};

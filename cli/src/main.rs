@@ -131,6 +131,12 @@ struct PlanArgs {
     /// List the embedded topologies.
     #[arg(long)]
     list: bool,
+    /// Show the tables measured `auto` cached for this world size and
+    /// dtype (in DIR, default the cache directory: TP_ALLREDUCE_CACHE_DIR,
+    /// else ~/.cache/tp-allreduce), each measurement beside the model's
+    /// prediction.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "")]
+    measured: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -227,6 +233,12 @@ fn plan(args: PlanArgs) -> CliResult {
         req.sizes = sizes.0;
     }
     req.capturing = !args.eager;
+    if let Some(dir) = args.measured {
+        let configured = (!dir.as_os_str().is_empty()).then_some(dir);
+        let cache = tp_allreduce::select::measured::MeasuredCache::locate(configured.as_deref())
+            .ok_or("no cache directory: pass --measured DIR, or set TP_ALLREDUCE_CACHE_DIR or HOME")?;
+        return emit(plan::measured_report(&req, &cache)?);
+    }
     emit(plan::plan_report(&req)?)
 }
 

@@ -13,6 +13,7 @@ use crate::bench::scenarios::{VERIFY_PASS_ALLREDUCES, VERIFY_PASS_BYTES};
 use crate::{table, topology_view};
 use tp_allreduce::algorithm::Algorithm;
 use tp_allreduce::select::cost_model::{Basis, CostModel, CostParams, Options, ParamRow};
+use tp_allreduce::select::measured::MeasuredCache;
 use tp_allreduce::select::selection::{human_bytes, select_fused, select_with, CollectiveTable, Constraints};
 use tp_allreduce::select::topology::{embedded, Topology};
 
@@ -128,6 +129,73 @@ pub fn plan_report(req: &PlanRequest) -> Result<String, String> {
     s.push_str(&fused_verify_pass(req, &view, &c));
     s.push_str(&gather_scatter(req, &view, &c));
     s.push_str(&assumptions(&CostModel::default()));
+    Ok(s)
+}
+
+/// `plan --measured`: every measured-`auto` table cached in `cache` for
+/// this world size and dtype, each measured median beside the cost
+/// model's prediction for the plan's rank view. Tables of another
+/// machine (fingerprint) are shown with a note: they never apply there.
+pub fn measured_report(req: &PlanRequest, cache: &MeasuredCache) -> Result<String, String> {
+    let view = req.topology.for_ranks(&req.devices).map_err(|e| e.to_string())?;
+    let c = Constraints::for_topology(&view);
+    let model = CostModel::default();
+    let opts = Options { capturing: true, islands: c.islands, nccl: Default::default() };
+    let mut s = String::new();
+    let _ = writeln!(s, "measured auto: cached tables in {}", cache.dir.display());
+    let mut shown = 0;
+    for (path, decoded) in cache.list() {
+        let (key, table) = match decoded {
+            Ok(found) => found,
+            Err(why) => {
+                let _ = writeln!(s, "\n{}: not usable ({why}); the next start measures again", path.display());
+                continue;
+            }
+        };
+        if key.world_size != req.world() || key.dtype != req.dtype.name() {
+            continue;
+        }
+        shown += 1;
+        let here = if key.fingerprint == view.fingerprint() { "" } else { " (another topology than the plan's view)" };
+        let _ = writeln!(
+            s,
+            "\n{}\n  {} ranks on {}, topology {}{here}; driver {}, kernels {}, islands {}, transport {}, NCCL {}, sweep {}",
+            path.display(),
+            key.world_size,
+            key.gpu_model,
+            key.fingerprint,
+            key.driver_version,
+            key.kernels_hash,
+            key.islands,
+            key.transport,
+            if key.nccl { "measured" } else { "not available" },
+            key.sweep
+        );
+        let mut t = table::new(["size", "algorithm", "measured us", "model us", "model/measured", "winner"], 2..5);
+        for e in table.entries.iter().filter(|e| e.dtype == req.dtype) {
+            for r in &e.results {
+                let predicted = model.predict(&view, r.algorithm, r.transport, e.bytes, &opts).map(|p| p.total_us());
+                t.add_row(vec![
+                    human_bytes(e.bytes),
+                    r.algorithm.name().to_string(),
+                    format!("{:.2}", r.median_us),
+                    predicted.as_ref().map_or("n/a".into(), |p| format!("{p:.2}")),
+                    predicted.as_ref().map_or("-".into(), |p| format!("{:.2}", p / r.median_us)),
+                    if r.algorithm == e.winner { "*".into() } else { String::new() },
+                ]);
+            }
+        }
+        s.push_str(&table::render(&t));
+    }
+    if shown == 0 {
+        let _ = writeln!(
+            s,
+            "no measured table for {} ranks and {} (communicators measure at start unless {}=off)",
+            req.world(),
+            req.dtype.name(),
+            tp_allreduce::env::AUTO_MEASURE
+        );
+    }
     Ok(s)
 }
 
@@ -506,6 +574,49 @@ mod tests {
             let (fused, ours) = (ms("fused call:"), ms("our allreduce + add_rms_norm:"));
             assert!(fused <= ours + 1e-9, "{name}: fused {fused} ms > unfused {ours} ms");
         }
+    }
+
+    #[test]
+    fn the_measured_report_shows_each_measurement_beside_the_model() {
+        use tp_allreduce::algorithm::Transport;
+        use tp_allreduce::select::measured::{table_from_timings, CacheKey, Timing};
+        let req = PlanRequest::for_world(embedded::default_topology(), Some(8), 1, DType::Bf16).unwrap();
+        let view = req.topology.for_ranks(&req.devices).unwrap();
+        let dir = std::env::temp_dir().join(format!("tp-allreduce-plan-measured-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cache = MeasuredCache { dir: dir.clone() };
+        assert!(measured_report(&req, &cache).unwrap().contains("no measured table for 8 ranks"));
+        let key = CacheKey {
+            fingerprint: view.fingerprint(),
+            gpu_model: view.gpu_model(),
+            driver_version: 13000,
+            kernels_hash: "96a58b29d5ff5273".into(),
+            library_version: "0.1.0".into(),
+            world_size: 8,
+            islands: "none".into(),
+            transport: "p2p".into(),
+            nccl: true,
+            config: String::new(),
+            dtype: "bf16".into(),
+            sweep: "on".into(),
+        };
+        let t = |algorithm, median_us| Timing {
+            bytes: 42 << 10,
+            algorithm,
+            transport: Transport::PeerToPeer,
+            median_us,
+            shape: None,
+            correct: true,
+        };
+        let table = table_from_timings(&key, DType::Bf16, &[t(Algorithm::OneShotPush, 9.25), t(Algorithm::Nccl, 27.5)])
+            .unwrap();
+        cache.write(&key, &table).unwrap();
+        let report = measured_report(&req, &cache).unwrap();
+        assert!(report.contains("9.25") && report.contains("27.50") && report.contains("model us"), "{report}");
+        assert!(!report.contains("another topology"), "{report}");
+        let four = PlanRequest::for_world(embedded::default_topology(), Some(4), 1, DType::Bf16).unwrap();
+        assert!(measured_report(&four, &cache).unwrap().contains("no measured table for 4 ranks"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

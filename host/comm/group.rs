@@ -89,7 +89,7 @@ impl Comm {
         } else {
             None
         };
-        let (selection, fused_selection, topology, more, table_source) =
+        let (selection, fused_selection, topology, more, table_source, tune_file) =
             selector::build_table(view, &setup, &config, nccl.is_some(), &*rendezvous)?;
         notes.extend(more);
         let collective_table = crate::select::selection::CollectiveTable::build(
@@ -117,7 +117,7 @@ impl Comm {
             collective_table.describe(tp_allreduce_kernels::ids::Collective::AllGather, true),
             if nccl.is_some() { "available" } else { "not available" },
         );
-        Ok(Comm {
+        let mut comm = Comm {
             rank,
             world,
             ctx,
@@ -137,10 +137,18 @@ impl Comm {
             fused_selection,
             collective_table,
             topology,
+            selection_source: match tune_file {
+                Some(path) => super::SelectionSource::TuneTable(path),
+                None => super::SelectionSource::Model,
+            },
+            measured: None,
             notes,
             watchdog,
             restore_context: driver::RestoreOnDrop::default(),
-        })
+        };
+        // Measured `auto` (collective; rank 0 decides whether and what).
+        comm.measure_at_start()?;
+        Ok(comm)
     }
 
     /// Multi-process: rank `rank` of `world_size`, one per process, joined

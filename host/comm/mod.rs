@@ -40,6 +40,7 @@ mod call;
 mod fd_passing;
 mod group;
 mod ipc;
+mod measure;
 mod p2p_check;
 mod registry;
 mod selection_setup;
@@ -58,6 +59,7 @@ pub use crate::algorithm::epilogue::FusedOptions;
 pub use crate::config::{Config, TransportPreference};
 pub use crate::element::Element;
 pub use call::{CollectivePlan, FusedPlan};
+pub use measure::SelectionSource;
 
 use crate::algorithm::launch::ByDtype;
 use crate::algorithm::{Algorithm, RankAlgorithms, Transport};
@@ -93,6 +95,10 @@ pub struct Comm {
     /// Ours or NCCL's per block size for the all-gather and reduce-scatter.
     collective_table: crate::select::selection::CollectiveTable,
     topology: crate::select::topology::Topology,
+    /// Where `selection` comes from, and the measured table behind it
+    /// (measured `auto`, `measure.rs`).
+    selection_source: measure::SelectionSource,
+    measured: Option<crate::select::tuning::TuningTable>,
     notes: Vec<String>,
     /// Watches the peers in other processes (stopped first at teardown).
     watchdog: Option<watchdog::Watchdog>,

@@ -90,7 +90,8 @@ pub(crate) fn islands(view: &Topology, config: &Config, world: usize) -> Result<
 /// Collective: the selection tables for this communicator (plain calls,
 /// and fused calls built from the same inputs). Every rank must arrive at
 /// the same plain table (checked through a digest), hence the same fused one.
-/// The last value says where the choices come from (for the creation log).
+/// The fifth value says where the choices come from (for the creation log),
+/// the last which `tune` table was used, if any.
 #[allow(clippy::type_complexity)]
 pub(crate) fn build_table(
     mut view: Topology,
@@ -98,7 +99,7 @@ pub(crate) fn build_table(
     config: &Config,
     nccl_available: bool,
     rdv: &dyn Rendezvous,
-) -> Result<(SelectionTable, SelectionTable, Topology, Vec<String>, String)> {
+) -> Result<(SelectionTable, SelectionTable, Topology, Vec<String>, String, Option<String>)> {
     let world = view.len();
     // What the transfer check found, per pair: every pair with P2P, none
     // host-staged, only island-mates with the per-pair transport.
@@ -180,7 +181,8 @@ pub(crate) fn build_table(
         inputs: format!("topology {}, tuning table {tuning_used}, {constraints:?}", view.fingerprint()),
     };
     agree_on_tables(&all_gather_json(rdv, &mine)?)?;
-    Ok((table, fused, view, notes, source))
+    let tune_file = tuning.is_some().then_some(tuning_used);
+    Ok((table, fused, view, notes, source, tune_file))
 }
 
 /// What a rank built its selection table from, and the table's digest.

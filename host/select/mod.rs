@@ -5,6 +5,8 @@
 //! * [`topology`] — GPUs, links and the rank view a communicator models.
 //! * [`cost_model`] — predicted time per algorithm, size and topology.
 //! * [`tuning`] — measured winners per size bucket (`tp-allreduce tune`).
+//! * [`measured`] — measured `auto`: the table measured at communicator
+//!   start, its cache, the rank-0 decision.
 //! * [`selection`] — the pure choice (override > tuning > model, never
 //!   slower than NCCL) and the precomputed [`SelectionTable`].
 
@@ -13,6 +15,7 @@
 pub mod cost_model;
 pub mod selection;
 pub mod topology;
+pub mod measured;
 pub mod tuning;
 
 pub use selection::SelectionTable;

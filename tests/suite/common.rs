@@ -86,6 +86,12 @@ pub fn gpu(test: &str) -> Option<Arc<CudaContext>> {
         if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
             std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
         }
+        // Measured `auto` costs seconds per communicator: off for every
+        // test whose subject it is not (gpu_measured_auto turns it on
+        // through `Config`); children started by tests inherit it.
+        if std::env::var_os(tp_allreduce::env::AUTO_MEASURE).is_none() {
+            std::env::set_var(tp_allreduce::env::AUTO_MEASURE, "off");
+        }
     });
     if tp_allreduce::driver::device_count() == 0 {
         skipped_unless_required(&format!("no CUDA device ({test})"));

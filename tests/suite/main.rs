@@ -23,6 +23,7 @@ mod gpu_fused;
 mod gpu_fused_graph;
 mod gpu_fused_paths;
 mod gpu_graph;
+mod gpu_measured_auto;
 mod gpu_mixed_placement;
 mod gpu_payload_edges;
 mod gpu_pcie_family;

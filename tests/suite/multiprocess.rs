@@ -28,6 +28,10 @@ pub(crate) fn launch(args: &[&str], env: &[(&str, &str)]) -> Output {
     // (set for the in-process tests): inheriting 32 per rank exhausts it
     // (CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED with four ranks).
     cmd.env("CUDA_DEVICE_MAX_CONNECTIONS", "2");
+    // Measured `auto` is not what these tests check (seconds per start).
+    if std::env::var_os(tp_allreduce::env::AUTO_MEASURE).is_none() {
+        cmd.env(tp_allreduce::env::AUTO_MEASURE, "off");
+    }
     for (k, v) in env {
         cmd.env(k, v);
     }

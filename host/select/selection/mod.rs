@@ -252,6 +252,9 @@ struct Selecting<'a> {
     bytes: usize,
     opts: Options,
     c: &'a Constraints,
+    dtype: DType,
+    /// The tuning table, if one applies.
+    table: Option<&'a TuningTable>,
     /// The tuning entry covering this size, if any.
     entry: Option<&'a TuningEntry>,
     /// The tuning table's last entry for this dtype when `bytes` lies past
@@ -264,8 +267,17 @@ struct Selecting<'a> {
 impl Selecting<'_> {
     fn time_of(&self, a: Algorithm) -> Option<Timed> {
         let epilogue = if self.fused { self.model.epilogue_us(a, self.bytes, self.opts.capturing) } else { 0.0 };
-        if let Some(us) = self.entry.and_then(|e| e.median_us(a, self.c.transport)) {
-            return Some(Timed { us: us + epilogue, source: Source::Tuning });
+        if let (Some(table), Some(_)) = (self.table, self.entry) {
+            // Between measured buckets: the measured neighbours, not the model.
+            if let Some(us) = table.interpolated_us(self.dtype, self.bytes, a, self.c.transport) {
+                return Some(Timed { us: us + epilogue, source: Source::Tuning });
+            }
+            if table.meta.candidates_only && a != Algorithm::Nccl {
+                // Measured `auto` measured the model's leading candidates
+                // only: one it did not measure is not a candidate here
+                // (NCCL, the bar to clear, keeps its prediction).
+                return None;
+            }
         }
         let p = self.model.predict(self.view, a, self.c.transport, self.bytes, &self.opts).ok()?;
         Some(Timed { us: p.total_us() + epilogue, source: Source::Model })
@@ -312,6 +324,9 @@ impl Selecting<'_> {
             match self.time_of(a) {
                 Some(t) if best.is_none_or(|(_, b)| t.us < b.us) => best = Some((a, t)),
                 Some(_) => {}
+                None if self.table.is_some_and(|t| t.meta.candidates_only) && self.entry.is_some() => {
+                    skipped.push(format!("{a}: not among the measured candidates"))
+                }
                 None => skipped.push(format!("{a}: no prediction for this topology")),
             }
         }
@@ -359,6 +374,8 @@ fn select_view(
         bytes,
         opts: Options { capturing, islands: c.islands, nccl: NcclTuning::Tuned },
         c,
+        dtype,
+        table: tuning,
         entry,
         past_table,
         fused,

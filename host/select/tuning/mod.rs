@@ -142,6 +142,12 @@ pub struct TuningMeta {
     /// What wrote the table (free text).
     #[serde(default)]
     pub tool: String,
+    /// Only the candidates the cost model ranked near the top were
+    /// measured (measured `auto`, `select::measured`): an algorithm without
+    /// a result in an entry is not a candidate there. `tune` measures every
+    /// algorithm (false), and an unmeasured one falls back to the model.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub candidates_only: bool,
 }
 
 fn default_true() -> bool {
@@ -157,6 +163,7 @@ impl TuningMeta {
             world_size: view.len(),
             captured: true,
             tool: tool.into(),
+            candidates_only: false,
         }
     }
 }
@@ -417,6 +424,14 @@ impl TuningTable {
         Ok(())
     }
 
+    /// A table decoded from elsewhere (the measured cache), validated and
+    /// sorted.
+    pub fn checked(mut self) -> Result<TuningTable> {
+        self.validate(None)?;
+        self.sort();
+        Ok(self)
+    }
+
     /// Parses a table; `origin` (a path) prefixes every error message.
     pub fn from_toml_str(text: &str, origin: &str) -> Result<TuningTable> {
         let mut table: TuningTable = toml::from_str(text)
@@ -510,6 +525,28 @@ impl TuningTable {
     /// The largest measured entry for `dtype`.
     pub fn last(&self, dtype: DType) -> Option<&TuningEntry> {
         self.entries.iter().filter(|e| e.dtype == dtype).max_by_key(|e| e.bytes)
+    }
+
+    /// The measured time of `algorithm` over `transport` at `bytes` for
+    /// `dtype`, from the measured neighbours only: between two measured
+    /// buckets, the straight line through both medians in log(size) and
+    /// log(time) (both must have a result); at or below the first bucket,
+    /// the first's median; past the last bucket, none (the caller falls
+    /// back). Where only the upper neighbour measured the algorithm, its
+    /// median (an upper bound for a size below it).
+    pub fn interpolated_us(&self, dtype: DType, bytes: usize, algorithm: Algorithm, transport: Transport) -> Option<f64> {
+        let upper = self.lookup(dtype, bytes)?;
+        let at_upper = upper.median_us(algorithm, transport)?;
+        let lower = self.entries.iter().filter(|e| e.dtype == dtype && e.bytes < bytes).max_by_key(|e| e.bytes);
+        let Some((lower, at_lower)) = lower.and_then(|l| l.median_us(algorithm, transport).map(|t| (l, t))) else {
+            return Some(at_upper);
+        };
+        if upper.bytes == bytes || upper.bytes <= lower.bytes {
+            return Some(at_upper);
+        }
+        let span = (upper.bytes as f64).ln() - (lower.bytes as f64).ln();
+        let f = ((bytes as f64).ln() - (lower.bytes as f64).ln()) / span;
+        Some((at_lower.ln() + f * (at_upper.ln() - at_lower.ln())).exp())
     }
 
     /// The entry covering `bytes` for `dtype`: the smallest measured bucket
