@@ -484,3 +484,20 @@ def test_pth_leaves_plugin_era_sglang_to_its_plugins_and_triggers_them(tmp_path)
         "sglang.srt.distributed.device_communicators.custom_all_reduce.CustomAllreduce",
         "0 1",
     ], r.stdout
+
+
+def test_all_gather_and_reduce_scatter_decline_non_float_tensors():
+    """Only float tensors reach tp-allreduce's all-gather and reduce-scatter
+    through the adapter; an int32 tensor (ids, masks, packed data) goes to
+    the engine's own path. (The all-gather is a bit-exact copy now, but the
+    adapter keeps to the dtypes the library names.)"""
+    _, cas = make(2)
+    ca = cas[0]
+    ca.comm.all_gather = lambda t: t
+    ca.comm.reduce_scatter = lambda t: t
+    floats = FakeTensor([0.0] * 8)
+    ints = FakeTensor([0.0] * 8, dtype="int32")
+    assert ca.should_custom_ag(floats), "a float tensor of 16 bytes is taken"
+    assert not ca.should_custom_ag(ints)
+    assert ca.gather_rows(ints) is None
+    assert ca.scatter_rows(ints) is None

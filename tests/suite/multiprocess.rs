@@ -359,3 +359,54 @@ fn a_peer_starting_late_is_waited_for_within_the_launch_bound() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A context limited to a fifth of the SMs (an MPS client with
+/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20`): the residency caps come from the
+/// context's SM count, so 4 ranks in one process (islands 2+2) at 4 MB
+/// finish with every algorithm that runs there, checked by the bench. With
+/// caps from the whole GPU, a rank's blocks wait for blocks that never fit
+/// (issue 35 item 2). Needs MPS (the limit is a client setting).
+#[test]
+fn a_limited_sm_context_sizes_its_grids_to_its_sms() {
+    let test = "a_limited_sm_context_sizes_its_grids_to_its_sms";
+    let _lock = common::gpu_lock();
+    if common::gpu(test).is_none() {
+        return;
+    }
+    if std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_none() {
+        if std::env::var("TP_ALLREDUCE_REQUIRE_MPS").as_deref() == Ok("1") {
+            panic!("{test}: needs MPS, but TP_ALLREDUCE_REQUIRE_MPS=1 and CUDA_MPS_PIPE_DIRECTORY is unset");
+        }
+        common::skipped(&format!("needs MPS for an SM-limited client ({test})"));
+        return;
+    }
+    let args = [
+        "bench",
+        "--gpus",
+        "0",
+        "--ranks-per-gpu",
+        "4",
+        "--island-size",
+        "2",
+        "--sizes",
+        "4M",
+        "--repeats",
+        "3",
+        "--no-verify-pass",
+        "--algorithms",
+        "two-shot-push,hierarchical,pipelined-hierarchical,one-shot-push,one-shot-pull,two-shot-pull",
+    ];
+    let out = Command::new(bin())
+        .args(args)
+        .env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "20")
+        .env("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+        .env("TP_ALLREDUCE_LAUNCH_TIMEOUT_MS", "15000")
+        .output()
+        .expect("the tp-allreduce binary runs");
+    let all = text(&out);
+    assert!(out.status.success(), "{test}: bench failed in a 20% SM client:\n{all}");
+    for algorithm in ["two-shot-push", "hierarchical", "one-shot-push"] {
+        assert!(all.contains(algorithm), "{test}: no row for {algorithm}:\n{all}");
+    }
+    eprintln!("{test}: ok");
+}
