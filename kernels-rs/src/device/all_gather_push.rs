@@ -10,9 +10,9 @@
 //!   rank r's input; blocks `block_bytes` apart, `count` elements each
 //!   launch n on rank r (every thread, grid-stride over packs i):
 //!     entry:  {abort, generation} (one v4 load) + first input pack, together
-//!     push:   block r of the output <- in[i] (unchanged)
-//!             v = escaped(in[i]) -> send_to[k] + half + 16 i, k = 0..world-2
+//!     push:   v = escaped(in[i]) -> send_to[k] + half + 16 i, k = 0..world-2
 //!             (rank r+1, r+2, ...: staggered)          (world-1) x count posted
+//!             block r of the output <- in[i] (unchanged)
 //!     count_block (block barrier; thread 0 counts the block, no wait)
 //!     poll:   one relaxed.sys load per slot of a group, back to back; per
 //!             slot: bounded spin while EMPTY, reset (reset on consume),
@@ -139,8 +139,6 @@ unsafe fn all_gather_push<E: Element>(p: GatherScatterParams) {
         trace.loaded(generation);
         let mut i = first;
         while i < packs {
-            // The own block first, as loaded: `value` dies here.
-            store_message_pack::<E>(own_block as *mut u8, count, i, vector_own, &value);
             let (v, mask) = escape(value);
             any_escaped_pack |= mask.is_some();
             let off = ptx::opaque_u64(half + 16 * i);
@@ -152,6 +150,9 @@ unsafe fn all_gather_push<E: Element>(p: GatherScatterParams) {
             if i == first {
                 trace.first_store(generation);
             }
+            // The own block after the sends (they are on the critical
+            // path), as loaded.
+            store_message_pack::<E>(own_block as *mut u8, count, i, vector_own, &value);
             i += stride;
             if i < packs {
                 value = load_message_pack::<E>(input, count, i, vector_in);
