@@ -33,6 +33,7 @@
 //! | `TP_ALLREDUCE_PTXAS` | path of `ptxas` for `inspect` and the PTX tests | `.cache/cuda-tools/bin`, then `PATH` |
 //! | `TP_ALLREDUCE_NVDISASM` | path of `nvdisasm` for `inspect` | as above |
 //! | `TP_ALLREDUCE_CUOBJDUMP` | path of `cuobjdump` for `inspect` | as above |
+//! | `TP_ALLREDUCE_LOG` | the `tp-allreduce` tool's stderr log filter, `RUST_LOG`'s simple form (`debug`, `tp_allreduce::comm=debug,warn`); `RUST_LOG` when unset | INFO from tp-allreduce, WARN from the rest |
 //! | `TP_ALLREDUCE_TEST_SEED` | seed of the randomized tests and `selftest` | fresh per run |
 //! | `TP_ALLREDUCE_BUILD_PTX` | build time: `1` forces building PTX from source (fails without nightly) | source if possible, else committed PTX |
 //! | `TP_ALLREDUCE_PTX_ARCHS` | build time: architectures to build | `sm_120,sm_90,sm_89,sm_80` |
@@ -177,6 +178,11 @@ pub const VARS: &[EnvVar] = &[
     },
     EnvVar { name: "TP_ALLREDUCE_NVDISASM", meaning: "path of nvdisasm for inspect", default: "as above" },
     EnvVar { name: "TP_ALLREDUCE_CUOBJDUMP", meaning: "path of cuobjdump for inspect", default: "as above" },
+    EnvVar {
+        name: "TP_ALLREDUCE_LOG",
+        meaning: "the tp-allreduce tool's stderr log filter, RUST_LOG's simple form (debug, tp_allreduce::comm=debug,warn); RUST_LOG when unset",
+        default: "INFO from tp-allreduce, WARN from the rest",
+    },
     EnvVar { name: TEST_SEED, meaning: "seed of the randomized tests and selftest", default: "fresh per run" },
     EnvVar {
         name: "TP_ALLREDUCE_BUILD_PTX",

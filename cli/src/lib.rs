@@ -19,6 +19,7 @@ pub mod bench;
 pub mod fused_reference;
 pub mod inspect;
 pub mod launcher;
+pub mod logger;
 pub mod plan;
 pub mod reference;
 pub mod selftest;

@@ -526,6 +526,12 @@ fn report_cmd(results: &std::path::Path, svg: Option<PathBuf>, compare: Option<P
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The library's records (measured `auto` says that it measures, for how
+    // long, and what it chose) on stderr; TP_ALLREDUCE_LOG / RUST_LOG filter.
+    if let Err(e) = tp_allreduce_cli::logger::install() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Bench(a) => bench(a),
         Command::BenchRank(a) => bench_rank(a),

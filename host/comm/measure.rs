@@ -126,6 +126,22 @@ fn slowest_and_verdict(all: &[Vec<u8>], repeats: usize) -> (Vec<f64>, bool) {
     (worst, correct)
 }
 
+/// The INFO line rank 0 logs before measuring a dtype: the wait is
+/// seconds, once per machine, and the user should know what it is.
+fn measuring_line(mode: AutoMeasure, world: usize, dtype: DType, sweep: &Sweep, cache: Option<&std::path::Path>) -> String {
+    let cached = match cache {
+        Some(dir) => format!("cached in {} for later starts", dir.display()),
+        None => "no cache directory, so every start measures".to_string(),
+    };
+    format!(
+        "measured auto ({mode}, {world} ranks, {}): measuring the algorithms on this machine, up to {} sizes, \
+         none started after {} s ({cached}; TP_ALLREDUCE_AUTO_MEASURE=off skips it) ...",
+        dtype.name(),
+        sweep.buckets.len(),
+        sweep.budget.as_secs(),
+    )
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     if v.is_empty() {
@@ -249,6 +265,13 @@ impl Comm {
                 Some(text) => tables.push(TuningTable::from_toml_str(&text, "rank 0's cached measured table")?),
                 None => {
                     measured_any = true;
+                    if self.rank == 0 {
+                        let cache = MeasuredCache::locate(self.config.measure_cache_dir.as_deref());
+                        log::info!(
+                            "{}",
+                            measuring_line(decision.mode, self.world, dtype, &sweep, cache.as_ref().map(|c| c.dir.as_path()))
+                        );
+                    }
                     tables.extend(self.measure_dtype(dtype, decision.mode, &sweep)?);
                 }
             }
@@ -490,6 +513,18 @@ impl Comm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_line_before_measuring_says_what_how_long_and_where_it_is_cached() {
+        let sweep = Sweep::for_mode(AutoMeasure::On).unwrap();
+        let line = measuring_line(AutoMeasure::On, 4, DType::Bf16, &sweep, Some(std::path::Path::new("/c/tp")));
+        assert!(line.starts_with("measured auto (on, 4 ranks, bf16): measuring"), "{line}");
+        assert!(line.contains(&format!("up to {} sizes", sweep.buckets.len())), "{line}");
+        assert!(line.contains(&format!("after {} s", sweep.budget.as_secs())), "{line}");
+        assert!(line.contains("cached in /c/tp"), "{line}");
+        let line = measuring_line(AutoMeasure::On, 2, DType::F16, &sweep, None);
+        assert!(line.contains("every start measures"), "{line}");
+    }
 
     #[test]
     fn the_reference_is_exact_and_catches_a_shifted_or_missing_rank() {

@@ -36,7 +36,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tp_allreduce::rendezvous::Id;
-use tp_allreduce::{Algorithm, Comm, Config, DType, Error, FusedOptions};
+use tp_allreduce::{Algorithm, Collective, Comm, Config, DType, Error, FusedOptions};
 
 use crate::device::{self, CurrentContext, DeviceBuffer};
 use crate::dtype::{check_call_args, dtype_from_code};
@@ -519,6 +519,29 @@ impl PyCommunicator {
         let dtype = dtype_from_code(py, dtype)?;
         let p = self.live(py)?.comm.plan_call(nbytes, dtype, capturing, in_place);
         Ok((p.algorithm.to_string(), p.transport.to_string(), p.reason))
+    }
+
+    /// What an all-gather (`collective` `"all-gather"`, `block_bytes` the
+    /// send of one rank) or reduce-scatter (`"reduce-scatter"`, the receive
+    /// of one rank) would run: `(algorithm, reason)`; `"nccl"` where NCCL's
+    /// ring is predicted or measured faster, or where none of ours runs.
+    #[pyo3(signature = (collective, block_bytes, capturing=false))]
+    fn plan_collective(
+        &self,
+        py: Python<'_>,
+        collective: &str,
+        block_bytes: usize,
+        capturing: bool,
+    ) -> PyResult<(String, String)> {
+        let collective = match collective {
+            "all-gather" => Collective::AllGather,
+            "reduce-scatter" => Collective::ReduceScatter,
+            other => {
+                return Err(invalid(py, format!("plan_collective: `{other}` is not `all-gather` or `reduce-scatter`")))
+            }
+        };
+        let p = self.live(py)?.comm.plan_collective(collective, block_bytes, capturing);
+        Ok((p.algorithm.to_string(), p.reason))
     }
 
     /// Allreduce (sum) of `count` elements of `dtype` (a dtype code) from

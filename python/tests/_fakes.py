@@ -60,10 +60,15 @@ class FakeComm:
     Inside ``graph()`` the calls are captured instead of run: their outputs
     stay NaN until the graph is replayed."""
 
-    def __init__(self, group, rank):
+    def __init__(self, group, rank, nccl_rule=None):
         self.group = group
         self.rank = rank
         self.calls = []
+        # nccl_rule(what, nbytes, capturing) -> whether the plan is NCCL's
+        # (what: "allreduce", "fused", "all-gather", "reduce-scatter"); None:
+        # never. `plans` records every plan asked.
+        self.nccl_rule = nccl_rule
+        self.plans = []
         self.closed = False
         self.capturing = None  # the FakeGraph being captured
         self.unregistered = 0  # captured inputs not registered yet
@@ -77,6 +82,22 @@ class FakeComm:
             yield g
         finally:
             self.capturing = None
+
+    def _plan(self, what, nbytes, capturing):
+        self.plans.append((what, nbytes, capturing))
+        nccl = self.nccl_rule is not None and self.nccl_rule(what, nbytes, capturing)
+        return "nccl" if nccl else "one-shot-push"
+
+    def plan(self, nbytes, dtype, capturing=False):
+        return (self._plan("allreduce", nbytes, capturing), "p2p", "fake")
+
+    def plan_fused(self, rows, hidden, dtype, capturing=False):
+        algorithm = self._plan("fused", rows * hidden * ELEMENT_SIZE[dtype], capturing)
+        return (algorithm, "p2p", algorithm != "nccl", "fake")
+
+    def plan_collective(self, collective, block_bytes, capturing=False):
+        assert collective in ("all-gather", "reduce-scatter"), collective
+        return (self._plan(collective, block_bytes, capturing), "fake")
 
     def all_reduce(self, t, out=None):
         assert not self.closed, "call on a closed communicator"
@@ -124,11 +145,12 @@ class FakeComm:
 class FakeRuntime:
     """What the adapter asks PyTorch for, answered by the fakes."""
 
-    def __init__(self, rank, group, *, host="host-a", fail=None):
+    def __init__(self, rank, group, *, host="host-a", fail=None, nccl_rule=None):
         self.rank = rank
         self.group = group
         self.host = host
         self.fail = fail  # exception to raise when making the communicator
+        self.nccl_rule = nccl_rule  # FakeComm's
         self.comm = None
 
     def rank_and_world(self, group):
@@ -143,14 +165,29 @@ class FakeRuntime:
     def normalize_device(self, device):
         return device
 
-    def make_communicator(self, group, device, capture_copy_bytes):
+    def make_communicator(self, group, device, capture_copy_bytes, size_independent=False):
         if self.fail is not None:
             raise self.fail
-        self.comm = FakeComm(group, self.rank)
+        self.comm = FakeComm(group, self.rank, self.nccl_rule)
         return self.comm
 
     def nbytes(self, t):
         return t.nbytes
+
+    def dtype(self, t):
+        return t.dtype
+
+    def capturing(self):
+        return self.comm is not None and self.comm.capturing is not None
+
+    def fused_shape(self, t, weight):
+        return len(t.values) // len(weight.values), len(weight.values)
+
+    def rows(self, t):
+        return len(t.values)
+
+    def rows_view(self, out, t, mul, div):
+        return out
 
     def fused_ineligible(self, t, residual, weight):
         if residual.dtype != t.dtype or weight.dtype != t.dtype:

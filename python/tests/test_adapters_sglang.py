@@ -501,3 +501,79 @@ def test_all_gather_and_reduce_scatter_decline_non_float_tensors():
     assert not ca.should_custom_ag(ints)
     assert ca.gather_rows(ints) is None
     assert ca.scatter_rows(ints) is None
+
+
+# ---------------------------------------------------------------- never slower than NCCL
+NCCL_FROM = 64 * 1024  # bytes (a call's, or a block a rank): the fake plans' NCCL sizes
+
+
+def nccl_when_large_and_eager(what, nbytes, capturing):
+    """The fake plans: NCCL's for eager calls of NCCL_FROM bytes or more,
+    ours for everything captured (graph replay favours ours)."""
+    return nbytes >= NCCL_FROM and not capturing
+
+
+def test_sizes_whose_plan_is_nccl_are_declined_to_the_engine():
+    """Where the communicator's plan runs NCCL's path, each gate declines
+    (allreduce, fused, all-gather, reduce-scatter) and the engine's own path
+    runs; smaller sizes, and the same size captured into a graph, are taken.
+    One plan is asked per (what, size, dtype, capturing), whatever the calls."""
+    _, cas = make(2, {r: {"nccl_rule": nccl_when_large_and_eager} for r in range(2)})
+
+    def body(rank):
+        ca = cas[rank]
+        comm = ca.comm
+        comm.all_gather = lambda t: FakeTensor(t.values * 2, t.dtype, t.device)
+        comm.reduce_scatter = lambda t: FakeTensor(t.values[: len(t.values) // 2], t.dtype, t.device)
+        dev = f"cuda:{rank}"
+        small = FakeTensor([1.0] * 1024, "bfloat16", dev)  # 2 KiB
+        large = FakeTensor([1.0] * (NCCL_FROM // 2), "bfloat16", dev)  # 64 KiB
+        for _ in range(3):
+            assert ca.should_custom_ar(small)
+            assert not ca.should_custom_ar(large), "NCCL's size: the engine's path"
+            assert ca.custom_all_reduce(large) is None
+        assert ca.custom_all_reduce(small).values == [2.0] * 1024
+        # f32 of the same bytes: the same plan, asked separately per dtype.
+        assert not ca.should_custom_ar(FakeTensor([1.0] * (NCCL_FROM // 4), "float32", dev))
+        # Fused: rows x hidden of 64 KiB is NCCL's, 2 KiB ours.
+        weight = FakeTensor([1.0] * 512, "bfloat16", dev)
+        assert ca.fused_allreduce_rmsnorm(large, FakeTensor([0.0] * len(large.values), "bfloat16", dev), weight, 1e-6) is None
+        assert ca.fused_allreduce_rmsnorm(small, FakeTensor([0.0] * 1024, "bfloat16", dev), weight, 1e-6) is not None
+        # All-gather: the block a rank; reduce-scatter: the share a rank.
+        assert ca.should_custom_ag(small) and ca.gather_rows(small) is not None
+        assert not ca.should_custom_ag(large) and ca.gather_rows(large) is None
+        assert ca.scatter_rows(small) is not None
+        assert ca.scatter_rows(FakeTensor([1.0] * NCCL_FROM, "bfloat16", dev)) is None, "a 64 KiB share"
+        assert ca.scatter_rows(FakeTensor([1.0] * (NCCL_FROM - 16), "bfloat16", dev)) is not None, "a share below"
+        # Captured: the replay's plan is ours, so the same size is taken.
+        with ca.capture():
+            with comm.graph():
+                assert ca.should_custom_ar(large)
+                captured = ca.custom_all_reduce(large)
+        assert captured is not None
+        return dict(ca.counters), list(comm.plans)
+
+    for counters, plans in run_ranks(2, body):
+        assert counters["ours"] == 2 and counters["declined"] == 4, counters
+        assert counters["fused"] == 1 and counters["fused_declined"] == 1, counters
+        assert counters["all_gather"] == 1 and counters["reduce_scatter"] == 2, counters
+        assert plans.count(("allreduce", NCCL_FROM, False)) == 2, f"once per dtype: {plans}"
+        assert plans.count(("allreduce", 2048, False)) == 1, plans
+        assert ("allreduce", NCCL_FROM, True) in plans, "capture asks the replay's plan"
+    for ca in cas:
+        ca.close()
+
+
+def test_size_independent_mode_never_declines_to_the_engine():
+    """Size-independent mode keeps every size (the engine's NCCL would not
+    be size-independent), even where the plan says NCCL."""
+    group = FakeGroup(2)
+
+    def body(rank):
+        rt = FakeRuntime(rank, group, nccl_rule=lambda *_: True)
+        ca = TpAllreduceCustomAllreduce(group=group, device=f"cuda:{rank}", runtime=rt, size_independent=True)
+        ok = ca.should_custom_ar(FakeTensor([1.0] * 4096, "bfloat16", f"cuda:{rank}"))
+        ca.close()
+        return ok, rt.comm.plans
+
+    assert run_ranks(2, body) == [(True, []), (True, [])]

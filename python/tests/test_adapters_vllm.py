@@ -181,3 +181,33 @@ def test_groups_without_custom_allreduce_are_left_alone():
 def test_failure_keeps_vllms_own_custom_allreduce():
     for c in build_communicators(2, "tp:0", fail_rank=0):
         assert c.ca_comm is c.vllms_own and isinstance(c.ca_comm, VllmOwnCustomAllreduce) and not c.ca_comm.closed
+
+
+def test_vllm_gates_decline_the_sizes_whose_plan_is_nccl():
+    """vLLM asks `should_custom_ar`, `should_custom_all_gather` and
+    `should_custom_reduce_scatter` before each call: where the
+    communicator's plan is NCCL's (here: 64 KiB and more, a block a rank for
+    the collectives), each says no and vLLM's own path runs."""
+    from _fakes import FakeTensor
+
+    group = FakeGroup(2)
+    large = 64 * 1024
+
+    def body(rank):
+        rt = FakeRuntime(rank, group, nccl_rule=lambda what, nbytes, capturing: nbytes >= large)
+        ca = TpAllreduceVllmCustomAllreduce(group, f"cuda:{rank}", runtime=rt)
+        ca.comm.all_gather = ca.comm.reduce_scatter = lambda t: t
+        dev = f"cuda:{rank}"
+        got = [
+            ca.should_custom_ar(FakeTensor([1.0] * 1024, "bfloat16", dev)),
+            ca.should_custom_ar(FakeTensor([1.0] * (large // 2), "bfloat16", dev)),
+            ca.should_custom_all_gather(FakeTensor([1.0] * 1024, "bfloat16", dev)),
+            ca.should_custom_all_gather(FakeTensor([1.0] * (large // 2), "bfloat16", dev)),
+            ca.should_custom_reduce_scatter(FakeTensor([1.0] * 1024, "bfloat16", dev)),
+            ca.should_custom_reduce_scatter(FakeTensor([1.0] * large, "bfloat16", dev)),
+        ]
+        ca.close()
+        return got
+
+    for got in run_ranks(2, body):
+        assert got == [True, False, True, False, True, False]

@@ -419,6 +419,17 @@ class Communicator:
         """``(algorithm, transport, reason)`` for a call of ``nbytes``."""
         return self._core.plan(nbytes, dtypes.code_of(dtype), capturing)
 
+    def plan_fused(self, rows: int, hidden: int, dtype=torch.bfloat16, capturing: bool = False):
+        """``(algorithm, transport, fused, reason)`` for a fused
+        ``all_reduce_add_rms_norm`` of ``rows x hidden``."""
+        return self._core.plan_fused(rows, hidden, dtypes.code_of(dtype), capturing)
+
+    def plan_collective(self, collective: str, block_bytes: int, capturing: bool = False):
+        """``(algorithm, reason)`` for an ``"all-gather"`` of ``block_bytes``
+        a rank (its input) or a ``"reduce-scatter"`` of ``block_bytes`` a
+        rank (its output); ``"nccl"`` where NCCL's ring runs."""
+        return self._core.plan_collective(collective, block_bytes, capturing)
+
     # ------------------------------------------------------------ lifecycle
     def synchronize(self) -> None:
         """Waits for the current stream of the device; raises if a kernel

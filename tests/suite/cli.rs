@@ -216,3 +216,18 @@ fn the_main_script_says_first_and_last_when_nothing_is_measured() {
     assert!(bench < plan_line && bench < measured_line, "the closing lines come after the bench");
     assert!(!script.contains("exec target/release/tp-allreduce"), "an exec'd bench leaves no room for a closing line");
 }
+
+#[test]
+fn the_log_filter_comes_from_the_environment_and_a_bad_one_is_an_error() {
+    // The tool writes the library's log records (measured `auto`'s lines)
+    // on stderr under TP_ALLREDUCE_LOG; a filter it cannot read stops it
+    // before anything runs, naming the variable.
+    let out = tp_allreduce(&["plan", "--world", "2"], &[NO_GPU, ("TP_ALLREDUCE_LOG", "tp_allreduce=loud")]);
+    assert!(!out.status.success(), "a bad filter was accepted: {}", text(&out.stdout));
+    let err = text(&out.stderr);
+    assert!(err.contains("TP_ALLREDUCE_LOG") && err.contains("loud"), "{err}");
+    for good in ["debug", "tp_allreduce::comm=debug,warn", "off"] {
+        let out = tp_allreduce(&["plan", "--world", "2"], &[NO_GPU, ("TP_ALLREDUCE_LOG", good)]);
+        assert!(out.status.success(), "{good}: {}", text(&out.stderr));
+    }
+}

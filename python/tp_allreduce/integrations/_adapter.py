@@ -41,6 +41,13 @@ SIZE_INDEPENDENT_FALLBACK = "one-shot-push"
 # What the library reports from `plan()` for the algorithms whose reduction
 # order is the same at every size (ranks summed in rank order in f32).
 SIZE_INDEPENDENT_ALGORITHMS = ("one-shot-push", "two-shot-push", "one-shot-pull", "two-shot-pull")
+# The algorithm name the communicator's plans give NCCL's path: where a call
+# would run it, the adapter declines and the engine's own path runs (the
+# library's NCCL communicator is no faster than the engine's).
+NCCL = "nccl"
+# Plans remembered per adapter before the memory starts over (an engine
+# calls a few hundred distinct shapes).
+PLAN_CACHE_ENTRIES = 4096
 
 
 class TorchRuntime:
@@ -102,6 +109,18 @@ class TorchRuntime:
 
     def nbytes(self, inp):
         return inp.numel() * inp.element_size()
+
+    def dtype(self, inp):
+        return inp.dtype
+
+    def capturing(self):
+        """Whether the current stream is capturing a CUDA graph."""
+        return self.torch.cuda.is_current_stream_capturing()
+
+    def fused_shape(self, inp, weight):
+        """``(rows, hidden)`` of a fused call that passed ``fused_ineligible``."""
+        hidden = weight.numel()
+        return inp.numel() // hidden, hidden
 
     def clone(self, t):
         return t.clone()
@@ -200,6 +219,8 @@ class CustomAllreduceAdapter:
         self.device = device
         self.max_size = int(max_size)
         self.comm = None
+        # (what, bytes or shape, dtype, capturing) -> whether the plan is NCCL's.
+        self._nccl_plans = {}
         self.rank = 0
         self.world_size = 1
         try:
@@ -267,20 +288,64 @@ class CustomAllreduceAdapter:
     # ------------------------------------------------------------ calls
     def should_custom_ar(self, inp) -> bool:
         """Whether ``inp`` goes through tp-allreduce (the engine's gate; a
-        refusal is counted as ``declined``). Below ``max_size`` bytes; in
-        size-independent mode every size (the engine's fallback would not be
-        size-independent; the library chunks long messages)."""
+        refusal is counted as ``declined``). Below ``max_size`` bytes, and
+        not where the communicator's plan for the size is NCCL's (the
+        engine's own path then runs); in size-independent mode every size
+        (the engine's fallback would not be size-independent; the library
+        chunks long messages)."""
         ok = self._eligible(inp)
         if not ok and not self.disabled:
             self.counters["declined"] += 1
         return ok
 
-    def _eligible(self, inp) -> bool:
+    def _eligible(self, inp, nccl_check=True) -> bool:
         if self.disabled or self.comm is None:
             return False
         if not self.size_independent and self._runtime.nbytes(inp) >= self.max_size:
             return False
-        return self._runtime.ineligible(inp, self.device) is None
+        if self._runtime.ineligible(inp, self.device) is not None:
+            return False
+        return not (nccl_check and self._plan_is_nccl("allreduce", self._runtime.nbytes(inp), inp))
+
+    def _plan_is_nccl(self, what, size, inp):
+        """Whether the communicator would run NCCL's path for this call
+        (``what``: ``"allreduce"`` of ``size`` bytes, ``"fused"`` of ``size
+        = (rows, hidden)``, ``"all-gather"`` / ``"reduce-scatter"`` of
+        ``size`` bytes a rank): then the engine's own path is at least as
+        fast, and the adapter declines. Never in size-independent mode (the
+        engine's path would not be size-independent). The plan is fixed once
+        the communicator is built (measured ``auto`` runs at construction,
+        rank 0's table on every rank), so the answer is remembered per
+        (what, size, dtype, capturing) and is the same on every rank."""
+        if self.size_independent:
+            return False
+        rt = self._runtime
+        dtype = rt.dtype(inp)
+        key = (what, size, dtype, bool(rt.capturing()))
+        known = self._nccl_plans.get(key)
+        if known is None:
+            known = self._ask_plan(what, size, dtype, key[3]) == NCCL
+            if len(self._nccl_plans) >= PLAN_CACHE_ENTRIES:
+                self._nccl_plans.clear()
+            self._nccl_plans[key] = known
+        return known
+
+    def _ask_plan(self, what, size, dtype, capturing):
+        """The algorithm name of the communicator's plan, or ``None`` where
+        it has no such plan (the call is then taken, as before plans)."""
+        comm = self.comm
+        try:
+            if what == "allreduce":
+                plan = getattr(comm, "plan", None)
+                return None if plan is None else plan(size, dtype, capturing)[0]
+            if what == "fused":
+                plan = getattr(comm, "plan_fused", None)
+                return None if plan is None else plan(size[0], size[1], dtype, capturing)[0]
+            plan = getattr(comm, "plan_collective", None)
+            return None if plan is None else plan(what, size, capturing)[0]
+        except Exception as e:  # a plan is advice: never take the engine down
+            logger.warning("tp-allreduce: %s plan for %s failed (%s); taking the call", what, size, e)
+            return None
 
     @property
     def fused_runs_unfused(self) -> bool:
@@ -310,12 +375,18 @@ class CustomAllreduceAdapter:
         else the allreduce followed by a separate kernel). Returns
         ``(normed, residual)``: ``residual`` updated in place to sum +
         residual, ``normed`` a new tensor. ``None`` when this call is not for
-        us (disabled, too large, other dtypes or shapes): the engine then
+        us (disabled, too large, other dtypes or shapes, a shape whose fused
+        plan is NCCL's): the engine then
         runs its allreduce and RMSNorm itself. The decision depends only on
         shapes and dtypes, so it is the same on every rank."""
         if self.disabled:
             return None
-        if not self._eligible(input) or self._runtime.fused_ineligible(input, residual, weight) is not None:
+        rt = self._runtime
+        if (
+            not self._eligible(input, nccl_check=False)
+            or rt.fused_ineligible(input, residual, weight) is not None
+            or self._plan_is_nccl("fused", rt.fused_shape(input, weight), input)
+        ):
             self.counters["fused_declined"] += 1
             return None
         self.counters["fused"] += 1
@@ -341,28 +412,43 @@ class CustomAllreduceAdapter:
         nbytes = self._runtime.nbytes(inp)
         return nbytes == 0 or nbytes % 16 != 0
 
+    def gather_eligible(self, inp) -> bool:
+        """Whether ``gather_rows(inp)`` is for us: a float tensor of whole
+        16-byte words, the gathered result within ``max_size`` (any size in
+        size-independent mode), and not a size the communicator's plan
+        gives NCCL's ring (the engine's own all-gather then runs)."""
+        if not self.has_all_gather() or self._collective_ineligible(inp):
+            return False
+        nbytes = self._runtime.nbytes(inp)
+        if nbytes * self.world_size > self.max_size and not self.size_independent:
+            return False
+        return not self._plan_is_nccl("all-gather", nbytes, inp)
+
     def gather_rows(self, inp):
         """``inp`` of every rank stacked along dimension 0 in rank order
-        (shape ``(world * n, ...)``), or None when not for us."""
-        if not self.has_all_gather() or self._collective_ineligible(inp):
-            return None
-        if self._runtime.nbytes(inp) * self.world_size > self.max_size and not self.size_independent:
+        (shape ``(world * n, ...)``), or None when not for us
+        (``gather_eligible``)."""
+        if not self.gather_eligible(inp):
             return None
         self.counters["all_gather"] += 1
         return self._runtime.rows_view(self.comm.all_gather(inp), inp, self.world_size, 1)
 
+    def scatter_eligible(self, inp) -> bool:
+        """Whether ``scatter_rows(inp)`` is for us: rows divisible by the
+        world size, a share of whole 16-byte words, at most ``max_size``
+        bytes, and not a size the communicator's plan gives NCCL's ring."""
+        if not self.has_reduce_scatter() or self._collective_ineligible(inp):
+            return False
+        rows = self._runtime.rows(inp)
+        nbytes = self._runtime.nbytes(inp)
+        if rows % self.world_size != 0 or (nbytes // self.world_size) % 16 != 0 or nbytes > self.max_size:
+            return False
+        return not self._plan_is_nccl("reduce-scatter", nbytes // self.world_size, inp)
+
     def scatter_rows(self, inp):
         """Rank r's share (rows ``r * n / world`` to ``(r + 1) * n / world``)
-        of the sum over ranks, or None when not for us (rows not divisible by
-        the world size, or a share not a multiple of 16 bytes)."""
-        if not self.has_reduce_scatter() or self._collective_ineligible(inp):
-            return None
-        rows = self._runtime.rows(inp)
-        if rows % self.world_size != 0:
-            return None
-        if (self._runtime.nbytes(inp) // self.world_size) % 16 != 0:
-            return None
-        if self._runtime.nbytes(inp) > self.max_size:
+        of the sum over ranks, or None when not for us (``scatter_eligible``)."""
+        if not self.scatter_eligible(inp):
             return None
         self.counters["reduce_scatter"] += 1
         return self._runtime.rows_view(self.comm.reduce_scatter(inp), inp, 1, self.world_size)

@@ -111,7 +111,7 @@ class TpAllreduceCustomAllreduce(CustomAllreduceAdapter):
 
     # SGLang's custom all-gather surface (aiter's names and signature).
     def should_custom_ag(self, inp) -> bool:
-        return self.has_all_gather() and not self._collective_ineligible(inp)
+        return self.gather_eligible(inp)
 
     def _gather_into(self, inp, out):
         got = self.gather_rows(inp)
@@ -136,7 +136,8 @@ class TpAllreduceCustomAllreduce(CustomAllreduceAdapter):
         on it: ``flashinfer_preserves_residual``). ``None`` when not for us."""
         if self.disabled:
             return None
-        if not self._eligible(input) or self._runtime.fused_ineligible(input, residual, weight) is not None:
+        # The fused plan (NCCL's or not) is asked by `fused_allreduce_rmsnorm`.
+        if not self._eligible(input, nccl_check=False) or self._runtime.fused_ineligible(input, residual, weight) is not None:
             self.counters["fused_declined"] += 1
             return None
         return self.fused_allreduce_rmsnorm(input, self._runtime.clone(residual), weight, eps)

@@ -86,7 +86,7 @@ class TpAllreduceVllmCustomAllreduce(CustomAllreduceAdapter):
                 logger.warning("tp-allreduce: NVLink topology query failed (%s); fully_connected = False", e)
 
     def should_custom_all_gather(self, inp) -> bool:
-        return self.has_all_gather() and not self._collective_ineligible(inp)
+        return self.gather_eligible(inp)
 
     def custom_all_gather(self, inp):
         """vLLM's ``CustomAllreduce.custom_all_gather``: ``inp`` of every
@@ -100,7 +100,7 @@ class TpAllreduceVllmCustomAllreduce(CustomAllreduceAdapter):
     def custom_reduce_scatter_eligible(self, inp) -> bool:
         # vLLM's own class never reduce-scatters under batch invariance (its
         # backends switch with the size); neither do we, so vLLM's own path runs.
-        return not self.batch_invariant and self.has_reduce_scatter()
+        return not self.batch_invariant and self.scatter_eligible(inp)
 
     def custom_reduce_scatter(self, inp):
         """vLLM's ``CustomAllreduce.custom_reduce_scatter``: this rank's
