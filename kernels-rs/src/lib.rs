@@ -18,6 +18,7 @@
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch))]
 
+pub mod escape;
 pub mod ids;
 pub mod layout;
 pub mod params;

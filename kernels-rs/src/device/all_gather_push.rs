@@ -42,7 +42,7 @@
 //! included) written to it in that launch, so between launches every word
 //! of the region is EMPTY and the halves alternate identically everywhere.
 //!
-//! Bits: an all-gather is a copy, so every bit pattern arrives unchanged,
+//! Bits (`crate::escape`): an all-gather is a copy, so every bit pattern arrives unchanged,
 //! whatever the dtype (the kernel moves 32-bit words; the dtype only
 //! decides the tail). A word equal to EMPTY cannot travel as itself (it
 //! means "not arrived"), so EMPTY and ESCAPE words travel as ESCAPE and the
@@ -55,12 +55,13 @@
 //! is safe: the thread that writes a pack of the own block is the one that
 //! read it.
 
-use super::pack::{aligned16, any_word_empty, Element, Pack, ZERO_PACK};
+use super::pack::{aligned16, any_word_empty, Element, ZERO_PACK};
 use super::ptx;
 use super::sentinel::{self, Trace};
+use crate::escape::{any_escaped, escape, unescape};
 use crate::for_each_rank;
 use crate::ids::AlgorithmId;
-use crate::layout::{ErrorRecord, ALL_GATHER_ESCAPE_WORD, MAX_RANKS, SENTINEL_EMPTY_WORD};
+use crate::layout::{ErrorRecord, MAX_RANKS, SENTINEL_EMPTY_WORD};
 use crate::params::{one_shot_push_source, Control, GatherScatterParams, RegionId, FLAG_TRACE};
 use crate::partition::div_ceil;
 
@@ -70,43 +71,6 @@ use super::island_push::{load_message_pack, store_message_pack};
 /// kernel fits the sentinel kernels' budget of 64 registers (1024-thread
 /// blocks) without spilling.
 const POLL_GROUP: usize = crate::params::ISLAND_PUSH_GROUP;
-
-/// The pack as it travels and its escape word: EMPTY and ESCAPE words
-/// become ESCAPE; the mask has bit k set where word k was EMPTY. `None`:
-/// no word escaped (no escape word to send).
-#[inline(always)]
-fn escape(pack: Pack) -> (Pack, Option<u32>) {
-    let mut out = pack;
-    let mut escaped = false;
-    let mut mask = 0u32;
-    for (k, word) in out.iter_mut().enumerate() {
-        if *word == SENTINEL_EMPTY_WORD || *word == ALL_GATHER_ESCAPE_WORD {
-            escaped = true;
-            mask |= ((*word == SENTINEL_EMPTY_WORD) as u32) << k;
-            *word = ALL_GATHER_ESCAPE_WORD;
-        }
-    }
-    (out, if escaped { Some(mask) } else { None })
-}
-
-/// Whether a pack as it arrived has escaped words.
-#[inline(always)]
-fn any_escaped(pack: &Pack) -> bool {
-    pack.iter().any(|&w| w == ALL_GATHER_ESCAPE_WORD)
-}
-
-/// The words of an arrived pack as they were sent: ESCAPE words whose bit
-/// in the escape word's `mask` is set were EMPTY.
-#[inline(always)]
-fn unescape(pack: Pack, mask: u32) -> Pack {
-    let mut out = pack;
-    for (k, word) in out.iter_mut().enumerate() {
-        if *word == ALL_GATHER_ESCAPE_WORD && mask & (1 << k) != 0 {
-            *word = SENTINEL_EMPTY_WORD;
-        }
-    }
-    out
-}
 
 #[inline(always)]
 unsafe fn all_gather_push<E: Element>(p: GatherScatterParams) {
