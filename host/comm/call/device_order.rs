@@ -43,6 +43,28 @@ use cudarc::driver::{sys, CudaContext};
 use crate::driver::Event;
 use crate::error::{Error, Result};
 
+/// What a turn does with a rank's event: a CUDA event (`driver::Event`),
+/// or in the CPU tests a stand-in that logs.
+pub(crate) trait TurnEvent: Send + Sync {
+    /// # Safety
+    /// `stream` is a live stream of the event's device.
+    unsafe fn record(&self, stream: sys::CUstream) -> Result<()>;
+    /// # Safety
+    /// As `record`.
+    unsafe fn wait(&self, stream: sys::CUstream) -> Result<()>;
+}
+
+impl TurnEvent for Event {
+    unsafe fn record(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { Event::record(self, stream) }
+    }
+    unsafe fn wait(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { Event::wait(self, stream) }
+    }
+}
+
 /// A rank's place in its device's turns: registered at construction,
 /// removed when dropped.
 pub(crate) struct DeviceTurn {
@@ -50,7 +72,7 @@ pub(crate) struct DeviceTurn {
     member: u64,
     /// Recorded on the call's stream right after each eager call's
     /// launches; what the next communicator's ranks wait for.
-    event: Arc<Event>,
+    event: Arc<dyn TurnEvent>,
     timeout: Duration,
 }
 
@@ -68,7 +90,7 @@ struct TurnState {
     owner: Option<usize>,
     /// The owner's previous owner's last launches, one event per rank
     /// (alive as long as a waiter may need them).
-    handoff: Vec<Arc<Event>>,
+    handoff: Vec<Arc<dyn TurnEvent>>,
 }
 
 struct Member {
@@ -78,7 +100,7 @@ struct Member {
     /// Whether the next call must wait for `handoff` first (set for every
     /// rank of a communicator when it takes the device).
     waits_for_handoff: bool,
-    event: Arc<Event>,
+    event: Arc<dyn TurnEvent>,
 }
 
 impl TurnState {
@@ -117,9 +139,14 @@ impl DeviceTurn {
     /// Registers a rank of communicator `group` (an identity shared by the
     /// ranks of one communicator in this process) on `ctx`'s device.
     pub(crate) fn register(ctx: &Arc<CudaContext>, group: usize, timeout: Duration) -> Result<DeviceTurn> {
+        let event: Arc<dyn TurnEvent> = Arc::new(Event::new(ctx)?);
+        Ok(Self::register_with(ctx.cu_device(), group, event, timeout))
+    }
+
+    /// [`register`](Self::register) on device `device` with `event`.
+    fn register_with(device: i32, group: usize, event: Arc<dyn TurnEvent>, timeout: Duration) -> DeviceTurn {
         static NEXT: AtomicU64 = AtomicU64::new(1);
-        let event = Arc::new(Event::new(ctx)?);
-        let device = lock(devices()).entry(ctx.cu_device()).or_default().clone();
+        let device = lock(devices()).entry(device).or_default().clone();
         let member = NEXT.fetch_add(1, Ordering::Relaxed);
         {
             let mut s = lock(&device.state);
@@ -129,7 +156,7 @@ impl DeviceTurn {
             let issued = s.members.values().filter(|m| m.group == group).map(|m| m.issued).max().unwrap_or(0);
             s.members.insert(member, Member { group, issued, waits_for_handoff: false, event: event.clone() });
         }
-        Ok(DeviceTurn { device, member, event, timeout })
+        DeviceTurn { device, member, event, timeout }
     }
 
     /// Runs `launch` (an eager call's launches on `stream`) in this
@@ -151,7 +178,7 @@ impl DeviceTurn {
                     if settled(&s.calls_issued(owner)) {
                         // Take the device: every rank of this communicator
                         // waits for the owner's last launches first.
-                        let handoff: Vec<Arc<Event>> =
+                        let handoff: Vec<Arc<dyn TurnEvent>> =
                             s.members.values().filter(|m| m.group == owner).map(|m| m.event.clone()).collect();
                         for m in s.members.values_mut().filter(|m| m.group == group) {
                             m.waits_for_handoff = true;
@@ -230,5 +257,119 @@ mod tests {
         assert!(!settled(&[4, 3, 4]), "one rank is still to issue call 4");
         assert_eq!(progress(&[4, 3, 4]), (4, 1, 3));
         assert_eq!(progress(&[]), (0, 0, 0));
+    }
+
+    /// A stand-in event: logs "<name> recorded" / "<stream> waits for
+    /// <name>" (a stream is a number here) into a shared log.
+    struct LoggedEvent {
+        name: &'static str,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl TurnEvent for LoggedEvent {
+        unsafe fn record(&self, stream: sys::CUstream) -> Result<()> {
+            lock(&self.log).push(format!("{} recorded on {}", self.name, stream as usize));
+            Ok(())
+        }
+        unsafe fn wait(&self, stream: sys::CUstream) -> Result<()> {
+            lock(&self.log).push(format!("{} waits for {}", stream as usize, self.name));
+            Ok(())
+        }
+    }
+
+    /// A device key no other test uses (the registry is process-wide).
+    fn fresh_device() -> i32 {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        -(NEXT.fetch_add(1, Ordering::Relaxed) as i32) - 1000
+    }
+
+    fn rank(device: i32, group: usize, name: &'static str, log: &Arc<Mutex<Vec<String>>>, timeout_ms: u64) -> DeviceTurn {
+        let event: Arc<dyn TurnEvent> = Arc::new(LoggedEvent { name, log: log.clone() });
+        DeviceTurn::register_with(device, group, event, Duration::from_millis(timeout_ms))
+    }
+
+    /// One call of `turn` on stream `stream`, logging "launch <what>".
+    fn call(turn: &DeviceTurn, stream: usize, what: &str, log: &Arc<Mutex<Vec<String>>>) -> Result<()> {
+        // SAFETY: the logged events take any number as a stream.
+        unsafe {
+            turn.eager(stream as sys::CUstream, || {
+                lock(log).push(format!("launch {what}"));
+                Ok(())
+            })
+        }
+    }
+
+    fn taken(log: &Arc<Mutex<Vec<String>>>) -> Vec<String> {
+        std::mem::take(&mut *lock(log))
+    }
+
+    #[test]
+    fn the_next_communicator_waits_for_every_rank_of_the_previous_one() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let d = fresh_device();
+        let (a0, a1) = (rank(d, 1, "a0", &log, 1000), rank(d, 1, "a1", &log, 1000));
+        let b0 = rank(d, 2, "b0", &log, 1000);
+        call(&a0, 10, "A0", &log).unwrap();
+        call(&a1, 11, "A1", &log).unwrap();
+        assert_eq!(taken(&log), ["launch A0", "a0 recorded on 10", "launch A1", "a1 recorded on 11"], "one communicator: no waits");
+        call(&b0, 20, "B0", &log).unwrap();
+        let mut got = taken(&log);
+        got[..2].sort();
+        assert_eq!(got, ["20 waits for a0", "20 waits for a1", "launch B0", "b0 recorded on 20"]);
+        // A's next call waits for B's launches, on each of A's ranks once.
+        call(&a0, 10, "A0'", &log).unwrap();
+        call(&a1, 11, "A1'", &log).unwrap();
+        call(&a0, 10, "A0''", &log).unwrap();
+        assert_eq!(
+            taken(&log),
+            [
+                "10 waits for b0",
+                "launch A0'",
+                "a0 recorded on 10",
+                "11 waits for b0",
+                "launch A1'",
+                "a1 recorded on 11",
+                "launch A0''",
+                "a0 recorded on 10"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_call_waits_on_the_host_until_the_previous_call_is_issued_on_every_rank() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let d = fresh_device();
+        let (a0, a1) = (rank(d, 1, "a0", &log, 5000), rank(d, 1, "a1", &log, 5000));
+        let b0 = rank(d, 2, "b0", &log, 5000);
+        call(&a0, 10, "A0", &log).unwrap();
+        std::thread::scope(|scope| {
+            let b = scope.spawn(|| call(&b0, 20, "B0", &log));
+            std::thread::sleep(Duration::from_millis(200));
+            assert!(!lock(&log).iter().any(|l| l == "launch B0"), "B launched before A's call was issued on a1");
+            call(&a1, 11, "A1", &log).unwrap();
+            b.join().unwrap().unwrap();
+        });
+        let got = taken(&log);
+        let at = |what: &str| got.iter().position(|l| l == what).unwrap_or_else(|| panic!("{what} missing: {got:?}"));
+        assert!(at("a1 recorded on 11") < at("20 waits for a1") && at("20 waits for a1") < at("launch B0"), "{got:?}");
+    }
+
+    #[test]
+    fn a_turn_that_never_comes_is_an_error_that_says_why_and_a_dropped_rank_settles_its_group() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let d = fresh_device();
+        let (a0, a1) = (rank(d, 1, "a0", &log, 300), rank(d, 1, "a1", &log, 300));
+        let b0 = rank(d, 2, "b0", &log, 300);
+        call(&a0, 10, "A0", &log).unwrap();
+        let started = Instant::now();
+        let e = call(&b0, 20, "B0", &log).expect_err("a1 never issues its call");
+        assert!(started.elapsed() >= Duration::from_millis(300), "the wait is the launch timeout");
+        let msg = e.to_string();
+        assert!(msg.contains("1 of its 2 ranks") && msg.contains("take turns"), "{msg}");
+        assert!(!lock(&log).iter().any(|l| l == "launch B0"));
+        // a1 goes away: A is settled, B's next call runs.
+        drop(a1);
+        call(&b0, 20, "B0", &log).unwrap();
+        assert!(lock(&log).iter().any(|l| l == "launch B0"));
     }
 }
