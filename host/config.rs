@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Algorithm, Transport};
 use crate::env;
-pub use crate::select::measured::AutoMeasure;
+pub use crate::select::measured::mode::AutoMeasure;
 
 /// Which transport to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]

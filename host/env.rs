@@ -347,7 +347,7 @@ pub fn tuning_file(fingerprint: &str, world: usize) -> Option<PathBuf> {
 }
 
 /// `TP_ALLREDUCE_AUTO_MEASURE`, if set.
-pub fn auto_measure() -> Result<Option<crate::select::measured::AutoMeasure>> {
+pub fn auto_measure() -> Result<Option<crate::select::measured::mode::AutoMeasure>> {
     var(AUTO_MEASURE)
         .map(|v| v.parse().map_err(|why| Error::invalid(format!("{AUTO_MEASURE}: {why}"))))
         .transpose()

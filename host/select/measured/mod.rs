@@ -40,15 +40,13 @@
 #![forbid(unsafe_code)]
 
 pub mod cache;
+pub(crate) mod mode;
 pub mod shapes;
 #[cfg(test)]
 mod tests;
 
-use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use tp_allreduce_kernels::ids::DType;
 
 use crate::algorithm::{Algorithm, Transport};
@@ -59,46 +57,7 @@ use crate::select::topology::Topology;
 use crate::select::tuning::{Measurement, TuningMeta, TuningTable};
 
 pub use cache::{CacheKey, CacheRead, MeasuredCache, WriteOutcome};
-
-/// Whether and how much a communicator measures at start.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum AutoMeasure {
-    /// The cost model (or a `tune` table) decides; nothing is measured.
-    Off,
-    /// The bounded default sweep ([`Sweep::for_mode`]).
-    #[default]
-    On,
-    /// Every applicable algorithm at every `tune` size, more replays.
-    Full,
-}
-
-impl AutoMeasure {
-    pub fn name(self) -> &'static str {
-        match self {
-            AutoMeasure::Off => "off",
-            AutoMeasure::On => "on",
-            AutoMeasure::Full => "full",
-        }
-    }
-}
-
-impl fmt::Display for AutoMeasure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for AutoMeasure {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<AutoMeasure, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "off" | "0" | "model" => Ok(AutoMeasure::Off),
-            "on" | "1" | "" => Ok(AutoMeasure::On),
-            "full" => Ok(AutoMeasure::Full),
-            other => Err(format!("`{other}`: expected off, on or full")),
-        }
-    }
-}
+pub use mode::AutoMeasure;
 
 /// What one measurement pass covers.
 #[derive(Clone, Debug, PartialEq)]
