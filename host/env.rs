@@ -9,7 +9,7 @@
 //! | `TP_ALLREDUCE_ALGORITHM` | force an algorithm for every call: `one-shot-pull`, `two-shot-pull`, `one-shot-push`, `two-shot-push`, `ring`, `hierarchical`, `copy-engine-ring`, `nccl`; `auto` = the selection | `auto` |
 //! | `TP_ALLREDUCE_TOPOLOGY` | model with this embedded topology instead of discovering the machine (communicators and `plan`) | discovery |
 //! | `TP_ALLREDUCE_TUNING_FILE` | tuning table to load (TOML, see `select::tuning`) | `$XDG_CACHE_HOME/tp-allreduce/tuning-<fingerprint>-w<world>.toml` |
-//! | `TP_ALLREDUCE_AUTO_MEASURE` | measured `auto` at communicator start: `off` (the cost model, or a `tune` table), `on` (bounded sweep, cached), `full` (every algorithm at every `tune` size) | `on` |
+//! | `TP_ALLREDUCE_AUTO_MEASURE` | measured `auto` at communicator start: `off` (the cost model, or a `tune` table), `on` (bounded sweep, cached), `full` (every algorithm at every `tune` size) | `off` (until measured `auto` has run on a GPU) |
 //! | `TP_ALLREDUCE_MEASURE_DTYPES` | dtypes measured at communicator start, by `,` (`bf16,f16`) | `bf16` |
 //! | `TP_ALLREDUCE_CACHE_DIR` | where measured tables are cached | `$XDG_CACHE_HOME/tp-allreduce`, else `~/.cache/tp-allreduce` |
 //! | `TP_ALLREDUCE_TRANSPORT` | force the transport: `p2p`, `host-staged` or `per-pair` (P2P inside islands, host-staged across) | auto (P2P if every pair passes the check) |
@@ -101,7 +101,7 @@ pub const VARS: &[EnvVar] = &[
     EnvVar {
         name: AUTO_MEASURE,
         meaning: "measured auto at communicator start: off (model or tune table), on (bounded sweep, cached), full",
-        default: "on",
+        default: "off",
     },
     EnvVar { name: MEASURE_DTYPES, meaning: "dtypes measured at communicator start, by `,`", default: "bf16" },
     EnvVar {

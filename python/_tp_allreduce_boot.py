@@ -70,9 +70,16 @@ class _SglangTrigger:
             return None
         self._busy = True
         try:
-            sys.meta_path.remove(self)
+            try:
+                sys.meta_path.remove(self)
+            except ValueError:
+                # Another thread's import got here first and installed the hook.
+                return None
             hook = _install_sglang_hook()
             return None if hook is None else hook.PatchingFinder_for(fullname, path, target)
+        except Exception as e:  # never break the program's own import
+            _warn_once("TP_ALLREDUCE_SGLANG=1", e)
+            return None
         finally:
             self._busy = False
 

@@ -36,7 +36,16 @@ impl AlgorithmHost for AllGatherPush {
     }
 
     fn requirement(&self, caps: &Capabilities, _bytes: Option<usize>) -> Result<(), String> {
-        one_shot_push_region(caps)
+        one_shot_push_region(caps)?;
+        // A launch's packs and their escape words share a slot: a slot of
+        // one pack holds no launch.
+        if all_gather_launch_packs((caps.one_shot_push_max_bytes / PACK_BYTES) as u64) == 0 {
+            return Err(format!(
+                "one-shot push's receive slots ({} bytes) are too small for the all-gather's packs and escape words",
+                caps.one_shot_push_max_bytes
+            ));
+        }
+        Ok(())
     }
 
     fn launch_capacity_packs(&self, g: &Geometry) -> u64 {

@@ -98,8 +98,8 @@ impl Comm {
             selection.constraints(),
         );
         // The ranks of one communicator in this process share its local
-        // group: its address names the communicator in the device's turns.
-        let group_identity = setup.local_group.as_ref().map_or(0, |g| Arc::as_ptr(g) as usize);
+        // group: its id names the communicator in the device's turns.
+        let group_identity = setup.local_group.as_ref().map_or(0, |g| g.id());
         let device_turn = super::call::DeviceTurn::register(&ctx, group_identity, config.launch_timeout)?;
         let watchdog = super::watchdog::Watchdog::start(&ctx, setup.watched_peers.clone(), setup.abort_targets(rank))?;
         log::info!(

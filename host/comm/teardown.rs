@@ -59,6 +59,8 @@ pub(crate) struct Departed {
 /// The ranks of one communicator in this process.
 pub(crate) struct LocalGroup {
     job: String,
+    /// Unique in the process for its lifetime (never reused).
+    id: usize,
     /// Some rank runs in another process: the last one out meets them.
     cross_process: bool,
     departed: Mutex<Vec<Departed>>,
@@ -77,12 +79,20 @@ pub(crate) fn join(job: &str, cross_process: bool) -> Arc<LocalGroup> {
     if let Some(group) = groups.iter().filter_map(Weak::upgrade).find(|g| g.job == job) {
         return group;
     }
-    let group = Arc::new(LocalGroup { job: job.to_string(), cross_process, departed: Mutex::new(Vec::new()) });
+    static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+    let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let group = Arc::new(LocalGroup { job: job.to_string(), id, cross_process, departed: Mutex::new(Vec::new()) });
     groups.push(Arc::downgrade(&group));
     group
 }
 
 impl LocalGroup {
+    /// An identity of the communicator in this process that no other
+    /// communicator of the process ever has (unlike an address).
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
     /// Whether the last rank to leave meets ranks of other processes.
     pub fn meets_other_processes(&self) -> bool {
         self.cross_process

@@ -9,7 +9,10 @@
 //! kernel cannot start, because group B's kernels hold the rest while they
 //! wait for B's. On one GPU shared by both groups' ranks that is a deadlock;
 //! across GPUs too (A waits on GPU 0 for GPU 1, where B holds the SMs
-//! waiting for GPU 0).
+//! waiting for GPU 0). The turns below are per GPU: across GPUs they hold
+//! when every rank issues the calls of different communicators in the same
+//! order (NCCL's rule too); GPU 0 taking A then B while GPU 1 takes B then A
+//! is a cycle no ordering on one GPU can break.
 //!
 //! So eager calls of different communicators on one device are issued in
 //! turns, as NCCL's implicit launch order does: the device belongs to one
@@ -100,12 +103,21 @@ struct Member {
     /// Whether the next call must wait for `handoff` first (set for every
     /// rank of a communicator when it takes the device).
     waits_for_handoff: bool,
+    /// Between taking its turn and the end of its launches (the device's
+    /// lock is not held meanwhile).
+    launching: bool,
     event: Arc<dyn TurnEvent>,
 }
 
 impl TurnState {
     fn calls_issued(&self, group: usize) -> Vec<u64> {
         self.members.values().filter(|m| m.group == group).map(|m| m.issued).collect()
+    }
+
+    /// Whether `group` has nothing left to queue here: no rank launching,
+    /// every rank at the same call.
+    fn settled(&self, group: usize) -> bool {
+        !self.members.values().any(|m| m.group == group && m.launching) && settled(&self.calls_issued(group))
     }
 }
 
@@ -154,7 +166,7 @@ impl DeviceTurn {
             // where they are (construction is collective: they have issued
             // nothing yet, but keep the count consistent regardless).
             let issued = s.members.values().filter(|m| m.group == group).map(|m| m.issued).max().unwrap_or(0);
-            s.members.insert(member, Member { group, issued, waits_for_handoff: false, event: event.clone() });
+            s.members.insert(member, Member { group, issued, waits_for_handoff: false, launching: false, event: event.clone() });
         }
         DeviceTurn { device, member, event, timeout }
     }
@@ -175,7 +187,7 @@ impl DeviceTurn {
         loop {
             match s.owner {
                 Some(owner) if owner != group => {
-                    if settled(&s.calls_issued(owner)) {
+                    if s.settled(owner) {
                         // Take the device: every rank of this communicator
                         // waits for the owner's last launches first.
                         let handoff: Vec<Arc<dyn TurnEvent>> =
@@ -190,6 +202,13 @@ impl DeviceTurn {
                     let waited = started.elapsed();
                     if waited >= self.timeout {
                         let (calls, behind, ranks) = progress(&s.calls_issued(owner));
+                        // Counted as issued (nothing launched): this
+                        // communicator's ranks stay in step with each other.
+                        if let Some(m) = s.members.get_mut(&self.member) {
+                            m.issued += 1;
+                        }
+                        drop(s);
+                        self.device.changed.notify_all();
                         return Err(Error::invalid(format!(
                             "a call waited {:.1} s for another communicator's call on this GPU to be issued on all \
                              of its ranks here ({behind} of its {ranks} ranks in this process have not issued call \
@@ -212,25 +231,39 @@ impl DeviceTurn {
                 }
             }
         }
-        let wait_first = s.members.get_mut(&self.member).map(|m| std::mem::take(&mut m.waits_for_handoff));
+        // This rank's turn. While it launches, its communicator is not
+        // settled, so no other communicator takes the device; the lock is
+        // released meanwhile (a launch may block on the host: a full launch
+        // queue, NCCL connecting to its peers on a first call).
+        let handoff = match s.members.get_mut(&self.member) {
+            Some(m) => {
+                m.launching = true;
+                std::mem::take(&mut m.waits_for_handoff)
+            }
+            None => false,
+        };
+        let handoff: Vec<Arc<dyn TurnEvent>> = if handoff { s.handoff.clone() } else { Vec::new() };
+        drop(s);
         let mut result = Ok(());
-        if wait_first == Some(true) {
-            for e in &s.handoff {
-                // SAFETY: `stream` is live (contract); the event is alive
-                // (held by the state) and of this device's context family.
-                if let Err(err) = unsafe { e.wait(stream) } {
-                    result = Err(err);
-                    break;
-                }
+        for e in &handoff {
+            // SAFETY: `stream` is live (contract); the event is alive (held
+            // here) and of this device.
+            if let Err(err) = unsafe { e.wait(stream) } {
+                result = Err(err);
+                break;
             }
         }
-        // The launches run under the device's lock: a second communicator
-        // cannot slip its launches in between the wait above and ours.
+        let waited = result.is_ok();
         let result = result.and_then(|()| launch());
         // SAFETY: as above.
         let recorded = unsafe { self.event.record(stream) };
+        let mut s = lock(&self.device.state);
         if let Some(m) = s.members.get_mut(&self.member) {
+            m.launching = false;
+            // Counted whatever happened: the ranks stay in step.
             m.issued += 1;
+            // A failed wait is owed again by the next call.
+            m.waits_for_handoff |= !handoff.is_empty() && !waited;
         }
         drop(s);
         self.device.changed.notify_all();
@@ -371,5 +404,46 @@ mod tests {
         drop(a1);
         call(&b0, 20, "B0", &log).unwrap();
         assert!(lock(&log).iter().any(|l| l == "launch B0"));
+    }
+
+    /// A launch may block on the host (NCCL connecting to its peers on a
+    /// first call, a full launch queue): the device's lock is not held
+    /// meanwhile, so another rank of the same communicator launches (here
+    /// a0's launch waits for a1's), and another communicator still waits
+    /// for its turn until a0's launch is over.
+    #[test]
+    fn a_launch_that_blocks_on_the_host_holds_the_turn_but_not_the_lock() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let d = fresh_device();
+        let (a0, a1) = (rank(d, 1, "a0", &log, 5000), rank(d, 1, "a1", &log, 5000));
+        let b0 = rank(d, 2, "b0", &log, 5000);
+        call(&b0, 20, "B0", &log).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|scope| {
+            let (a0, log) = (&a0, &log);
+            let blocked = scope.spawn(move || {
+                // SAFETY: the logged events take any number as a stream.
+                unsafe {
+                    a0.eager(10 as sys::CUstream, || {
+                        rx.recv_timeout(Duration::from_secs(3))
+                            .map_err(|_| Error::invalid("a1 could not launch while a0's launch blocked"))?;
+                        lock(log).push("launch A0".into());
+                        Ok(())
+                    })
+                }
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            let b = scope.spawn(|| call(&b0, 20, "B0'", log));
+            std::thread::sleep(Duration::from_millis(100));
+            call(&a1, 11, "A1", log).unwrap();
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(!lock(log).iter().any(|l| l == "launch B0'"), "B took the device while a0 was launching");
+            tx.send(()).unwrap();
+            blocked.join().unwrap().unwrap();
+            b.join().unwrap().unwrap();
+        });
+        let got = taken(&log);
+        let at = |what: &str| got.iter().position(|l| l == what).unwrap_or_else(|| panic!("{what} missing: {got:?}"));
+        assert!(at("launch A1") < at("launch A0") && at("launch A0") < at("launch B0'"), "{got:?}");
     }
 }

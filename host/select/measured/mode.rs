@@ -10,9 +10,11 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AutoMeasure {
     /// The cost model (or a `tune` table) decides; nothing is measured.
+    /// The default until measured `auto` has run on a GPU (it has only run
+    /// in CPU tests so far).
+    #[default]
     Off,
     /// The bounded default sweep (`Sweep::for_mode`).
-    #[default]
     On,
     /// Every applicable algorithm at every `tune` size, more replays.
     Full,
