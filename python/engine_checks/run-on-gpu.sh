@@ -101,7 +101,7 @@ export PYTHONPATH="$harness:$ROOT/python/engine_checks/stubs/path${PYTHONPATH:+:
 cd "$harness" || exit 1
 extra=()
 [[ $dry == 1 ]] && extra=(--dry-run)
-limit=$((dry == 1 ? 3000 : 480))
+limit=$((dry == 1 ? 3000 : 540))
 timeout "$limit" "$work/venv-${names[-1]}/bin/python" -m engine_checks.run_checks "$out" --world 2 \
     "${pythons[@]}" "${extra[@]}"
 status=$?
