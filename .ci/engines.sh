@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The engine harness's CPU part (python/engine_checks/README.md, "Dry run"):
-# the real SGLang 0.5.23 and vLLM 0.33.0 Python packages, trimmed and
+# the real SGLang 0.5.23, vLLM 0.33.0 and vLLM 0.34.0 Python packages, trimmed and
 # carried as for the GPU machine, installed with tp-allreduce's wheel by pip
 # (its .pth hook and vLLM's entry-point plugin active as users get them),
 # with the listed stubs; then `run-on-gpu.sh WHEEL_DIR --dry-run`: every
@@ -99,7 +99,7 @@ BASE_PYTHON="$base/bin/python" CARRY="$prep/carry" OUT="$out" \
 if [[ $rc -eq 124 ]]; then
     echo "engines: error: the dry run ran past 1500 s (killed)" >&2
 fi
-# run_checks' count ("35 passed, 0 failed, 0 not run"); none means the checks
+# run_checks' count ("65 passed, 0 failed, 0 not run"); none means the checks
 # never ran to the end: a failure whatever the exit status.
 count=$(grep -aE '^[0-9]+ passed, [0-9]+ failed, [0-9]+ not run$' "$out/run-on-gpu.log" | tail -n 1 || true)
 if [[ -z "$count" ]]; then

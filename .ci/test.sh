@@ -186,8 +186,9 @@ step python python_tests
 # the GPU machine, pip-installed with the wheel just built (its .pth hook,
 # vLLM's entry-point plugin) on torch 2.11, then run-on-gpu.sh --dry-run:
 # the checked path's imports with CUDA stood in, each engine's distributed
-# setup, dispatch and teardown on CPU. ~3 minutes cold on 2 cores (a 5 GB
-# venv from PyPI into .cache/engines), ~1.5 once cached. Locally
+# setup, dispatch and teardown on CPU (SGLang; vLLM 0.33.0 and 0.34.0).
+# ~4.5 minutes cold on 2 cores (a 5 GB venv from PyPI into .cache/engines),
+# ~3.5 once cached. Locally
 # TP_ALLREDUCE_SKIP_ENGINES=1 leaves it out; CI always runs it.
 if [[ "${TP_ALLREDUCE_SKIP_ENGINES:-}" == 1 && "${CI:-}" != true ]]; then
     echo "==> [engines] SKIPPED (TP_ALLREDUCE_SKIP_ENGINES=1): CI runs it; locally: bash .ci/engines.sh"

@@ -2,7 +2,7 @@
 that imports what a run imports on the GPU machine, with CUDA and NVML
 stood in (cpu_stand_ins.py) so the engines' CUDA-gated imports happen:
 
-* every module of <engine>-seeds.txt (the checked path's modules, from
+* every module of <engine>-seeds.txt (or <engine>-<version>-seeds.txt, prepare.seeds_file) (the checked path's modules, from
   which prepare.py trimmed the carried engine wheel);
 * the check module and its own imports (``body_imports``);
 * SGLang: the .pth hook's patches, and ServerArgs as the check builds it;
@@ -18,6 +18,8 @@ import sys
 import traceback
 
 from engine_checks.common import Recorder, engine_modules, imported_distributions, raise_if
+from engine_checks.prepare import seeds_file
+from engine_checks.run_checks import EXPECT_VERSION
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,7 +43,9 @@ def run(rec, engine, mode):
         pretend_nvml()
 
     def seeds():
-        with open(os.path.join(HERE, f"{engine}-seeds.txt")) as f:
+        version = os.environ.get(EXPECT_VERSION)
+        path = seeds_file(f"{engine}-{version}" if version else engine, engine)
+        with open(path) as f:
             mods = [line.strip() for line in f if line.strip() and not line.startswith("#")]
         failed = []
         for mod in mods:
@@ -52,7 +56,7 @@ def run(rec, engine, mode):
             except BaseException as e:  # noqa: BLE001 (a module calling exit() is a finding too)
                 failed.append(f"{mod}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (at {where(e)})")
         raise_if(failed)
-        return f"{len(mods)} modules of {engine}-seeds.txt imported (CUDA stood in)"
+        return f"{len(mods)} modules of {os.path.basename(path)} imported (CUDA stood in)"
 
     rec.run("seed_modules_import", seeds)
 

@@ -21,9 +21,11 @@ Into DIR (default: .engine-wheels/ at the repository root, git-ignored):
                file name and tags as the original wheel;
              - the pinned small dependencies (pins.txt) that the GPU image
                lacks, as PyPI's manylinux wheels;
-             - <engine>.install: the wheels of one engine's venv (its own
+             - <venv>.install: the wheels of one venv (the engine's own
                and its dependencies'): SGLang and vLLM pin some packages to
-               different versions (openai), so each gets its own venv;
+               different versions (openai), so each engine gets its own
+               venv, and each pinned version of an engine its own
+               (``venvs()``: sglang, vllm-0.33.0, vllm-0.34.0);
 * MANIFEST.txt  every carried file with its size and sha256, the total.
 
 Every carried dependency is checked against the engine's own
@@ -78,6 +80,8 @@ ALSO = {
         "vllm/models/deepseek_v41/nvidia/ops/mhc.py",
         "vllm/models/deepseek_v41/nvidia/specialized_decode/logits/logits.py",
         "vllm/v1/worker/gpu_model_runner.py",
+        "vllm/v1/worker/gpu/cudagraph_utils.py",
+        "vllm/v1/worker/gpu/model_runner.py",
         "vllm/plugins/__init__.py",
     ),
 }
@@ -91,9 +95,10 @@ ENGINES = ("sglang", "vllm")
 
 
 def read_pins():
-    """{"engines": {name: version}, "deps": [(name, version, engines)]} from
-    pins.txt (a dep line names the engines whose venv gets it; none: both)."""
-    engines, deps = {}, []
+    """{"engines": [(name, version)], "deps": [(name, version, engines)]}
+    from pins.txt (an engine may be pinned in several versions; a dep line
+    names the engines whose venvs get it; none: all)."""
+    engines, deps = [], []
     with open(os.path.join(HERE, "pins.txt")) as f:
         for line in f:
             line = line.split("#", 1)[0].strip()
@@ -102,13 +107,31 @@ def read_pins():
             kind, spec, *users = line.split()
             name, version = spec.split("==")
             if kind == "engine":
-                engines[name] = version
+                engines.append((name, version))
                 continue
             unknown = set(users) - set(ENGINES)
             if kind != "dep" or unknown:
                 raise SystemExit(f"prepare: pins.txt: cannot read {line!r}")
             deps.append((name, version, tuple(users) or ENGINES))
     return {"engines": engines, "deps": deps}
+
+
+def venvs(pins):
+    """[(venv, engine, version)]: one venv per pinned engine version, named
+    after the engine, or ``<engine>-<version>`` where the engine is pinned
+    in more than one version (vLLM 0.33.0 and 0.34.0)."""
+    count = {}
+    for name, _ in pins["engines"]:
+        count[name] = count.get(name, 0) + 1
+    return [(name if count[name] == 1 else f"{name}-{version}", name, version) for name, version in pins["engines"]]
+
+
+def seeds_file(venv, engine):
+    """The modules the checked path imports for one venv:
+    ``<venv>-seeds.txt`` where a pinned version has its own list
+    (vllm-0.34.0-seeds.txt), else ``<engine>-seeds.txt``."""
+    own = os.path.join(HERE, f"{venv}-seeds.txt")
+    return own if os.path.exists(own) else os.path.join(HERE, f"{engine}-seeds.txt")
 
 
 def pip_download(specs, dest, python_version):
@@ -382,30 +405,30 @@ def main():
     if os.path.isdir(carry):
         shutil.rmtree(carry)
     os.makedirs(carry)
-    engine_wheels = {}
-    for name, version in pins["engines"].items():
+    engine_wheels = {}  # venv -> trimmed wheel
+    for venv, name, version in venvs(pins):
         try:
             find_wheel(download, name, version, pyver)
         except SystemExit:
             print(f"prepare: downloading {name}=={version}", flush=True)
             pip_download([f"{name}=={version}"], download, pyver)
         wheel = find_wheel(download, name, version, pyver)
-        out, kept, total = trimmed_wheel(wheel, name, os.path.join(HERE, f"{name}-seeds.txt"), carry)
-        engine_wheels[name] = out
+        out, kept, total = trimmed_wheel(wheel, name, seeds_file(venv, name), carry)
+        engine_wheels[venv] = out
         print(f"prepare: {os.path.basename(out)}: {kept} of {total} files carried", flush=True)
     print(f"prepare: downloading {len(pins['deps'])} pinned dependencies", flush=True)
-    for engine in ENGINES:  # one call per venv: pip refuses two versions of one name in a call
+    for engine in ENGINES:  # one call per engine: pip refuses two versions of one name in a call
         pip_download([f"{n}=={v}" for n, v, users in pins["deps"] if engine in users], carry, pyver)
     problems, report, sets = [], [], {}
-    for engine in ENGINES:
-        wheels = [engine_wheels[engine]]
+    for venv, engine, _ in venvs(pins):
+        wheels = [engine_wheels[venv]]
         wheels += [find_wheel(carry, n, v, pyver) for n, v, users in pins["deps"] if engine in users]
-        sets[engine] = sorted(os.path.basename(w) for w in wheels)
+        sets[venv] = sorted(os.path.basename(w) for w in wheels)
         bad, lines = check_install_set(engine, wheels, pyver, image)
         problems += bad
-        report += lines
-        with open(os.path.join(carry, f"{engine}.install"), "w") as f:
-            f.write("\n".join(sets[engine]) + "\n")
+        report += [line.replace(f"prepare: {engine} venv:", f"prepare: {venv} venv:", 1) for line in lines]
+        with open(os.path.join(carry, f"{venv}.install"), "w") as f:
+            f.write("\n".join(sets[venv]) + "\n")
     carried = {w for ws in sets.values() for w in ws}
     stray = sorted(f for f in os.listdir(carry) if f.endswith(".whl") and f not in carried)
     if stray:
@@ -416,7 +439,7 @@ def main():
         with open(path, "rb") as f:
             data = f.read()
         total += len(data)
-        users = ",".join(e for e in ENGINES if fn in sets[e]) or "-"
+        users = ",".join(v for v in sets if fn in sets[v]) or "-"
         lines.append(f"{len(data):>10}  {hashlib.sha256(data).hexdigest()}  {fn}  [{users}]")
     lines.append(f"{total:>10}  total ({total / (1 << 20):.1f} MiB, budget {CARRY_BUDGET / (1 << 20):.1f} MiB) in {carry}")
     with open(os.path.join(args.out, "MANIFEST.txt"), "w") as f:

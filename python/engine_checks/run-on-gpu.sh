@@ -5,15 +5,16 @@
 #
 #   bash python/engine_checks/run-on-gpu.sh WHEEL_DIR [--dry-run]
 #
-# 1. one venv per engine (SGLang and vLLM pin different versions of some
-#    packages) on /opt/torch/.venv/bin/python3 (torch 2.11; BASE_PYTHON
-#    overrides), seeing that interpreter's packages after its own; pip
-#    install --no-index --no-deps of tp-allreduce's wheel (its .pth and
-#    entry point active, as users get them) and of the wheels that
-#    carry/<engine>.install lists; the versions and a requirements report;
+# 1. one venv per carry/<venv>.install (sglang, vllm-0.33.0, vllm-0.34.0:
+#    SGLang and vLLM pin different versions of some packages, and each
+#    pinned vLLM version has its own) on /opt/torch/.venv/bin/python3
+#    (torch 2.11; BASE_PYTHON overrides), seeing that interpreter's packages
+#    after its own; pip install --no-index --no-deps of tp-allreduce's wheel
+#    (its .pth and entry point active, as users get them) and of the wheels
+#    that <venv>.install lists; the versions and a requirements report;
 # 2. MPS when there are fewer GPUs than ranks (2 ranks share GPU 0);
-# 3. the checks (run_checks.py: SGLang, vLLM switch on / off / batch
-#    invariant), each bounded, a crashed rank ending its run at once; logs
+# 3. the checks (run_checks.py: SGLang; vLLM 0.33.0 switch on / off /
+#    batch invariant; vLLM 0.34.0 on / off), each bounded, a crashed rank ending its run at once; logs
 #    and per-rank JSON under $OUT;
 # 4. MPS stopped. Exit status non-zero on any failure.
 #
@@ -38,8 +39,8 @@ start=$SECONDS
 ours=$(ls "$wheels"/tp_allreduce-*.whl | tail -1)
 [[ -f "$ours" ]] || { echo "run-on-gpu: no tp_allreduce wheel in $wheels"; exit 1; }
 
-make_venv() { # ENGINE -> $work/venv-ENGINE
-    local engine=$1 venv="$work/venv-$1" site_pkgs
+make_venv() { # VENV (sglang, vllm-0.33.0, ...) -> $work/venv-VENV
+    local name=$1 engine=${1%%-*} venv="$work/venv-$1" site_pkgs
     "$base" -m venv "$venv" || return 1
     # The packages the base interpreter sees (/opt/torch/.venv's: torch, ...),
     # after the venv's own, through a .pth file (--system-site-packages
@@ -54,9 +55,9 @@ with open(sys.argv[1], "w") as f:
     f.write("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs) + "\n")
 EOF2
     local files=()
-    while read -r f; do [[ -n "$f" ]] && files+=("$carry/$f"); done <"$carry/$engine.install"
+    while read -r f; do [[ -n "$f" ]] && files+=("$carry/$f"); done <"$carry/$name.install"
     timeout 180 "$venv/bin/python" -m pip install --quiet --no-index --no-deps --disable-pip-version-check "$ours" "${files[@]}" || {
-        echo "run-on-gpu: pip install into the $engine venv failed"
+        echo "run-on-gpu: pip install into the $name venv failed"
         return 1
     }
     "$venv/bin/python" - "$engine" <<'PY'
@@ -68,11 +69,15 @@ if engine == "vllm":
 else:
     print("  tp_allreduce_sglang.pth installed:", any(os.path.exists(os.path.join(p, "tp_allreduce_sglang.pth")) for p in site.getsitepackages()))
 PY
-    "$venv/bin/python" "$ROOT/python/engine_checks/deps_report.py" "$engine" "$carry/$engine.install"
+    "$venv/bin/python" "$ROOT/python/engine_checks/deps_report.py" "$engine" "$carry/$name.install"
 }
 
-for engine in sglang vllm; do
-    make_venv "$engine" || { echo "run-on-gpu: the $engine venv could not be made"; rm -rf "$work"; exit 1; }
+names=()
+for list in "$carry"/*.install; do names+=("$(basename "$list" .install)"); done
+pythons=()
+for name in "${names[@]}"; do
+    make_venv "$name" || { echo "run-on-gpu: the $name venv could not be made"; rm -rf "$work"; exit 1; }
+    pythons+=(--python "$name=$work/venv-$name/bin/python")
 done
 echo "run-on-gpu: venvs made in $((SECONDS - start)) s"
 
@@ -96,9 +101,9 @@ export PYTHONPATH="$harness:$ROOT/python/engine_checks/stubs/path${PYTHONPATH:+:
 cd "$harness" || exit 1
 extra=()
 [[ $dry == 1 ]] && extra=(--dry-run)
-limit=$((dry == 1 ? 3000 : 360))
-timeout "$limit" "$work/venv-vllm/bin/python" -m engine_checks.run_checks "$out" --world 2 \
-    --python "sglang=$work/venv-sglang/bin/python" --python "vllm=$work/venv-vllm/bin/python" "${extra[@]}"
+limit=$((dry == 1 ? 3000 : 540))
+timeout "$limit" "$work/venv-${names[-1]}/bin/python" -m engine_checks.run_checks "$out" --world 2 \
+    "${pythons[@]}" "${extra[@]}"
 status=$?
 [[ $status -eq 124 ]] && echo "run-on-gpu: the checks ran past $limit s (killed)"
 if [[ "$mps" == 1 ]]; then

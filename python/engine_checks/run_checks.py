@@ -4,11 +4,15 @@ prints per-check PASS / FAIL / NOT RUN, counts and versions; exit status 1
 on any failure, a crash, a timeout or a check that did not report.
 
     python -m engine_checks.run_checks OUT_DIR [--world 2] [--only sglang|vllm]
-        [--python sglang=PATH] [--python vllm=PATH] [--dry-run]
+        [--python sglang=PATH] [--python vllm-0.33.0=PATH] [--python vllm-0.34.0=PATH] [--dry-run]
 
-``--python ENGINE=PATH``: the interpreter of that engine's venv (SGLang and
-vLLM pin different versions of some packages, so each has its own; default:
-this interpreter).
+``--python VENV=PATH``: the interpreter of a venv (run-on-gpu.sh: one per
+``carry/<venv>.install``; SGLang and vLLM pin different versions of some
+packages, and each pinned vLLM version has its own). ``sglang`` gets
+SGLang's run; every ``vllm`` or ``vllm-<version>`` venv gets the three vLLM
+runs (``vllm-<version>-on``, ``-off``, ``-invariant``), and with a version
+in its name the check fails unless that is the version the venv imports.
+Without ``--python``: this interpreter, as ``sglang`` and ``vllm``.
 
 ``--dry-run`` (CPU, no GPU needed): for each run, first one process imports
 what the run imports on the GPU machine (every module of the engine's
@@ -33,15 +37,38 @@ import subprocess
 import sys
 import time
 
-RUNS = [
-    # (name, engine, module, extra argv, environment)
-    ("sglang", "sglang", "engine_checks.sglang_check", [], {"TP_ALLREDUCE_SGLANG": "1"}),
-    ("vllm-on", "vllm", "engine_checks.vllm_check", ["on"], {"TP_ALLREDUCE_VLLM": "1"}),
-    ("vllm-off", "vllm", "engine_checks.vllm_check", ["off"], {"TP_ALLREDUCE_VLLM": "0"}),
-    ("vllm-invariant", "vllm", "engine_checks.vllm_check", ["invariant"], {"TP_ALLREDUCE_VLLM": "1", "VLLM_BATCH_INVARIANT": "1"}),
+VLLM_MODES = [
+    # (mode, environment)
+    ("on", {"TP_ALLREDUCE_VLLM": "1"}),
+    ("off", {"TP_ALLREDUCE_VLLM": "0"}),
+    ("invariant", {"TP_ALLREDUCE_VLLM": "1", "VLLM_BATCH_INVARIANT": "1"}),
 ]
-# Seconds per run (imports ~20 s, setup, checks); 315 s in all at most.
-TIMEOUT_S = {"sglang": 120, "vllm-on": 75, "vllm-off": 60, "vllm-invariant": 60}
+# The version a ``vllm-<version>`` venv must import (vllm_check's
+# platform_resolution reads it).
+EXPECT_VERSION = "ENGINE_CHECKS_EXPECT_VERSION"
+# The run's name (its processes' JSON and logs: OUT_DIR/<run>-rank<r>.json).
+RUN_NAME = "ENGINE_CHECKS_RUN"
+# Seconds per run (imports ~20 s, setup, checks): SGLang and two vLLM
+# versions, 120 + 2 x (75 + 60 + 60) = 510 s in all at most.
+TIMEOUT_S = {"sglang": 120, "on": 75, "off": 60, "invariant": 60}
+
+
+def runs(venvs):
+    """[(name, venv, module, extra argv, environment, seconds)] for the
+    venvs given (names, in order): SGLang's run for ``sglang``, the three
+    vLLM runs for each ``vllm`` / ``vllm-<version>``."""
+    out = []
+    for venv in venvs:
+        engine, _, version = venv.partition("-")
+        if engine == "sglang":
+            out.append(("sglang", venv, "engine_checks.sglang_check", [], {"TP_ALLREDUCE_SGLANG": "1"}, TIMEOUT_S["sglang"]))
+        elif engine == "vllm":
+            pin = {EXPECT_VERSION: version} if version else {}
+            for mode, env in VLLM_MODES:
+                out.append((f"{venv}-{mode}", venv, "engine_checks.vllm_check", [mode], dict(env, **pin), TIMEOUT_S[mode]))
+        else:
+            raise SystemExit(f"run_checks: no checks for a venv named {venv!r}")
+    return out
 DRY_TIMEOUT_S = 420  # per process group on this slow CPU: imports take longest
 # Always: symmetric memory needs NVLink multicast, which the GPU machines keep
 # off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1): vLLM's SymmMemCommunicator could
@@ -115,11 +142,11 @@ def start(cmd, env, log_path):
     return p
 
 
-def run_one(name, module, extra, env, python, world, out_dir, dry_run):
+def run_one(name, module, extra, env, python, world, out_dir, dry_run, timeout_s):
     """One run's processes: (per-process results, timed out, exit codes, first failure)."""
     jobs = []  # (label, json name, argv)
     if dry_run:
-        engine = "sglang" if name == "sglang" else "vllm"
+        engine = name.split("-")[0]
         mode = extra[0] if extra else "-"
         jobs.append(("imports", f"{name}-imports", [python, "-m", "engine_checks.dry_imports", engine, mode, out_dir, name]))
     port = free_port()
@@ -132,7 +159,7 @@ def run_one(name, module, extra, env, python, world, out_dir, dry_run):
     phases = [jobs[:1], jobs[1:]] if dry_run else [jobs]
     for phase in phases:
         procs = [start(argv, env, os.path.join(out_dir, f"{base}.log")) for _, base, argv in phase]
-        limit = DRY_TIMEOUT_S if dry_run else TIMEOUT_S[name]
+        limit = DRY_TIMEOUT_S if dry_run else timeout_s
         t_out, failed = supervise(procs, limit, [label for label, _, _ in phase])
         timed_out |= t_out
         first_failed = first_failed or failed
@@ -154,10 +181,12 @@ def main():
     ap.add_argument("--dry-run", action="store_true", help="CPU: imports and distributed setup, no GPU work")
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
-    pythons = {"sglang": sys.executable, "vllm": sys.executable}
+    pythons = {}
     for item in args.python:
-        engine, path = item.split("=", 1)
-        pythons[engine] = path
+        venv, path = item.split("=", 1)
+        pythons[venv] = path
+    if not pythons:
+        pythons = {"sglang": sys.executable, "vllm": sys.executable}
     gpus = 0 if args.dry_run else gpu_count()
     shared = gpus < args.world
     if args.dry_run:
@@ -179,14 +208,14 @@ def main():
     print("environment set for every run: " + " ".join(f"{k}={v}" for k, v in sorted(env_fixed.items())), flush=True)
     failed, summary = False, []
     totals = {"PASS": 0, "FAIL": 0, "NOT RUN": 0}
-    for name, engine, module, extra, env_extra in RUNS:
-        if args.only and engine != args.only:
+    for name, venv, module, extra, env_extra, timeout_s in runs(list(pythons)):
+        if args.only and venv.split("-")[0] != args.only:
             continue
-        env = dict(os.environ, **env_fixed, **env_extra, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **env_fixed, **env_extra, PYTHONUNBUFFERED="1", **{RUN_NAME: name})
         t = time.monotonic()
-        print(f"--- {name} ({pythons[engine]})", flush=True)
+        print(f"--- {name} ({pythons[venv]})", flush=True)
         results, timed_out, codes, first_failed = run_one(
-            name, module, extra, env, pythons[engine], args.world, args.out_dir, args.dry_run
+            name, module, extra, env, pythons[venv], args.world, args.out_dir, args.dry_run, timeout_s
         )
         took = time.monotonic() - t
         names = []  # (phase, check): the dry run's import phase, or the ranks
@@ -234,7 +263,7 @@ def main():
         if timed_out:
             failed = True
             totals["FAIL"] += 1
-            print(f"FAIL {name}: timed out after {DRY_TIMEOUT_S if args.dry_run else TIMEOUT_S[name]} s (stack dumps in the logs)")
+            print(f"FAIL {name}: timed out after {DRY_TIMEOUT_S if args.dry_run else timeout_s} s (stack dumps in the logs)")
         if first_failed:
             print(f"    {name}: {first_failed} exited first with an error; the others were stopped")
         bad_codes = {label: c for label, c in codes.items() if c != 0}

@@ -1,6 +1,7 @@
-"""One rank of the vLLM check (started by run_checks.py): vLLM 0.33.0's own
+"""One rank of the vLLM check (started by run_checks.py): vLLM's own
 platform resolution (``vllm.platforms.current_platform``, plugins from the
-installed entry points), its tp ``GroupCoordinator`` and ``CudaCommunicator``.
+installed entry points), its tp ``GroupCoordinator`` and ``CudaCommunicator``;
+the venv's vLLM (0.33.0 or 0.34.0, run_checks.py sets the version expected).
 
     python -m engine_checks.vllm_check RANK WORLD PORT OUT_DIR MODE [--dry-run]
 
@@ -11,7 +12,9 @@ on cuda:<local rank>). ``--dry-run`` (no GPU): vLLM's setup and teardown
 on CPU, NVML stood in (cpu_stand_ins.py) so that the platform is CUDA's.
 """
 
+import inspect
 import logging
+import os
 import sys
 
 import torch
@@ -34,6 +37,7 @@ from engine_checks.common import (
     reference,
     stubs_loaded,
 )
+from engine_checks.run_checks import EXPECT_VERSION, RUN_NAME
 
 
 def body_imports():
@@ -79,6 +83,9 @@ def platform_problems(mode):
     cls = type(platform)
     cc = m["resolve_obj_by_qualname"](platform.get_device_communicator_cls())
     problems = []
+    want = os.environ.get(EXPECT_VERSION)
+    if want and m["vllm"].__version__ != want:
+        problems.append(f"this venv imports vLLM {m['vllm'].__version__} from {m['vllm'].__file__}, the run wants {want}")
     ours = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "tp_allreduce"]
     if ours != ["_tp_allreduce_boot:vllm_plugin"]:
         problems.append(f"vllm.general_plugins entry point tp_allreduce: {ours}")
@@ -100,7 +107,7 @@ def platform_problems(mode):
     if forwarded != (mode != "off"):
         problems.append(f"TP_ALLREDUCE_VLLM among the variables vLLM copies to Ray actors: {forwarded}, mode {mode}")
     return problems, (
-        f"{cls.__name__} (vLLM's own); device communicator: vLLM's CudaCommunicator, tp-allreduce installed: "
+        f"vLLM {m['vllm'].__version__}: {cls.__name__} (vLLM's own); device communicator: vLLM's CudaCommunicator, tp-allreduce installed: "
         f"{installed}; forwarded to Ray actors: {forwarded} "
         f"(VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY={os.environ.get('VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY', '')!r})"
     )
@@ -118,7 +125,7 @@ class _Records(logging.Handler):
 def main():
     rank, world, port, out_dir, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     dry_run = "--dry-run" in sys.argv[6:]
-    rec = Recorder(f"vllm-{mode}", rank, out_dir)
+    rec = Recorder(os.environ.get(RUN_NAME, f"vllm-{mode}"), rank, out_dir)
     rec.guard(lambda: run(rec, rank, world, port, mode, dry_run))
 
 
@@ -254,6 +261,26 @@ def dry_body(rec, ps, tp, comm, mode, world, records):
         return "CudaCommunicator.all_reduce matches the reference; custom all-gather / reduce-scatter None"
 
     rec.run("all_reduce_on_cpu", eager_on_cpu)
+
+    def capture_signature():
+        """The GPU run's calls of vLLM's graph_capture bind to its signature:
+        ``graph_capture(device=...)`` always, ``graph_capture(device,
+        stream)`` (graph_capture_shared_stream) where vLLM takes a stream."""
+        sig = inspect.signature(ps.graph_capture)
+        calls = [((), {"device": tp.device})]
+        if "stream" in sig.parameters:
+            calls.append(((tp.device, None), {}))
+        problems = []
+        for args, kwargs in calls:
+            try:
+                sig.bind(*args, **kwargs)
+            except TypeError as e:
+                problems.append(f"graph_capture{sig} does not take {args} {kwargs}: {e}")
+        raise_if(problems)
+        gpu = ["graph_capture_profile_then_real"] + (["graph_capture_shared_stream"] if len(calls) > 1 else [])
+        return f"graph_capture{sig}; the GPU run's capture checks: {', '.join(gpu)}"
+
+    rec.run("graph_capture_signature", capture_signature)
     rec.run("destroy", lambda: (ps.destroy_model_parallel(), "destroy_model_parallel() returned")[1])
 
 
@@ -374,6 +401,61 @@ def body(rec, ps, tp, comm, ca, rank, world, mode, shared_gpu):
         return f"profiling window freed, real window: {reused} of {len(sizes)} inputs at reused addresses, 3 replays"
 
     rec.run("graph_capture_profile_then_real", capture_sequence)
+
+    # vLLM 0.34.0: graph_capture(device, stream=None). Its model runner
+    # captures the model's graphs in one window, then the inner graphs in a
+    # second window on the same stream and pool (graph_capture(device,
+    # stream)), so the second window's captured inputs can land in blocks
+    # the first window's graphs freed: registered twice, once per window.
+    if "stream" in inspect.signature(ps.graph_capture).parameters:
+
+        def shared_stream():
+            if mode == "off" and shared_gpu:
+                raise NotRun(
+                    "vLLM's own path has no capturable allreduce with two ranks on one GPU "
+                    "(no pynccl: NCCL refuses them; the gloo fallback cannot be captured)"
+                )
+            problems, graphs, inputs = [], [], {}
+            pool = torch.cuda.graph_pool_handle()
+
+            def capture(ctx, label, sizes):
+                for bs in sizes:
+                    static = torch.zeros((bs, 4096), dtype=torch.bfloat16, device=tp.device)
+                    static.copy_(fresh(static.shape, torch.bfloat16, tp.device))
+                    warm = tp.all_reduce(static)
+                    torch.cuda.synchronize()
+                    problems.append(mismatch(warm, reference(static), torch.bfloat16, f"{label} warm-up bs={bs}"))
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, stream=ctx.stream):
+                        captured = static * 1.0  # allocated in the pool, freed after the graph
+                        inputs.setdefault(label, []).append(captured.data_ptr())
+                        out = tp.all_reduce(captured)
+                    graphs.append((f"{label} bs={bs}", g, static, out))
+
+            with ps.graph_capture(device=tp.device) as first:
+                stream = first.stream
+                capture(first, "window 1", [32, 8])
+            with ps.graph_capture(tp.device, stream) as second:
+                if second.stream is not stream:
+                    problems.append("graph_capture(device, stream) did not capture on the stream given")
+                capture(second, "window 2", [8, 3])
+            reused = len(set(inputs["window 1"]) & set(inputs["window 2"]))
+            for replay in range(3):
+                for label, g, static, out in graphs:
+                    static.copy_(fresh(static.shape, torch.bfloat16, tp.device))
+                    out.fill_(NAN)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    what = f"replay {replay} {label}"
+                    problems += [mismatch(out, reference(static), torch.bfloat16, what), bitwise_across_ranks(out, what)]
+                    rec.calls += 1
+            raise_if(problems)
+            return (
+                f"two graph_capture windows on one stream and pool, {len(graphs)} graphs, "
+                f"{reused} of window 2's captured inputs at window 1's addresses, 3 replays of each"
+            )
+
+        rec.run("graph_capture_shared_stream", shared_stream)
 
     if mode == "invariant":
 

@@ -148,13 +148,13 @@ def adapter_with(rank_runtime):
     return Adapter
 
 
-def build_communicators(world, unique_name, fail_rank=None):
+def build_communicators(world, unique_name, fail_rank=None, hosts=None):
     group = FakeGroup(world)
 
     def body(rank):
         def runtime(g):
             fail = RuntimeError("IPC refused") if rank == fail_rank else None
-            return FakeRuntime(rank, g, fail=fail)
+            return FakeRuntime(rank, g, fail=fail, host=(hosts or {}).get(rank, "host-a"))
 
         cls = make_communicator_class(FakeCudaCommunicator, adapter_cls=adapter_with(runtime))
         return cls(group, device=f"cuda:{rank}", unique_name=unique_name)
@@ -211,3 +211,11 @@ def test_vllm_gates_decline_the_sizes_whose_plan_is_nccl():
 
     for got in run_ranks(2, body):
         assert got == [True, False, True, False, True, False]
+
+
+def test_a_group_across_hosts_keeps_vllms_own_custom_allreduce():
+    """vLLM's own class stays, open, where the group spans hosts: vLLM
+    0.34.0 keeps it there as ``mnnvl_only`` (its MNNVL all-gather and
+    reduce-scatter, no IPC allreduce); tp-allreduce works within one host."""
+    for c in build_communicators(2, "tp:0", hosts={1: "host-b"}):
+        assert c.ca_comm is c.vllms_own and not c.ca_comm.closed

@@ -1,5 +1,5 @@
 """Static fidelity of the adapters to the pinned engine versions (SGLang
-0.5.23, vLLM 0.33.0), read with ``ast`` from the wheels that
+0.5.23, vLLM 0.33.0 and 0.34.0: each vLLM test runs for both), read with ``ast`` from the wheels that
 ``python/engine_checks/prepare.sh`` builds into .engine-wheels/carry (no
 torch needed: nothing of the engines is imported). Without those wheels the
 tests skip visibly; the GPU harness (engine_checks/run-on-gpu.sh) runs the
@@ -24,11 +24,20 @@ import prepare  # noqa: E402 (python/engine_checks/prepare.py: stdlib and pip on
 sys.path.pop(0)
 
 
-def wheel(name):
-    found = sorted(glob.glob(os.path.join(CARRY, f"{name}-*.whl")))
+def wheel(name, version="*"):
+    found = sorted(glob.glob(os.path.join(CARRY, f"{name}-{version}-*.whl")))
     if not found:
-        pytest.skip(f"no {name} wheel in {CARRY}: run bash python/engine_checks/prepare.sh")
+        pytest.skip(f"no {name} {version} wheel in {CARRY}: run bash python/engine_checks/prepare.sh")
     return zipfile.ZipFile(found[-1])
+
+
+VLLM_VERSIONS = [v for name, v in prepare.read_pins()["engines"] if name == "vllm"]
+
+
+@pytest.fixture(params=VLLM_VERSIONS)
+def vllm(request):
+    """The carried vLLM wheel of each pinned version."""
+    return wheel("vllm", request.param)
 
 
 def tree(z, path):
@@ -113,8 +122,8 @@ def test_sglang_v2_is_what_the_dispatcher_names():
 
 
 # ---------------------------------------------------------------- vLLM
-def test_vllm_cuda_communicator_calls_and_attributes():
-    z = wheel("vllm")
+def test_vllm_cuda_communicator_calls_and_attributes(vllm):
+    z = vllm
     cc = classes(tree(z, "vllm/distributed/device_communicators/cuda_communicator.py"))["CudaCommunicator"]
     fns = {f.name: f for f in cc.body if isinstance(f, ast.FunctionDef)}
     assert {"cpu_group", "device", "device_group", "unique_name", "use_all2all"} <= set(params(fns["__init__"]))
@@ -126,12 +135,13 @@ def test_vllm_cuda_communicator_calls_and_attributes():
     assert "destroy" in fns
 
 
-def test_vllm_callers_fall_back_on_none_and_read_the_attributes_we_set():
-    z = wheel("vllm")
+def test_vllm_callers_fall_back_on_none_and_read_the_attributes_we_set(vllm):
+    z = vllm
     sp = ast.unparse(tree(z, "vllm/models/common/ops/sequence_parallel.py"))
     assert "if output is not None:" in sp and "tensor_model_parallel_all_gather" in sp
     logits = ast.unparse(tree(z, "vllm/models/deepseek_v41/nvidia/specialized_decode/logits/logits.py"))
-    assert "if gathered is not None:" in logits
+    if "custom_all_gather(" in logits:  # 0.33.0 (0.34.0 gathers with the executor's all-gather)
+        assert "if gathered is not None:" in logits
     assert "ca_comm.fully_connected" in ast.unparse(tree(z, "vllm/models/deepseek_v41/nvidia/model.py"))
     assert "comm.mnnvl_lamport_ag_multicast_ptr" in ast.unparse(tree(z, "vllm/models/deepseek_v41/nvidia/ops/mhc.py"))
     car = ast.unparse(tree(z, "vllm/distributed/device_communicators/custom_all_reduce.py"))
@@ -139,15 +149,47 @@ def test_vllm_callers_fall_back_on_none_and_read_the_attributes_we_set():
     assert "fully_connected = current_platform.is_fully_connected(physical_device_ids)" in car
 
 
-def test_vllm_stateless_coordinator_asserts_the_class_we_keep():
-    z = wheel("vllm")
+def test_vllm_graph_capture_reaches_our_capture_on_the_stream_given(vllm):
+    """vLLM's graph_capture(device[, stream]) enters ca_comm.capture() (our
+    registration) through the tp GroupCoordinator; 0.34.0's stream
+    parameter is reused as the capture stream and its model runner passes
+    the first window's stream to a second window (vllm_check's
+    graph_capture_shared_stream runs that sequence on the GPU)."""
+    z = vllm
+    ps = tree(z, "vllm/distributed/parallel_state.py")
+    gc = next(f for f in ps.body if isinstance(f, ast.FunctionDef) and f.name == "graph_capture")  # the module's
+    assert params(gc)[0] == "device"
+    assert "maybe_ca_context = ca_comm.capture()" in ast.unparse(ps)
+    if "stream" in params(gc):
+        assert "GraphCaptureContext(stream or torch.cuda.Stream(device=device))" in ast.unparse(gc)
+        runner = ast.unparse(tree(z, "vllm/v1/worker/gpu/cudagraph_utils.py"))
+        assert "graph_capture(self.device, stream)" in runner
+        assert "self.capture_stream = context.stream" in runner
+
+
+def test_vllm_mnnvl_only_gate_is_inside_vllms_own_class(vllm):
+    """vLLM's own CustomAllreduce sets mnnvl_only on a group spanning nodes
+    (0.34.0 also gates its IPC allreduce and graph registration on it); no
+    carried module reads it from ca_comm. tp-allreduce never replaces that
+    ca_comm: on a group spanning hosts it disables itself and vLLM's stays
+    (test_adapters_vllm: a group across hosts keeps vLLM's own)."""
+    z = vllm
+    car = classes(tree(z, "vllm/distributed/device_communicators/custom_all_reduce.py"))["CustomAllreduce"]
+    assert "self.mnnvl_only = not same_node" in ast.unparse(car)
+    for path in z.namelist():
+        if path.endswith(".py") and path != "vllm/distributed/device_communicators/custom_all_reduce.py":
+            assert "mnnvl_only" not in z.read(path).decode("utf-8", "replace"), path
+
+
+def test_vllm_stateless_coordinator_asserts_the_class_we_keep(vllm):
+    z = vllm
     src = ast.unparse(tree(z, "vllm/distributed/stateless_coordinator.py"))
     assert "assert device_comm_cls == CudaCommunicator" in src
     assert "self.device_communicator = CudaCommunicator(" in src
 
 
-def test_vllm_platform_hooks_we_override_exist():
-    z = wheel("vllm")
+def test_vllm_platform_hooks_we_override_exist(vllm):
+    z = vllm
     interface = classes(tree(z, "vllm/platforms/interface.py"))["Platform"]
     methods = {f.name for f in interface.body if isinstance(f, ast.FunctionDef)}
     assert {"get_device_communicator_cls", "check_and_update_config"} <= methods
@@ -243,10 +285,11 @@ def test_carried_venvs_meet_their_engines_requirements():
     lists = sorted(glob.glob(os.path.join(CARRY, "*.install")))
     if not lists:
         pytest.skip(f"no <engine>.install in {CARRY}: run bash python/engine_checks/prepare.sh")
-    assert sorted(os.path.basename(p) for p in lists) == ["sglang.install", "vllm.install"]
+    want = sorted(f"{venv}.install" for venv, _, _ in prepare.venvs(prepare.read_pins()))
+    assert sorted(os.path.basename(p) for p in lists) == want
     image = prepare.read_image_list()
     for path in lists:
-        engine = os.path.basename(path).split(".")[0]
+        engine = os.path.basename(path).split(".install")[0].split("-")[0]
         wheels = [os.path.join(CARRY, line.strip()) for line in open(path) if line.strip()]
         bad, _ = prepare.check_install_set(engine, wheels, prepare.PYTHON_VERSION, image)
         assert bad == [], bad
@@ -254,14 +297,44 @@ def test_carried_venvs_meet_their_engines_requirements():
         assert engine in names and "openai" in names
 
 
-def test_launcher_stops_the_other_rank_when_one_fails(tmp_path):
-    """run_checks.supervise: a rank exiting with an error ends the run in
-    seconds (the other gets SIGUSR1, its stack dump, then SIGKILL)."""
+def _run_checks():
     sys.path.insert(0, os.path.join(ROOT, "python"))
     try:
         from engine_checks import run_checks
     finally:
         sys.path.pop(0)
+    return run_checks
+
+
+def test_pins_give_each_vllm_version_its_venv_and_seeds():
+    assert prepare.venvs(prepare.read_pins()) == [
+        ("sglang", "sglang", "0.5.23"),
+        ("vllm-0.33.0", "vllm", "0.33.0"),
+        ("vllm-0.34.0", "vllm", "0.34.0"),
+    ]
+    assert os.path.basename(prepare.seeds_file("vllm-0.33.0", "vllm")) == "vllm-seeds.txt"
+    assert os.path.basename(prepare.seeds_file("vllm-0.34.0", "vllm")) == "vllm-0.34.0-seeds.txt"
+    assert os.path.basename(prepare.seeds_file("sglang", "sglang")) == "sglang-seeds.txt"
+
+
+def test_every_vllm_venv_gets_the_three_runs_and_its_version_checked():
+    rc = _run_checks()
+    runs = rc.runs(["sglang", "vllm-0.33.0", "vllm-0.34.0"])
+    assert [r[0] for r in runs] == [
+        "sglang",
+        "vllm-0.33.0-on", "vllm-0.33.0-off", "vllm-0.33.0-invariant",
+        "vllm-0.34.0-on", "vllm-0.34.0-off", "vllm-0.34.0-invariant",
+    ]
+    for name, venv, _, _, env, _ in runs[1:]:
+        assert env[rc.EXPECT_VERSION] == venv.split("-", 1)[1], name
+    assert rc.EXPECT_VERSION not in rc.runs(["vllm"])[0][4], "an unversioned venv expects no version"
+    assert sum(r[5] for r in runs) == 510
+
+
+def test_launcher_stops_the_other_rank_when_one_fails(tmp_path):
+    """run_checks.supervise: a rank exiting with an error ends the run in
+    seconds (the other gets SIGUSR1, its stack dump, then SIGKILL)."""
+    run_checks = _run_checks()
     code = "import faulthandler, signal, time\nfaulthandler.register(signal.SIGUSR1)\ndef waiting_for_peer():\n    time.sleep(120)\nwaiting_for_peer()\n"
     crashed = run_checks.start([sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(1)"], dict(os.environ), str(tmp_path / "a.log"))
     waiting = run_checks.start([sys.executable, "-c", code], dict(os.environ), str(tmp_path / "b.log"))

@@ -10,11 +10,16 @@ its ``ca_comm`` where vLLM would build a custom allreduce (tensor-parallel
 groups). The class stays vLLM's: no subclass, no isinstance or identity
 check changes.
 
-What vLLM reads from ``ca_comm`` (0.33.0): ``disabled``,
-``should_custom_ar``, ``custom_all_reduce``, ``capture``,
+What vLLM reads from ``ca_comm`` (0.33.0 and 0.34.0 alike): ``disabled``,
+``should_custom_ar``, ``custom_all_reduce``, ``capture`` (entered by
+``graph_capture(device)``, and in 0.34.0 ``graph_capture(device, stream)``,
+whose second window reuses the first one's stream),
 ``custom_all_gather``, ``custom_reduce_scatter`` (called without a guard by
 ``CudaCommunicator``; their callers fall back to NCCL on ``None``),
 ``fully_connected`` and ``mnnvl_lamport_ag_multicast_ptr`` (model code).
+``mnnvl_only`` is read only inside vLLM's own class (0.34.0 gates its IPC
+allreduce and graph registration on it): vLLM sets it on a group spanning
+nodes, where tp-allreduce disables itself and leaves vLLM's own in place.
 """
 
 import functools
@@ -63,7 +68,8 @@ class TpAllreduceVllmCustomAllreduce(CustomAllreduceAdapter):
     ``current_platform.is_fully_connected`` over the physical device ids; a
     PCIe box reports False). ``mnnvl_lamport_ag_multicast_ptr`` (and the
     other MNNVL pointers) are 0: vLLM's value when its multicast buffers are
-    absent, which turns off the model paths that would use them."""
+    absent, which turns off the model paths that would use them.
+    ``mnnvl_only`` is False: an enabled adapter's group is on one host."""
 
     engine = "vllm"
 
