@@ -359,6 +359,6 @@ pub fn dequantise_group(format: WireFormat, codes: &[u8], scale: f32, out: &mut 
     }
 }
 
-const _: () = assert!(GROUP % 16 == 0, "a group's codes must be whole 16-byte packs");
+const _: () = assert!(GROUP & 15 == 0, "a group's codes must be whole 16-byte packs");
 const _: () = assert!(bytes_per_group(WireFormat::Fp8E4m3, 2) == 36);
 const _: () = assert!(share_wire_bytes(WireFormat::Int8, 33, 2) == 72);
