@@ -91,6 +91,17 @@ pub struct Config {
     /// (no thread-block clusters, whose use depends on the row count).
     /// Every rank must use the same value.
     pub batch_invariant: bool,
+    /// How the push algorithms' data travels (`TP_ALLREDUCE_WIRE`):
+    /// lossless (the default, every kernel today), or fp8 / int8 with one
+    /// f32 scale per 32 elements (issue 38; format and error bound in
+    /// `tp_allreduce_kernels::wire`). **The lossy wires have no kernel yet:**
+    /// [`Config::validate`], and so every communicator constructor, returns
+    /// `Error::Unsupported` for them rather than running lossless silently.
+    pub wire: crate::wire::WireFormat,
+    /// With a lossy wire, messages below this many bytes use the lossless
+    /// one (`TP_ALLREDUCE_WIRE_MIN_BYTES`); `None`: where the cost model
+    /// predicts the compressed wire is faster (`plan --wire`).
+    pub wire_min_bytes: Option<usize>,
     /// Sentinel kernels record per-launch timestamps into a ring the host
     /// reads with `Comm::trace_records` (`TP_ALLREDUCE_TRACE=1`; `bench
     /// --trace`). Costs a few instructions per launch.
@@ -160,6 +171,8 @@ impl Default for Config {
             fused_spread_push: true,
             batch_invariant: false,
             trace: false,
+            wire: crate::wire::WireFormat::Lossless,
+            wire_min_bytes: None,
             test_initial_counter: None,
             pull_max_blocks: 36,
             ring_blocks: 4,
@@ -209,7 +222,7 @@ impl Config {
     pub(crate) fn shape_fingerprint(&self) -> String {
         format!(
             "chunk={} oneshot={} push_blocks={} pull_blocks={} ring={}x{}x{} islands={:?} {:?} transport={:?} table={} \
-             counters={:?} fused_island={} fused_clusters={} tp2={} batch_invariant={}",
+             counters={:?} fused_island={} fused_clusters={} tp2={} batch_invariant={} wire={} wire_min={:?}",
             self.max_chunk_bytes,
             self.one_shot_push_max_bytes,
             self.push_blocks,
@@ -225,12 +238,22 @@ impl Config {
             self.fused_island_kernels,
             self.fused_clusters,
             self.one_shot_push_tp2,
-            self.batch_invariant
+            self.batch_invariant,
+            self.wire.name(),
+            self.wire_min_bytes
         )
     }
 
     /// Checks value ranges; the message names the field.
     pub fn validate(&self) -> crate::Result<()> {
+        if self.wire.is_lossy() {
+            return Err(crate::error::Error::Unsupported(format!(
+                "wire {}: the compressed-wire kernels are not built yet (issue 38: only the format, its CPU \
+                 emulation and the cost model exist); use wire lossless (unset {})",
+                self.wire.name(),
+                env::WIRE
+            )));
+        }
         if self.batch_invariant {
             if let Some(a) = self.algorithm.filter(|a| Algorithm::BATCH_VARIANT.contains(a)) {
                 return Err(crate::error::Error::invalid(format!(
@@ -348,6 +371,12 @@ impl Config {
         if let Some(on) = env::trace()? {
             c.trace = on;
         }
+        if let Some(w) = env::wire()? {
+            c.wire = w;
+        }
+        if let Some(n) = env::wire_min_bytes()? {
+            c.wire_min_bytes = Some(n);
+        }
         if let Some(mode) = env::auto_measure()? {
             c.auto_measure = Some(mode);
         }
@@ -381,6 +410,32 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// No kernel implements a lossy wire: asking for one must fail loudly
+    /// at construction (validate runs first in `Comm::from_rendezvous`),
+    /// never fall back to lossless in silence.
+    #[test]
+    fn a_lossy_wire_is_refused_until_its_kernels_exist() {
+        use crate::wire::{parse_wire, WireFormat};
+        let mut c = Config::default();
+        assert_eq!(c.wire, WireFormat::Lossless);
+        assert!(c.validate().is_ok());
+        for name in ["fp8", "int8"] {
+            c.wire = parse_wire(name).unwrap();
+            let err = c.validate().expect_err(name);
+            assert!(matches!(err, crate::Error::Unsupported(_)), "{err}");
+            let text = err.to_string();
+            assert!(text.contains("not built yet") && text.contains(name) && text.contains(env::WIRE), "{text}");
+        }
+        c.wire = parse_wire("lossless").unwrap();
+        c.wire_min_bytes = Some(1 << 20);
+        assert!(c.validate().is_ok());
+        assert!(parse_wire("fp16").is_err());
+        // Ranks must agree on the wire.
+        let a = Config::default().shape_fingerprint();
+        let b = Config { wire_min_bytes: Some(4096), ..Config::default() }.shape_fingerprint();
+        assert_ne!(a, b);
+    }
 
     /// The kernels count a launch's packs (and packs times peers) in 32
     /// bits: sizes past [`Config::MAX_LAUNCH_BYTES`] would wrap them.

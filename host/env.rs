@@ -25,6 +25,8 @@
 //! | `TP_ALLREDUCE_FUSED_SPREAD_PUSH` | `1`/`0`: fused one-shot-push calls of a block per row over two or more rows spread their push over more blocks than rows (outputs apart from the input) | `1` |
 //! | `TP_ALLREDUCE_CE_PUBLISH` | how the copy-engine ring raises its flags: `memop` (`cuStreamWriteValue32`, where the device supports stream memory operations) or `kernel` (a one-thread kernel) | `memop` where supported |
 //! | `TP_ALLREDUCE_BATCH_INVARIANT` | `1`: results independent of message size and batch shape (rank-order sums with one rounding only: one-/two-shot push and pull; fused calls on the fused one-shot push without clusters) | `0` |
+//! | `TP_ALLREDUCE_WIRE` | wire format of the push algorithms: `lossless`, `fp8` (e4m3, one f32 scale per 32 elements) or `int8`; the lossy ones have no kernel yet, and a communicator refuses them (`Error::Unsupported`) | `lossless` |
+//! | `TP_ALLREDUCE_WIRE_MIN_BYTES` | with a lossy wire, messages below this many bytes stay lossless; unset: where the cost model predicts the compressed wire pays | the cost model |
 //! | `TP_ALLREDUCE_TRACE` | `1`: one-shot-push launches record timestamps (`bench --trace`) | `0` |
 //! | `TP_ALLREDUCE_RANK` | rank of a process started by `tp-allreduce launch` | set by the launcher |
 //! | `TP_ALLREDUCE_WORLD_SIZE` | world size of a launched process | set by the launcher |
@@ -74,6 +76,8 @@ pub const FUSED_ISLAND_KERNELS: &str = "TP_ALLREDUCE_FUSED_ISLAND_KERNELS";
 pub const FUSED_CLUSTERS: &str = "TP_ALLREDUCE_FUSED_CLUSTERS";
 pub const FUSED_SPREAD_PUSH: &str = "TP_ALLREDUCE_FUSED_SPREAD_PUSH";
 pub const TRACE: &str = "TP_ALLREDUCE_TRACE";
+pub const WIRE: &str = "TP_ALLREDUCE_WIRE";
+pub const WIRE_MIN_BYTES: &str = "TP_ALLREDUCE_WIRE_MIN_BYTES";
 pub const BATCH_INVARIANT: &str = "TP_ALLREDUCE_BATCH_INVARIANT";
 pub const RANK: &str = "TP_ALLREDUCE_RANK";
 pub const WORLD_SIZE: &str = "TP_ALLREDUCE_WORLD_SIZE";
@@ -182,6 +186,16 @@ pub const VARS: &[EnvVar] = &[
         name: "TP_ALLREDUCE_LOG",
         meaning: "the tp-allreduce tool's stderr log filter, RUST_LOG's simple form (debug, tp_allreduce::comm=debug,warn); RUST_LOG when unset",
         default: "INFO from tp-allreduce, WARN from the rest",
+    },
+    EnvVar {
+        name: WIRE,
+        meaning: "wire format of the push algorithms: lossless, fp8 or int8 (lossy: no kernel yet, refused)",
+        default: "lossless",
+    },
+    EnvVar {
+        name: WIRE_MIN_BYTES,
+        meaning: "with a lossy wire, messages below this many bytes stay lossless",
+        default: "the cost model",
     },
     EnvVar { name: TEST_SEED, meaning: "seed of the randomized tests and selftest", default: "fresh per run" },
     EnvVar {
@@ -323,6 +337,16 @@ pub fn fused_spread_push() -> Result<Option<bool>> {
 /// `TP_ALLREDUCE_TRACE`, if set.
 pub fn trace() -> Result<Option<bool>> {
     flag(TRACE)
+}
+
+/// `TP_ALLREDUCE_WIRE`, if set.
+pub fn wire() -> Result<Option<crate::wire::WireFormat>> {
+    var(WIRE).map(|v| crate::wire::parse_wire(&v).map_err(|e| Error::Config(format!("{WIRE}: {e}")))).transpose()
+}
+
+/// `TP_ALLREDUCE_WIRE_MIN_BYTES`, if set.
+pub fn wire_min_bytes() -> Result<Option<usize>> {
+    var(WIRE_MIN_BYTES).map(|v| parse(WIRE_MIN_BYTES, &v)).transpose()
 }
 
 /// `TP_ALLREDUCE_TEST_SEED`, if set to a number.

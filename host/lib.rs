@@ -60,7 +60,21 @@ macro_rules! internal_modules {
     };
 }
 
-internal_modules!(algorithm, buffer, comm, config, driver, element, embedded_ptx, env, error, nccl, rank_env, select);
+internal_modules!(
+    algorithm,
+    buffer,
+    comm,
+    config,
+    driver,
+    element,
+    embedded_ptx,
+    env,
+    error,
+    nccl,
+    rank_env,
+    select,
+    wire
+);
 
 #[cfg(feature = "candle")]
 pub mod candle;

@@ -128,6 +128,12 @@ struct PlanArgs {
     /// Model eager calls instead of CUDA-graph replay.
     #[arg(long)]
     eager: bool,
+    /// Plan the compressed wire (`fp8` or `int8`; issue 38, no kernel yet):
+    /// two-shot push over it against lossless and NCCL (default sizes
+    /// 256 KB .. 64 MB), where it stops paying, and its accuracy emulated
+    /// on the CPU.
+    #[arg(long, default_value = "lossless", value_parser = tp_allreduce::wire::parse_wire)]
+    wire: tp_allreduce::wire::WireFormat,
     /// List the embedded topologies.
     #[arg(long)]
     list: bool,
@@ -229,6 +235,10 @@ fn plan(args: PlanArgs) -> CliResult {
     }
     let topology = plan::topology(args.topology.as_deref())?;
     let mut req = PlanRequest::for_world(topology, args.world, args.ranks_per_gpu, args.dtype)?;
+    req.wire = args.wire;
+    if args.wire.is_lossy() {
+        req.sizes = plan::wire_report_sizes();
+    }
     if let Some(sizes) = args.sizes {
         req.sizes = sizes.0;
     }

@@ -12,10 +12,11 @@ use tp_allreduce_kernels::layout::MAX_RANKS;
 use crate::bench::scenarios::{VERIFY_PASS_ALLREDUCES, VERIFY_PASS_BYTES};
 use crate::{table, topology_view};
 use tp_allreduce::algorithm::Algorithm;
-use tp_allreduce::select::cost_model::{Basis, CostModel, CostParams, Options, ParamRow};
+use tp_allreduce::select::cost_model::{Basis, CostModel, CostParams, Options, ParamRow, WireSpec};
 use tp_allreduce::select::measured::MeasuredCache;
 use tp_allreduce::select::selection::{human_bytes, select_fused, select_with, CollectiveTable, Constraints};
 use tp_allreduce::select::topology::{embedded, Topology};
+use tp_allreduce::wire::{self as wire_emu, Distribution, Rng, WireFormat};
 
 /// Sizes the report shows by default: 4 KiB .. 8 MiB doubling, plus 42 KiB.
 pub fn report_sizes() -> Vec<usize> {
@@ -35,6 +36,8 @@ pub struct PlanRequest {
     pub sizes: Vec<usize>,
     /// Graph replay (else eager calls).
     pub capturing: bool,
+    /// The wire to plan for (`--wire`); lossy: the compressed-wire report.
+    pub wire: WireFormat,
 }
 
 /// The machine topology: `name`, else `TP_ALLREDUCE_TOPOLOGY`, else the
@@ -77,7 +80,7 @@ impl PlanRequest {
     ) -> Result<PlanRequest, String> {
         let devices: Vec<usize> = gpus.iter().flat_map(|&g| std::iter::repeat_n(g, ranks_per_gpu.max(1))).collect();
         check_placement(&topology, gpus, devices.len())?;
-        Ok(PlanRequest { topology, devices, dtype, sizes: report_sizes(), capturing: true })
+        Ok(PlanRequest { topology, devices, dtype, sizes: report_sizes(), capturing: true, wire: WireFormat::Lossless })
     }
 
     pub fn world(&self) -> usize {
@@ -110,8 +113,19 @@ fn check_placement(topology: &Topology, gpus: &[usize], ranks: usize) -> Result<
     Ok(())
 }
 
+/// Sizes of the compressed-wire report: 256 KiB .. 64 MiB doubling.
+pub fn wire_report_sizes() -> Vec<usize> {
+    (18..=26).map(|k| 1usize << k).collect()
+}
+
+/// Seed of the report's inputs: fixed, so the report is reproducible.
+pub const WIRE_REPORT_SEED: u64 = 38;
+
 /// The report `tp-allreduce plan` prints.
 pub fn plan_report(req: &PlanRequest) -> Result<String, String> {
+    if req.wire.is_lossy() {
+        return wire_report(req);
+    }
     let world = req.world();
     let view = req.topology.for_ranks(&req.devices).map_err(|e| e.to_string())?;
     let c = Constraints::for_topology(&view);
@@ -501,6 +515,156 @@ fn assumptions(model: &CostModel) -> String {
     s
 }
 
+/// `plan --wire fp8|int8`: the cost model's two-shot push over the
+/// compressed wire against the lossless selection and NCCL per size, where
+/// compression stops paying, and the wire's accuracy from the CPU
+/// emulation (`tp_allreduce::wire`). No kernel exists yet: both halves
+/// say so.
+pub fn wire_report(req: &PlanRequest) -> Result<String, String> {
+    let world = req.world();
+    let wire = req.wire;
+    let view = req.topology.for_ranks(&req.devices).map_err(|e| e.to_string())?;
+    let c = Constraints::for_topology(&view);
+    let model = CostModel::default();
+    let opts = Options { capturing: req.capturing, islands: c.islands, nccl: Default::default() };
+    let ratio = tp_allreduce::select::cost_model::wire_ratio(wire, req.dtype);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "tp-allreduce plan --wire {}: {world} ranks on {}, {}, {}",
+        wire.name(),
+        view.name,
+        req.dtype.name(),
+        if req.capturing { "CUDA-graph replay" } else { "eager calls" }
+    );
+    let _ = writeln!(
+        s,
+        "NOT BUILT YET: no kernel implements the {} wire (issue 38); communicators refuse it. A model prediction for \
+         the design and an accuracy estimate emulated on the CPU.",
+        wire.name()
+    );
+    let _ = writeln!(
+        s,
+        "wire: {} codes + one f32 scale per {} elements = {:.4} of the {} bytes; two-shot-push only\n",
+        wire.name(),
+        wire_emu::GROUP,
+        ratio,
+        req.dtype.name()
+    );
+    let lossy_name = format!("2-shot {} us", wire.name());
+    let header = ["size", "lossless pick", "us", "2-shot us", &lossy_name, "NCCL us", "vs pick", "vs NCCL"];
+    let mut t = table::new(header, 2..8);
+    let mut pays_from: Option<usize> = None;
+    let mut pays_over_two_shot: Option<usize> = None;
+    for &bytes in &req.sizes {
+        let ch = select_with(&model, None, &view, world, req.dtype, bytes, req.capturing, &c);
+        let lossy = model.predict_wire(
+            &view,
+            Algorithm::TwoShotPush,
+            ch.transport,
+            bytes,
+            &opts,
+            WireSpec { format: wire, dtype: req.dtype },
+        );
+        let two_shot = model.predict(&view, Algorithm::TwoShotPush, ch.transport, bytes, &opts);
+        match (&lossy, &two_shot) {
+            (Ok(l), Ok(t)) if l.total_us() < t.total_us() => {
+                pays_over_two_shot.get_or_insert(bytes);
+            }
+            _ => pays_over_two_shot = None,
+        }
+        let (lossy_us, vs, vs_nccl) = match &lossy {
+            Ok(p) => (
+                format!("{:.1}", p.total_us()),
+                format!("{:.2}x", ch.predicted_us / p.total_us()),
+                if c.nccl_available { format!("{:.2}x", ch.nccl_predicted_us / p.total_us()) } else { "-".into() },
+            ),
+            Err(why) => (format!("n/a ({why})"), "-".into(), "-".into()),
+        };
+        match lossy.as_ref().map(|p| p.total_us() < ch.predicted_us) {
+            Ok(true) => {
+                pays_from.get_or_insert(bytes);
+            }
+            _ => pays_from = None,
+        }
+        t.add_row(vec![
+            human_bytes(bytes),
+            ch.algorithm.name().to_string(),
+            format!("{:.1}", ch.predicted_us),
+            two_shot.map_or("n/a".into(), |p| format!("{:.1}", p.total_us())),
+            lossy_us,
+            if c.nccl_available { format!("{:.1}", ch.nccl_predicted_us) } else { "n/a".into() },
+            vs,
+            vs_nccl,
+        ]);
+    }
+    s.push_str(&table::render(&t));
+    let _ = match pays_from {
+        Some(b) => writeln!(
+            s,
+            "floor: the {} wire is predicted to pay from {} up (every listed size from there); below it the lossless \
+             wire is faster (TP_ALLREDUCE_WIRE_MIN_BYTES overrides)",
+            wire.name(),
+            human_bytes(b)
+        ),
+        None => writeln!(
+            s,
+            "floor: two-shot-push over the {} wire is not predicted to beat the lossless selection at the largest \
+             listed size",
+            wire.name()
+        ),
+    };
+    let _ = match pays_over_two_shot {
+        Some(b) => {
+            writeln!(s, "       against lossless two-shot-push (the same algorithm) it pays from {} up", human_bytes(b))
+        }
+        None => writeln!(s, "       it does not beat lossless two-shot-push at the largest listed size either"),
+    };
+    let _ = writeln!(
+        s,
+        "model: the phases carry {ratio:.4} of the bytes; each phase adds a quantise pass (read the data, write the codes) \
+         at device-memory bandwidth, not hidden behind the links (docs/COST-MODEL.md)\n"
+    );
+    s.push_str(&accuracy_table(wire, req.dtype, world));
+    Ok(s)
+}
+
+/// The accuracy half of [`wire_report`]: emulated two-shot push of
+/// activation-like rows against the exact (f64) sum.
+pub fn accuracy_table(wire: WireFormat, dtype: DType, world: usize) -> String {
+    let (rows, hidden) = (16, 4096);
+    let mut s = format!(
+        "accuracy, emulated on the CPU: the kernels are not built yet. {world} ranks, {rows} rows x {hidden} {} per \
+         rank, seed {WIRE_REPORT_SEED}; error against the exact f64 sum S, relative = |out - S| / max(|S|, rms(S))\n",
+        dtype.name()
+    );
+    let header = ["inputs", "wire", "max rel err", "mean rel err", "beyond bound", "ranks identical"];
+    let mut t = table::new(header, 2..5);
+    let mut rng = Rng::new(WIRE_REPORT_SEED);
+    for dist in Distribution::ALL {
+        let inputs = dist.inputs(&mut rng, world, rows, hidden, dtype);
+        for w in [WireFormat::Lossless, wire] {
+            let a = wire_emu::measure(w, dtype, &inputs);
+            t.add_row(vec![
+                dist.name().to_string(),
+                w.name().to_string(),
+                format!("{:.2e}", a.max_rel),
+                format!("{:.2e}", a.mean_rel),
+                format!("{:.4}%", 100.0 * a.beyond_bound),
+                if a.ranks_identical { "yes".into() } else { "NO".into() },
+            ]);
+        }
+    }
+    s.push_str(&table::render(&t));
+    s.push_str(
+        "bound: per element, fp8: 1/16 of each other rank's contribution + 1/16 of the sum + 2^-10/448 of each \
+         group's amax; int8: 1/254 of the amax of each group the value passed; plus f32 summation and the output's \
+         rounding (derivation: kernels-rs/src/wire.rs). lossless = the same emulation with no quantisation: the \
+         output dtype's rounding alone.\n",
+    );
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -624,5 +788,23 @@ mod tests {
         assert_eq!(topology(Some("l40s-8x-pcie4")).unwrap().name, "l40s-8x-pcie4");
         let e = topology(Some("dgx-9000")).unwrap_err();
         assert!(e.contains("rtx-pro-6000-8x-pcie5-2socket"), "{e}");
+    }
+
+    /// The wire report says what it is (no kernel, emulated on the CPU),
+    /// and the emulation holds its own bound on every input.
+    #[test]
+    fn wire_report_is_labelled_and_within_its_bound() {
+        let topology = super::topology(Some("rtx-pro-6000-4x-switch")).unwrap();
+        let mut req = PlanRequest::for_world(topology, None, 1, DType::Bf16).unwrap();
+        req.wire = WireFormat::Int8;
+        req.sizes = wire_report_sizes();
+        let r = plan_report(&req).unwrap();
+        assert!(r.contains("NOT BUILT YET") && r.contains("emulated on the CPU: the kernels are not built yet"), "{r}");
+        assert!(r.contains("floor:"), "{r}");
+        let rows: Vec<&str> = r.lines().filter(|l| l.contains("| int8 ") || l.contains("| lossless |")).collect();
+        assert_eq!(rows.len(), 8, "{r}");
+        for row in rows {
+            assert!(row.contains("0.0000%") && row.trim_end().ends_with("yes"), "{row}");
+        }
     }
 }

@@ -5,7 +5,8 @@
 //! * **the host** (any target with `std` available to the *caller*): only the
 //!   shared `#[repr(C)]` layouts ([`layout`]), the by-value kernel
 //!   parameters ([`params`]), the partition math
-//!   ([`partition`]) and the identifiers ([`ids`]) exist. The host library
+//!   ([`partition`]), the identifiers ([`ids`]) and the compressed wire
+//!   format ([`wire`], no kernel uses it yet) exist. The host library
 //!   `tp_allreduce` depends on this crate for them, so a layout change can never
 //!   leave host and device disagreeing.
 //! * **`nvptx64-nvidia-cuda`** (nightly, built by the host crate's `build.rs`,
@@ -24,6 +25,7 @@ pub mod layout;
 pub mod params;
 pub mod partition;
 pub mod shares;
+pub mod wire;
 
 #[cfg(target_arch = "nvptx64")]
 pub mod device;

@@ -85,6 +85,36 @@ pub use cost_params::{Basis, CostParams, ParamRow};
 
 use network::{flows, Net, Phase};
 
+/// The wire of a prediction: its format and the data's dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WireSpec {
+    pub format: tp_allreduce_kernels::wire::WireFormat,
+    pub dtype: tp_allreduce_kernels::ids::DType,
+}
+
+/// How the wire format changes a recipe's price: the fraction of the bytes
+/// that travel (`ratio`, 1 = lossless).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct WireCost {
+    ratio: f64,
+}
+
+impl WireCost {
+    const LOSSLESS: WireCost = WireCost { ratio: 1.0 };
+
+    fn of(wire: tp_allreduce_kernels::wire::WireFormat, dtype: tp_allreduce_kernels::ids::DType) -> WireCost {
+        WireCost { ratio: wire_ratio(wire, dtype) }
+    }
+}
+
+/// Bytes on the wire per byte of `dtype` data over `wire`:
+/// `(1 + scale bytes / G) / element size` for the lossy wires
+/// (bf16 over fp8: 1.125 / 2 = 0.5625), 1 for lossless.
+pub fn wire_ratio(wire: tp_allreduce_kernels::wire::WireFormat, dtype: tp_allreduce_kernels::ids::DType) -> f64 {
+    use tp_allreduce_kernels::wire::{bytes_per_group, GROUP};
+    bytes_per_group(wire, dtype.size_bytes()) as f64 / (GROUP * dtype.size_bytes()) as f64
+}
+
 /// What was predicted: one of our algorithms or one NCCL variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Method {
@@ -259,6 +289,50 @@ impl CostModel {
         bytes: usize,
         opts: &Options,
     ) -> Result<Prediction, NotApplicable> {
+        self.predict_on(view, algorithm, transport, bytes, opts, WireCost::LOSSLESS)
+    }
+
+    /// [`Self::predict`] over the wire `on.format` for elements of `on.dtype`
+    /// (issue 38; no kernel yet: a prediction for a design). The lossy
+    /// wires are specified for two-shot push only (the accuracy bound in
+    /// `tp_allreduce_kernels::wire` counts its two quantisations); other
+    /// algorithms are not applicable. The phases carry
+    /// `(1 + scale / G) / element size` of the bytes; each phase adds a
+    /// quantise pass (read the data, write its codes) at the GPU's memory
+    /// bandwidth that nothing hides (the codes must exist before they are
+    /// sent). The received codes are read in place of the received
+    /// elements: priced at full size, as the lossless recipe has them.
+    pub fn predict_wire(
+        &self,
+        view: &Topology,
+        algorithm: Algorithm,
+        transport: Transport,
+        bytes: usize,
+        opts: &Options,
+        on: WireSpec,
+    ) -> Result<Prediction, NotApplicable> {
+        let WireSpec { format: wire, dtype } = on;
+        if !wire.is_lossy() {
+            return self.predict(view, algorithm, transport, bytes, opts);
+        }
+        if algorithm != Algorithm::TwoShotPush {
+            return Err(NotApplicable(format!(
+                "the {} wire is specified for two-shot-push only, not {algorithm}",
+                wire.name()
+            )));
+        }
+        self.predict_on(view, algorithm, transport, bytes, opts, WireCost::of(wire, dtype))
+    }
+
+    fn predict_on(
+        &self,
+        view: &Topology,
+        algorithm: Algorithm,
+        transport: Transport,
+        bytes: usize,
+        opts: &Options,
+        wire: WireCost,
+    ) -> Result<Prediction, NotApplicable> {
         if algorithm == Algorithm::Nccl {
             return Ok(self.predict_nccl_best(view, transport, bytes, opts));
         }
@@ -292,9 +366,13 @@ impl CostModel {
             ..Default::default()
         };
         if n > 1 {
-            self.price_phases(&net, &recipe, !host.sentinel(), s, opts.islands, &mut b);
+            self.price_phases(&net, &recipe, !host.sentinel(), s * wire.ratio, opts.islands, &mut b);
         }
         b.local_us = net.local_beyond(recipe.local_passes, s, b.wire_us + b.contention_us);
+        if wire.ratio < 1.0 && n > 1 {
+            // One quantise pass per phase: read the data, write the codes.
+            b.local_us += recipe.phases.len() as f64 * net.local_time(1.0 + wire.ratio, s);
+        }
         if host.reads_peer_inputs() && !opts.capturing {
             // A copy kernel before the allreduce: nothing to overlap with.
             b.launch_us += p.eager_stage_us;

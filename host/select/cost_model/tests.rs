@@ -382,3 +382,39 @@ fn print_doc_tables() {
     println!("@@PARAMS\n{}@@END", model.params.markdown_table());
     println!("@@RESIDUALS\n{}@@END", residual_table(&model));
 }
+
+/// The compressed wire (issue 38, no kernel yet) scales the bytes of
+/// two-shot push's phases by `(1 + 4 / 32) / element size`, adds a
+/// quantise pass per phase, and applies to two-shot push only.
+#[test]
+fn the_compressed_wire_scales_the_phases_bytes_and_adds_a_quantise_pass() {
+    use tp_allreduce_kernels::wire::WireFormat;
+    let model = CostModel::default();
+    let view = embedded::by_name("rtx-pro-6000-4x-switch").unwrap();
+    let opts = Options::for_topology(&view);
+    assert_eq!(wire_ratio(WireFormat::Fp8E4m3, DType::Bf16), 0.5625);
+    assert_eq!(wire_ratio(WireFormat::Int8, DType::F32), 0.28125);
+    assert_eq!(wire_ratio(WireFormat::Lossless, DType::F16), 1.0);
+    let t = Transport::PeerToPeer;
+    for bytes in [256usize << 10, 4 << 20, 64 << 20] {
+        let lossless = model.predict(&view, Algorithm::TwoShotPush, t, bytes, &opts).unwrap().breakdown;
+        let same = model
+            .predict_wire(&view, Algorithm::TwoShotPush, t, bytes, &opts, WireSpec { format: WireFormat::Lossless, dtype: DType::Bf16 })
+            .unwrap()
+            .breakdown;
+        assert_eq!(lossless, same);
+        let fp8 = model
+            .predict_wire(&view, Algorithm::TwoShotPush, t, bytes, &opts, WireSpec { format: WireFormat::Fp8E4m3, dtype: DType::Bf16 })
+            .unwrap()
+            .breakdown;
+        // The wire term is linear in the bytes; latency and launch do not change.
+        assert!((fp8.wire_us - 0.5625 * lossless.wire_us).abs() < 1e-6 * lossless.wire_us, "{fp8} vs {lossless}");
+        assert_eq!((fp8.launch_us, fp8.latency_us), (lossless.launch_us, lossless.latency_us));
+        assert!(fp8.local_us > lossless.local_us, "no quantise pass priced: {fp8}");
+        // Bandwidth-bound on PCIe: fewer bytes must win at these sizes.
+        assert!(fp8.total() < lossless.total(), "{bytes} B: {fp8} vs {lossless}");
+    }
+    let one_shot =
+        model.predict_wire(&view, Algorithm::OneShotPush, t, 1 << 20, &opts, WireSpec { format: WireFormat::Int8, dtype: DType::Bf16 });
+    assert!(one_shot.unwrap_err().0.contains("two-shot-push only"));
+}
