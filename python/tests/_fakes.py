@@ -180,6 +180,9 @@ class FakeRuntime:
     def capturing(self):
         return self.comm is not None and self.comm.capturing is not None
 
+    def compiling(self):
+        return getattr(self, "tracing", False)
+
     def fused_shape(self, t, weight):
         return len(t.values) // len(weight.values), len(weight.values)
 

@@ -577,3 +577,18 @@ def test_size_independent_mode_never_declines_to_the_engine():
         return ok, rt.comm.plans
 
     assert run_ranks(2, body) == [(True, []), (True, [])]
+
+
+def test_a_call_traced_by_torch_compile_never_asks_whether_a_stream_captures():
+    """Under torch.compile the NCCL-size check is skipped (asking the CUDA
+    runtime whether a stream captures breaks the trace; the answer would be
+    baked into the graph): the call is taken, and no plan is asked."""
+    _, cas = make(2)
+    ca = cas[0]
+    rt = ca._runtime
+    rt.tracing = True
+    asked = []
+    ca.comm.plan = lambda *a: asked.append(a) or ("nccl", "p2p", "fed")
+    rt.capturing = lambda: (_ for _ in ()).throw(AssertionError("asked whether a stream captures"))
+    assert ca.should_custom_ar(FakeTensor([0.0] * 8))
+    assert asked == []

@@ -117,6 +117,12 @@ class TorchRuntime:
         """Whether the current stream is capturing a CUDA graph."""
         return self.torch.cuda.is_current_stream_capturing()
 
+    def compiling(self):
+        """Whether torch.compile is tracing this call."""
+        compiler = getattr(self.torch, "compiler", None)
+        is_compiling = getattr(compiler, "is_compiling", None)
+        return bool(is_compiling()) if is_compiling is not None else False
+
     def fused_shape(self, inp, weight):
         """``(rows, hidden)`` of a fused call that passed ``fused_ineligible``."""
         hidden = weight.numel()
@@ -320,6 +326,13 @@ class CustomAllreduceAdapter:
         if self.size_independent:
             return False
         rt = self._runtime
+        if rt.compiling():
+            # Traced by torch.compile: the answer would be baked into the
+            # compiled graph for eager calls and graph replays alike, and
+            # asking the CUDA runtime whether a stream captures breaks the
+            # trace. Take the call: every size is correct through
+            # tp-allreduce (NCCL's sizes through its own NCCL), on every rank.
+            return False
         dtype = rt.dtype(inp)
         key = (what, size, dtype, bool(rt.capturing()))
         known = self._nccl_plans.get(key)
