@@ -425,14 +425,24 @@ impl Comm {
     ) -> Result<Measured> {
         let (default_us, default_ok) = self.time_candidate(algorithm, input, output, reference, sweep)?;
         let sentinel = algorithm.kernel().is_some_and(|id| id.sentinel());
-        // A configured shape (`Config::launch_shape`) is what calls use: no sweep.
-        let configured = self.config.launch_shape.is_some();
-        if !sentinel || sweep.top_k != usize::MAX || !default_ok || configured {
+        // Each condition here is the same on every rank (`default_ok` is
+        // every rank's verdict), so every rank enters the round below or
+        // none does.
+        if !sentinel || sweep.top_k != usize::MAX || !default_ok {
             return Ok((default_us, None, default_ok));
         }
-        let mine: Vec<u8> =
+        // A configured shape (`Config::launch_shape`, which ranks may set
+        // differently) is what calls use: no sweep if any rank has one. The
+        // flag travels in the same round as the caps.
+        let configured = self.config.launch_shape.is_some();
+        let mut mine: Vec<u8> =
             shapes::SWEEP_THREADS.iter().flat_map(|&t| self.setup.sentinel_resident.cap(t).to_le_bytes()).collect();
+        mine.push(u8::from(configured));
         let all = self.rendezvous.all_gather(&mine)?;
+        let caps_len = shapes::SWEEP_THREADS.len() * 4;
+        if all.iter().any(|r| r.get(caps_len).copied() != Some(0)) {
+            return Ok((default_us, None, default_ok));
+        }
         let cap = |threads: u32| -> u32 {
             let k = shapes::SWEEP_THREADS.iter().position(|&t| t == threads).unwrap_or(usize::MAX);
             all.iter()
