@@ -89,6 +89,10 @@ pub mod test_hooks;
 #[allow(dead_code)]
 mod test_hooks;
 
+/// Tests that run a peer as another user.
+#[cfg(test)]
+mod other_user;
+
 /// The embedded PTX and every kernel entry the host launches, in one place
 /// for the tool and the PTX checks (`embedded_ptx`, `algorithm::entries`).
 #[cfg(feature = "internals")]

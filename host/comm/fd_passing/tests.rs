@@ -7,6 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::AtomicUsize;
 
 use super::*;
+use crate::other_user::{can_switch_user, child_as_other_user, OTHER_UID};
 
 /// `n` open, already unlinked temporary files; file i holds "file i".
 fn temp_files(n: usize) -> Vec<OwnedFd> {
@@ -221,31 +222,8 @@ fn only_character_devices_pass_for_cumem_descriptors() {
     assert!(check_cumem_fd(a.as_fd()).is_err());
 }
 
-const OTHER_UID: u32 = 65534;
 const CHILD_VAR: &str = "TPAR_FD_ATTACK_CHILD";
 
-/// Whether this process may run a child as another user (it must be root);
-/// says so when it may not.
-fn can_switch_user(test: &str) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let root = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
-    if !root {
-        println!("{test}: skipped: needs root to run a peer as uid {OTHER_UID}");
-    }
-    root
-}
-
-/// This test binary run again as uid `OTHER_UID`, running only `test`.
-fn child_as_other_user(test: &str) -> std::process::Command {
-    use std::os::unix::process::CommandExt;
-    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
-    c.args(["--exact", test, "--ignored", "--test-threads=1", "--nocapture"])
-        .uid(OTHER_UID)
-        .gid(OTHER_UID)
-        .env_remove("XDG_RUNTIME_DIR")
-        .env("TMPDIR", "/tmp");
-    c
-}
 
 /// Not a test by itself: the requester of another user in
 /// `the_server_refuses_a_peer_of_another_user` (it knows the path and the

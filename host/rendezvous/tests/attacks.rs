@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::other_user::{can_switch_user, child_as_other_user, OTHER_UID};
 use crate::rendezvous::testing::{on_ranks, raw_hello, tcp_id, transports, LONG};
 use crate::rendezvous::wire::{self, Kind};
 use crate::rendezvous::{connect, Endpoint, Id};
@@ -473,31 +474,7 @@ fn a_result_replayed_in_a_later_round_is_refused() {
 
 /// The uid the Unix-socket tests run a peer as, and the variable that
 /// hands the child its id.
-const OTHER_UID: u32 = 65534;
 const CHILD_ID_VAR: &str = "TPAR_ATTACK_CHILD_ID";
-
-/// Whether this process may run a child as another user (it must be root);
-/// says so when it may not.
-fn can_switch_user(test: &str) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let root = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
-    if !root {
-        println!("{test}: skipped: needs root to run a peer as uid {OTHER_UID}");
-    }
-    root
-}
-
-/// This test binary run again as uid `OTHER_UID`, running only `test`.
-fn child_as_other_user(test: &str) -> std::process::Command {
-    use std::os::unix::process::CommandExt;
-    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
-    c.args(["--exact", test, "--ignored", "--test-threads=1", "--nocapture"])
-        .uid(OTHER_UID)
-        .gid(OTHER_UID)
-        .env_remove("XDG_RUNTIME_DIR")
-        .env("TMPDIR", "/tmp");
-    c
-}
 
 /// Not a test by itself: the member of another user in
 /// `unix_rank_0_refuses_a_member_of_another_user`.
